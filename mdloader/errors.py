@@ -1,0 +1,170 @@
+"""Exception types with messages a user can act on.
+
+Every error raised because of bad *input* (a data system, a file, a config key) is an
+:class:`MdloaderError`. The data errors carry the system and the file concerned plus what was
+expected and what was found, so that the same facts can travel from rank 0 to every other rank
+(see :mod:`mdloader.comm`) and be printed by the command line without a traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class MdloaderError(Exception):
+    """Base class of every error mdloader raises on purpose."""
+
+
+class DataError(MdloaderError, ValueError):
+    """A DeePMD system on disk is missing something or is inconsistent.
+
+    Parameters
+    ----------
+    message
+        What went wrong, in words.
+    system
+        The system's address (a directory, or ``file.h5#/group``).
+    file
+        The file (or HDF5 dataset) concerned, when there is one.
+    expected, found
+        What the format requires and what is on disk, when that can be said.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        system: str | None = None,
+        file: str | None = None,
+        expected: Any = None,
+        found: Any = None,
+    ) -> None:
+        self.message = message
+        self.system = system
+        self.file = file
+        self.expected = expected
+        self.found = found
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        parts = [self.message]
+        if self.system is not None:
+            parts.append(f"system: {self.system}")
+        if self.file is not None:
+            parts.append(f"file: {self.file}")
+        if self.expected is not None:
+            parts.append(f"expected: {self.expected}")
+        if self.found is not None:
+            parts.append(f"found: {self.found}")
+        return "; ".join(parts)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only constructor arguments: teach pickle to rebuild the same error in
+        # another process (DataLoader workers, other ranks).
+        return (_rebuild_data_error, (type(self), self.message, self.system, self.file,
+                                      self.expected, self.found))
+
+
+def _rebuild_data_error(cls: type[DataError], message: str, system: str | None,
+                        file: str | None, expected: Any, found: Any) -> DataError:
+    return cls(message, system=system, file=file, expected=expected, found=found)
+
+
+class MissingDataError(DataError, FileNotFoundError):
+    """A file or dataset the format requires is absent (no ``set.*``, no ``coord.npy`` ...)."""
+
+
+class ShapeError(DataError):
+    """Array shapes disagree with each other or with ``type.raw``."""
+
+
+class TypeMapError(DataError):
+    """Atom types fall outside ``type_map.raw`` or elements are missing from the model type map."""
+
+
+class CorruptFileError(DataError):
+    """A file cannot be parsed (truncated npy header, not an HDF5 file, unreadable text)."""
+
+
+class NoSystemsFoundError(MdloaderError, FileNotFoundError):
+    """Discovery found no directory or HDF5 group holding ``type.raw``."""
+
+
+class ConfigError(MdloaderError, ValueError):
+    """A configuration value (``input.json`` or an argument) is wrong.
+
+    ``path`` is the JSON path of the offending key, e.g. ``training.training_data.batch_size``.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        self.message = message
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_config_error, (type(self), self.message, self.path))
+
+
+def _rebuild_config_error(cls: type[ConfigError], message: str, path: str | None) -> ConfigError:
+    return cls(message, path=path)
+
+
+class DistributedError(MdloaderError, RuntimeError):
+    """Something went wrong in a collective step (verification, protocol, timeout)."""
+
+
+class RemoteError(DistributedError):
+    """Rank 0 (or a source rank) failed; this rank re-raises its failure.
+
+    The attributes carry what the failing rank knew: the exception type name, its message, the
+    system and file concerned (for :class:`DataError`), and its formatted traceback.
+    """
+
+    def __init__(
+        self,
+        *,
+        origin_rank: int,
+        exc_type: str,
+        exc_message: str,
+        context: str,
+        system: str | None = None,
+        file: str | None = None,
+        traceback_text: str = "",
+    ) -> None:
+        self.origin_rank = origin_rank
+        self.exc_type = exc_type
+        self.exc_message = exc_message
+        self.context = context
+        self.system = system
+        self.file = file
+        self.traceback_text = traceback_text
+        where = []
+        if system is not None:
+            where.append(f"system: {system}")
+        if file is not None:
+            where.append(f"file: {file}")
+        head = f"rank {origin_rank} failed ({context}): {exc_type}: {exc_message}"
+        if where and not all(w in exc_message for w in where):
+            head += " [" + "; ".join(where) + "]"
+        if traceback_text:
+            head += "\n--- traceback on rank %d ---\n%s" % (origin_rank, traceback_text.rstrip())
+        super().__init__(head)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_remote_error, (self.__dict__.copy(),))
+
+
+def _rebuild_remote_error(state: dict[str, Any]) -> RemoteError:
+    return RemoteError(
+        origin_rank=state["origin_rank"], exc_type=state["exc_type"],
+        exc_message=state["exc_message"], context=state["context"], system=state["system"],
+        file=state["file"], traceback_text=state["traceback_text"],
+    )
+
+
+class CollectiveTimeoutError(DistributedError, TimeoutError):
+    """A collective did not complete in time (rank 0 may still be building)."""
+
+
+class StateDictError(MdloaderError, ValueError):
+    """A saved loader/sampler state does not fit this loader (other world size, seed, systems)."""
