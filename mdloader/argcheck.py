@@ -1,0 +1,266 @@
+"""The ``input.json`` schema mdloader reads, written with dargs as DeePMD-kit writes its own.
+
+Only the keys that concern data (plus the few the reference training job needs) are declared.
+DeePMD-kit's names, aliases and defaults are kept so that one ``input.json`` drives both
+``dp --pt train`` and ``mdloader``. The sections mdloader owns (``training_data`` and
+``validation_data``) are checked strictly; everything else is passed through, so a complete
+DeePMD-kit input (descriptor, fitting net, ...) is accepted as is.
+
+The value checks are small predicates with a sentence saying what is expected; the sentence
+serves both the error message and the generated reference (:func:`schema_markdown`), so the
+docs cannot drift from the checker.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable
+
+from dargs import Argument
+
+#: Batch-size rules DeePMD-kit's PyTorch loader knows (``"auto"`` means ``"auto:32"``).
+_RULE_RE = re.compile(r"^(auto|max|filter)(:(\d+))?$")
+_BLOCK_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*:\s*([0-9.eE+-]+)\s*$")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(value: Any) -> bool:
+    return _is_int(value) and value > 0
+
+
+def _positive_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
+
+
+def _check_batch_size(value: Any) -> bool:
+    if isinstance(value, list):
+        return len(value) > 0 and all(_positive_int(v) for v in value)
+    if isinstance(value, str):
+        match = _RULE_RE.match(value.strip())
+        if match is None:
+            return False
+        return match.group(1) == "auto" if match.group(3) is None else int(match.group(3)) > 0
+    return _positive_int(value)
+
+
+def _check_auto_prob(value: str) -> bool:
+    if value in ("prob_uniform", "prob_sys_size"):
+        return True
+    head, _, rest = value.partition(";")
+    if head.strip() != "prob_sys_size" or not rest.strip():
+        return False
+    for block in rest.split(";"):
+        match = _BLOCK_RE.match(block)
+        if match is None or int(match.group(1)) >= int(match.group(2)):
+            return False
+        try:
+            weight = float(match.group(3))
+        except ValueError:
+            return False
+        if not (math.isfinite(weight) and weight >= 0):
+            return False
+    return True
+
+
+def _check_sys_probs(value: Any) -> bool:
+    if value is None:
+        return True
+    return len(value) > 0 and all(
+        not isinstance(v, bool) and math.isfinite(float(v)) for v in value)
+
+
+def _check_systems(value: Any) -> bool:
+    items = [value] if isinstance(value, str) else value
+    return len(items) > 0 and all(isinstance(s, str) and s.strip() for s in items)
+
+
+def _check_type_map(value: Any) -> bool:
+    return value is None or (len(value) > 0 and len(set(value)) == len(value)
+                             and all(s.strip() for s in value))
+
+
+def _nonnegative_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0)
+
+
+_EXPECT_BATCH = ("a positive integer, a non-empty list of positive integers, or a rule "
+                 "'auto', 'auto:N', 'max:N', 'filter:N' with N a positive integer")
+_EXPECT_PROB = ("'prob_uniform', 'prob_sys_size', or 'prob_sys_size;a:b:w;...' with "
+                "blocks of systems [a, b) (a < b) and weights w >= 0")
+
+
+def _arg(name: str, dtype: Any, doc: str, *, optional: bool = True, default: Any = None,
+         alias: list[str] | None = None, check: Callable[[Any], bool] | None = None,
+         expect: str = "", sub: list[Argument] | None = None) -> Argument:
+    """An :class:`Argument` whose ``extra_check_errmsg`` is the "expected" sentence."""
+    kwargs: dict[str, Any] = {}
+    if optional:
+        kwargs["default"] = default
+    return Argument(name, dtype, sub_fields=sub, optional=optional, alias=alias,
+                    extra_check=check, extra_check_errmsg=expect, doc=doc, **kwargs)
+
+
+def _data_args(validation: bool) -> list[Argument]:
+    args = [
+        _arg("systems", [list[str], str], "Data systems: directories holding `type.raw`, "
+             "HDF5 files (`file.h5` or `file.h5#/group`), or folders searched recursively "
+             "for them. Relative paths are taken from the folder of input.json.",
+             optional=False, check=_check_systems,
+             expect="a non-empty path or a non-empty list of non-empty paths"),
+        _arg("rglob_patterns", [list[str], None], "Glob patterns matched recursively under "
+             "each entry of `systems`; only matches holding `type.raw` are systems."),
+        _arg("batch_size", [list[int], int, str], "Frames per batch: one integer for all "
+             "systems, one per system, or a rule (`auto[:N]`: at least N atoms per batch, "
+             "`max:N`: at most N atoms, `filter:N`: as `max:N` after dropping systems with "
+             "more than N atoms).", default="auto", check=_check_batch_size,
+             expect=_EXPECT_BATCH),
+        _arg("auto_prob", str, "How often each system is drawn: `prob_uniform`, "
+             "`prob_sys_size` (proportional to its number of batches), or "
+             "`prob_sys_size;a:b:w;...` (block [a, b) gets weight w).",
+             default="prob_sys_size", alias=["auto_prob_style"], check=_check_auto_prob,
+             expect=_EXPECT_PROB),
+        _arg("sys_probs", [list[float], None], "Probability of each system (same length "
+             "as the system list); a negative entry shares the remaining mass by size. "
+             "Takes priority over `auto_prob`.", alias=["sys_weights"],
+             check=_check_sys_probs, expect="a non-empty list of finite numbers"),
+        _arg("set_prefix", str, "Deprecated by DeePMD-kit; only `set` is accepted.",
+             default="set", check=lambda v: v == "set", expect="'set' (deprecated key)"),
+    ]
+    if validation:
+        args.append(_arg("numb_btch", int, "Batches drawn for each validation.", default=1,
+                         alias=["numb_batch"], check=_positive_int,
+                         expect="a positive integer"))
+    else:
+        args.append(_arg("min_pair_dist", [float, int], "DeePMD-kit (PyTorch): frames with a "
+                         "closer atom pair are left out of the loss. Accepted for "
+                         "compatibility; the loader does not use it.", default=0.0,
+                         check=_nonnegative_number, expect="a number >= 0"))
+    return args
+
+
+def training_data_arg() -> Argument:
+    """``training.training_data``: checked strictly (mdloader owns every key in it)."""
+    return Argument("training_data", dict, sub_fields=_data_args(False),
+                    doc="Training data systems and how they are batched and sampled.")
+
+
+def validation_data_arg() -> Argument:
+    """``training.validation_data``: as training data, plus ``numb_btch``."""
+    return Argument("validation_data", [dict, None], sub_fields=_data_args(True),
+                    optional=True, default=None,
+                    doc="Validation data systems; same keys as training_data plus numb_btch.")
+
+
+def _training_arg() -> Argument:
+    return Argument("training", dict, doc="Training options (other keys pass through).",
+                    sub_fields=[
+        training_data_arg(),
+        validation_data_arg(),
+        _arg("numb_steps", [int, None], "Number of training steps (one batch each). "
+             "Mutually exclusive with numb_epoch.",
+             alias=["stop_batch", "num_step", "num_steps", "numb_step"],
+             check=lambda v: v is None or _positive_int(v), expect="a positive integer"),
+        _arg("numb_epoch", [int, float, None], "Training length in expected passes over "
+             "the training data: steps = ceil(numb_epoch * ceil(max_i nb_i / p_i)).",
+             alias=["num_epochs", "num_epoch", "numb_epochs"],
+             check=lambda v: v is None or _positive_number(v), expect="a positive number"),
+        _arg("seed", [int, None], "Seed of the samplers (mixed with the rank).",
+             check=lambda v: v is None or _is_int(v), expect="an integer or null"),
+        _arg("disp_freq", int, "Steps between two lines of lcurve.out.", default=1000,
+             check=_positive_int, expect="a positive integer"),
+        _arg("save_freq", int, "Steps between two checkpoints.", default=1000,
+             check=_positive_int, expect="a positive integer"),
+        _arg("disp_file", str, "File of the learning curve.", default="lcurve.out"),
+        _arg("save_ckpt", str, "Checkpoint file prefix.", default="model.ckpt"),
+    ])
+
+
+def _model_arg() -> Argument:
+    return Argument("model", dict, optional=True, default={}, doc="Model (only type_map "
+                    "is read; other keys pass through).", sub_fields=[
+        _arg("type_map", [list[str], None], "Element names; index = model type id. Systems "
+             "are remapped to it through their type_map.raw.", check=_check_type_map,
+             expect="a non-empty list of distinct element names"),
+    ])
+
+
+def _learning_rate_arg() -> Argument:
+    return Argument("learning_rate", dict, optional=True, default={}, doc="Learning rate "
+                    "of the reference training (DeePMD-kit's exponential decay).", sub_fields=[
+        _arg("type", str, "Schedule; `mdloader train` implements `exp`.", default="exp"),
+        _arg("start_lr", [float, int], "Learning rate at step 0.", default=1e-3,
+             check=_positive_number, expect="a positive number"),
+        _arg("stop_lr", [float, int], "Learning rate reached at the last step.",
+             default=1e-8, check=_positive_number, expect="a positive number"),
+        _arg("decay_steps", int, "Steps between two decays.", default=5000,
+             check=_positive_int, expect="a positive integer"),
+    ])
+
+
+def _loss_arg() -> Argument:
+    doc = "Prefactor of the {} loss at {} (interpolated with the learning rate)."
+    specs = [("start_pref_e", 0.02, "energy", "the start"),
+             ("limit_pref_e", 1.0, "energy", "the end"),
+             ("start_pref_f", 1000.0, "force", "the start"),
+             ("limit_pref_f", 1.0, "force", "the end")]
+    return Argument("loss", dict, optional=True, default={}, doc="Loss of the reference "
+                    "training (DeePMD-kit's `ener` loss, energy and force terms).", sub_fields=[
+        _arg("type", str, "Loss type; `mdloader train` implements `ener`.", default="ener"),
+        *[_arg(name, [float, int], doc.format(what, when), default=default,
+               check=_nonnegative_number, expect="a number >= 0")
+          for name, default, what, when in specs],
+    ])
+
+
+def input_schema() -> Argument:
+    """The whole ``input.json`` as mdloader reads it (root argument named ``input``)."""
+    return Argument("input", dict, sub_fields=[
+        _model_arg(), _learning_rate_arg(), _loss_arg(), _training_arg()])
+
+
+#: JSON paths (dotted) of the sections whose unknown keys are errors.
+STRICT_SECTIONS: tuple[str, ...] = ("training.training_data", "training.validation_data")
+
+
+def _type_name(dtype: Any) -> str:
+    if dtype is None or dtype is type(None):
+        return "null"
+    if getattr(dtype, "__origin__", None) is not None:
+        return str(dtype)
+    return dtype.__name__
+
+
+def _rows(arg: Argument, prefix: str) -> list[str]:
+    rows = []
+    for sub in arg.sub_fields.values():
+        path = f"{prefix}.{sub.name}" if prefix else sub.name
+        types = " \\| ".join(sorted(_type_name(t) for t in sub.dtype))
+        if not sub.optional:
+            default = "required"
+        else:
+            default = "—" if sub.default is None else f"`{sub.default!r}`"
+        alias = ", ".join(f"`{a}`" for a in sub.alias) or "—"
+        doc = sub.doc + (f" Expected: {sub.extra_check_errmsg}." if sub.extra_check_errmsg
+                         else "")
+        rows.append(f"| `{path}` | {types} | {default} | {alias} | {doc} |")
+        rows.extend(_rows(sub, path))
+    return rows
+
+
+def schema_markdown() -> str:
+    """Render the schema as a Markdown table for the docs' input.json reference.
+
+    dargs' own ``Argument.gen_doc`` emits reStructuredText; a table generated from the same
+    ``Argument`` objects keeps the Markdown docs in step with the checker.
+    """
+    head = ["| key | type | default | aliases | meaning |", "|---|---|---|---|---|"]
+    strict = ", ".join(f"`{s}`" for s in STRICT_SECTIONS)
+    note = (f"Unknown keys are errors in {strict}; other sections are passed through "
+            "unchecked, so a complete DeePMD-kit input.json is accepted.")
+    return "\n".join(head + _rows(input_schema(), "")) + "\n\n" + note + "\n"
