@@ -19,8 +19,6 @@ from typing import Any, Callable
 
 from dargs import Argument
 
-#: Batch-size rules DeePMD-kit's PyTorch loader knows (``"auto"`` means ``"auto:32"``).
-_RULE_RE = re.compile(r"^(auto|max|filter)(:(\d+))?$")
 _BLOCK_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*:\s*([0-9.eE+-]+)\s*$")
 
 
@@ -38,14 +36,10 @@ def _positive_number(value: Any) -> bool:
 
 
 def _check_batch_size(value: Any) -> bool:
+    # String rules are parsed by mdloader.batching.parse_rule (DeePMD-kit's messages).
     if isinstance(value, list):
         return len(value) > 0 and all(_positive_int(v) for v in value)
-    if isinstance(value, str):
-        match = _RULE_RE.match(value.strip())
-        if match is None:
-            return False
-        return match.group(1) == "auto" if match.group(3) is None else int(match.group(3)) > 0
-    return _positive_int(value)
+    return isinstance(value, str) or _positive_int(value)
 
 
 def _check_auto_prob(value: str) -> bool:
@@ -90,7 +84,7 @@ def _nonnegative_number(value: Any) -> bool:
 
 
 _EXPECT_BATCH = ("a positive integer, a non-empty list of positive integers, or a rule "
-                 "'auto', 'auto:N', 'max:N', 'filter:N' with N a positive integer")
+                 "string 'auto', 'auto:N', 'max:N', 'filter:N' (N a positive integer)")
 _EXPECT_PROB = ("'prob_uniform', 'prob_sys_size', or 'prob_sys_size;a:b:w;...' with "
                 "blocks of systems [a, b) (a < b) and weights w >= 0")
 

@@ -20,6 +20,7 @@ from dargs import Argument
 from dargs.dargs import ArgumentError, ArgumentKeyError, ArgumentTypeError, ArgumentValueError
 
 from .argcheck import STRICT_SECTIONS, input_schema
+from .batching import parse_rule
 from .errors import ConfigError
 
 _KEY_RE = re.compile(r"key `([^`]+)`")
@@ -224,6 +225,8 @@ def _data_config(raw: Mapping[str, Any], base_dir: str, json_path: str) -> DataC
     systems = raw["systems"]
     entries = [systems] if isinstance(systems, str) else list(systems)
     batch = raw["batch_size"]
+    if isinstance(batch, str):
+        parse_rule(batch, key=f"{json_path}.batch_size")
     patterns = raw.get("rglob_patterns")
     probs = raw.get("sys_probs")
     return DataConfig(

@@ -1,0 +1,137 @@
+"""The npy directory backend: text files, ``set.*`` folders, npy headers and memory-mapped rows.
+
+Building reads only headers (``np.lib.format``), never arrays. Frame reads go through memory maps
+kept in a bounded per-process cache, because every open map holds a file descriptor and
+``10 000 systems x 5 keys`` would exceed ``ulimit -n``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import numpy as np
+
+from ..errors import CorruptFileError, MissingDataError
+from . import Location
+
+_MAPS: "OrderedDict[str, np.ndarray]" = OrderedDict()
+_MAPS_PID = os.getpid()
+
+
+def max_open_maps() -> int:
+    """How many memory maps one process keeps open (``MDLOADER_MAX_OPEN_FILES``, default 256)."""
+    return max(1, int(os.environ.get("MDLOADER_MAX_OPEN_FILES", "256")))
+
+
+def file_of(loc: Location, set_name: str | None, name: str) -> str:
+    """The path a message should name for a member of the system."""
+    return os.path.join(loc.path, set_name, name) if set_name else os.path.join(loc.path, name)
+
+
+def read_type_raw(loc: Location) -> np.ndarray:
+    path = file_of(loc, None, "type.raw")
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read().decode()
+    except FileNotFoundError as exc:
+        raise MissingDataError("the system has no type.raw", system=loc.address,
+                               file=path) from exc
+    try:
+        return np.array([int(tok) for tok in text.split()], dtype=np.int64)
+    except ValueError as exc:
+        raise CorruptFileError("type.raw must hold whitespace-separated integers",
+                               system=loc.address, file=path, found=str(exc)) from exc
+
+
+def read_type_map(loc: Location) -> list[str] | None:
+    path = file_of(loc, None, "type_map.raw")
+    try:
+        with open(path, "rb") as fh:
+            return fh.read().decode().split()
+    except FileNotFoundError:
+        return None
+
+
+def scan_system(loc: Location) -> tuple[bool, list[str]]:
+    """(periodic?, sorted set names) from one directory listing of the system."""
+    try:
+        entries = list(os.scandir(loc.path))
+    except FileNotFoundError as exc:
+        raise MissingDataError("the system directory does not exist", system=loc.address,
+                               file=loc.path) from exc
+    except NotADirectoryError as exc:
+        raise MissingDataError("the system path is not a directory", system=loc.address,
+                               file=loc.path) from exc
+    names = {e.name: e for e in entries}
+    sets = sorted(n for n, e in names.items() if n.startswith("set.") and e.is_dir())
+    return "nopbc" not in names, sets
+
+
+def set_shapes(loc: Location, set_name: str) -> dict[str, tuple[int, ...]]:
+    """Shapes of every ``*.npy`` in a set, from headers only."""
+    folder = os.path.join(loc.path, set_name)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.name.endswith(".npy"):
+            shapes[entry.name[:-4]] = _header_shape(loc, entry.path)
+    return shapes
+
+
+def _header_shape(loc: Location, path: str) -> tuple[int, ...]:
+    try:
+        with open(path, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(fh)
+            else:
+                shape, _, dtype = np.lib.format.read_array_header_2_0(fh)
+            data_bytes = os.fstat(fh.fileno()).st_size - fh.tell()
+    except (ValueError, OSError, EOFError) as exc:
+        raise CorruptFileError("cannot read the npy header (corrupt or truncated file)",
+                               system=loc.address, file=path, found=str(exc)) from exc
+    needed = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if data_bytes < needed:
+        raise CorruptFileError("the npy file is shorter than its header says (truncated)",
+                               system=loc.address, file=path,
+                               expected=f"{needed} data bytes for shape {shape} {dtype}",
+                               found=f"{data_bytes} bytes")
+    return tuple(int(s) for s in shape)
+
+
+def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray,
+              set_nframes: int) -> np.ndarray:
+    """Rows ``rows`` of ``set_name/stem.npy`` as a fresh ``(len(rows), width)`` array.
+
+    DeePMD-kit allows a one-frame set to store 0-D/1-D arrays; they are that single frame.
+    """
+    arr = _memmap(os.path.join(loc.path, set_name, stem + ".npy"))
+    return as_rows(arr, rows, set_nframes)
+
+
+def as_rows(arr: np.ndarray, rows: np.ndarray, set_nframes: int) -> np.ndarray:
+    """Shared by both backends: index frames and flatten each to one row."""
+    if set_nframes == 1 and arr.ndim <= 1:
+        arr = arr.reshape(1, -1)
+    return np.asarray(arr[rows]).reshape(len(rows), -1)
+
+
+def _memmap(path: str) -> np.ndarray:
+    global _MAPS_PID
+    if _MAPS_PID != os.getpid():  # forked worker: do not reuse the parent's maps
+        _MAPS.clear()
+        _MAPS_PID = os.getpid()
+    arr = _MAPS.get(path)
+    if arr is not None:
+        _MAPS.move_to_end(path)
+        return arr
+    arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    _MAPS[path] = arr
+    while len(_MAPS) > max_open_maps():
+        _MAPS.popitem(last=False)
+    return arr
+
+
+def open_map_count() -> int:
+    """How many memory maps this process holds (for tests of the bound)."""
+    return len(_MAPS) if _MAPS_PID == os.getpid() else 0
