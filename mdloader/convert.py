@@ -76,14 +76,13 @@ def _load(src: str, fmt: str, kind: str, type_map: list[str] | None) -> Any:
     """Read ``src`` with dpdata: a (Labeled)System, or a MultiSystems for ``multi`` formats."""
     import dpdata
 
-    kwargs: dict[str, Any] = {"fmt": fmt}
-    if type_map:
-        kwargs["type_map"] = type_map
     if kind == "multi":
-        return dpdata.MultiSystems.from_file(src, **kwargs)
-    if kind == "labeled":
-        return dpdata.LabeledSystem(src, **kwargs)
-    return dpdata.System(src, **kwargs)
+        multi = dpdata.MultiSystems.from_file(src, fmt=fmt)
+        if type_map:  # from_file ignores type_map; re-collect under the wanted order
+            multi = dpdata.MultiSystems(*multi.systems.values(), type_map=type_map)
+        return multi
+    cls = dpdata.LabeledSystem if kind == "labeled" else dpdata.System
+    return cls(src, fmt=fmt, type_map=type_map) if type_map else cls(src, fmt=fmt)
 
 
 def _load_or_fail(src: str, fmt: str, kind: str, type_map: list[str] | None) -> Any:
