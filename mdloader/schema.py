@@ -110,6 +110,14 @@ class DataRequirementItem:
     def __hash__(self) -> int:
         return hash(self.key)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # positional arguments only: keeps pickled datasets small
+        d = self.dict
+        return (DataRequirementItem, (d["key"], d["ndof"], d["atomic"], d["must"], d["high_prec"],
+                                      d["type_sel"], d["repeat"], d["default"], d["dtype"],
+                                      d["output_natoms_for_type_sel"], d["special_shape"],
+                                      d["source_policy"]))
+
     def __repr__(self) -> str:
         return f"DataRequirementItem({self.dict})"
 

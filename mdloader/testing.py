@@ -39,12 +39,13 @@ def make_system(
 ) -> str:
     """Write one system and return its address.
 
-    ``types`` defaults to a mix of ``len(type_map)`` types; ``extra_keys`` maps a key to an
+    ``types`` (which then fixes ``natoms``) defaults to a mix of ``len(type_map)`` types; ``extra_keys`` maps a key to an
     array of shape ``(nframes, width)`` written as is; ``nsets`` splits the frames as evenly as
     possible. ``broken`` is one of :data:`BROKEN`.
     """
     rng = np.random.default_rng(seed)
     ntypes = len(type_map) if type_map else 2
+    natoms = len(types) if types is not None else natoms
     atom_types = np.asarray(types if types is not None else np.arange(natoms) % ntypes)
     if broken == "type_outside_map":
         atom_types = atom_types.copy()

@@ -1,0 +1,239 @@
+"""DeepmdDataSetForLoader on generated systems: npy and HDF5 through the same assertions."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from mdloader.collate import collate_batch
+from mdloader.dataset import DeepmdDataSetForLoader
+from mdloader.formats import npy as npy_backend
+from mdloader.schema import DataRequirementItem as Req
+from mdloader.testing import make_system
+
+BACKENDS = ["npy", "hdf5"]
+ENERGY_FORCE = [Req("energy", 1, high_prec=True), Req("force", 3, atomic=True),
+                Req("virial", 9)]
+
+
+def raw(address: str, set_name: str, key: str) -> np.ndarray:
+    """Read an array straight from the files, bypassing mdloader."""
+    if "#" in address:
+        import h5py
+
+        path, group = address.split("#")
+        with h5py.File(path, "r") as fh:
+            return np.asarray(fh[group.rstrip("/") + f"/{set_name}/{key}.npy"][()])
+    return np.load(os.path.join(address, set_name, key + ".npy"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frame_matches_files_with_atoms_sorted_by_type(tmp_path, backend):
+    types = [1, 0, 1, 1, 0, 1]
+    addr = make_system(tmp_path, natoms=6, nframes=7, nsets=2, types=types, backend=backend)
+    ds = DeepmdDataSetForLoader(addr)
+    ds.add_data_requirement(ENERGY_FORCE)
+    assert len(ds) == 7
+    order = np.argsort(types, kind="stable")
+    frame = ds[5]  # second set (frames 3..6), local row 2
+    coord = raw(addr, "set.001", "coord")[2].reshape(6, 3)[order]
+    np.testing.assert_array_equal(frame["coord"], coord.astype(np.float64))
+    np.testing.assert_array_equal(frame["force"],
+                                  raw(addr, "set.001", "force")[2].reshape(6, 3)[order])
+    assert frame["atype"].tolist() == [0, 0, 1, 1, 1, 1]
+    assert frame["atype"].dtype == np.int32
+    assert frame["natoms"].tolist() == [6, 6, 2, 4] and frame["natoms"].dtype == np.int32
+    assert frame["coord"].dtype == np.float64 and frame["energy"].shape == (1,)
+    assert frame["box"].shape == (9,) and frame["virial"].shape == (9,)
+    assert frame["numb_copy"].tolist() == [1] and frame["find_numb_copy"] == np.float32(0.0)
+    assert frame["find_energy"] == np.float32(1.0) and isinstance(frame["find_energy"],
+                                                                    np.float32)
+    assert frame["fid"] == 5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_get_batch_equals_collated_frames(tmp_path, backend):
+    addr = make_system(tmp_path, natoms=5, nframes=6, nsets=3, backend=backend)
+    ds = DeepmdDataSetForLoader(addr)
+    ds.add_data_requirement(ENERGY_FORCE)
+    fids = [5, 0, 3, 3]
+    batch = ds.get_batch(fids)
+    reference = collate_batch(ds.get_frames(fids))
+    assert batch.keys() == reference.keys()
+    for key, value in reference.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(batch[key], value), key
+            assert batch[key].dtype == value.dtype
+        else:
+            assert batch[key] == value, key
+    assert batch["fid"] == fids and "type" not in batch
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nopbc_box_is_none_and_collates_to_none(tmp_path, backend):
+    addr = make_system(tmp_path, pbc=False, backend=backend)
+    ds = DeepmdDataSetForLoader(addr)
+    assert ds[0]["box"] is None and ds[0]["find_box"] == np.float32(0.0)
+    assert ds.get_batch([0, 1])["box"] is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_frame_sets_with_1d_arrays(tmp_path, backend):
+    addr = make_system(tmp_path, natoms=3, nframes=1, one_frame_1d=True, backend=backend,
+                       types=[0, 0, 1])
+    ds = DeepmdDataSetForLoader(addr)
+    ds.add_data_requirement(ENERGY_FORCE)
+    frame = ds[0]
+    np.testing.assert_array_equal(frame["coord"].reshape(-1),
+                                  raw(addr, "set.000", "coord").astype(np.float64))
+    assert frame["energy"].shape == (1,) and frame["box"].shape == (9,)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_type_real_types_and_counts(tmp_path, backend):
+    addr = make_system(tmp_path, natoms=6, nframes=3, mixed_type=True, backend=backend,
+                       type_map=("O", "H"))
+    rat = raw(addr, "set.000", "real_atom_types")
+    rat[1, 0] = -1  # a virtual atom
+    _rewrite(addr, "set.000", "real_atom_types", rat)
+    ds = DeepmdDataSetForLoader(addr, type_map=["H", "O", "C"])
+    assert ds.mixed_type
+    frame = ds[1]
+    expected = np.array([1, 0, -1])[rat[1]]  # O->1, H->0, virtual stays -1
+    expected[0] = -1
+    assert frame["atype"].tolist() == expected.tolist()
+    counts = [int((expected == t).sum()) for t in range(3)]
+    assert frame["real_natoms_vec"].tolist() == [6, 6] + counts
+    assert frame["natoms"].tolist() == [6, 6, 6, 0, 0]  # from the all-zero placeholder type.raw
+
+
+def test_mixed_type_id_outside_map_is_reported(tmp_path):
+    from mdloader.errors import TypeMapError
+
+    addr = make_system(tmp_path, natoms=4, nframes=2, mixed_type=True)
+    rat = raw(addr, "set.000", "real_atom_types")
+    rat[0, 0] = 7
+    _rewrite(addr, "set.000", "real_atom_types", rat)
+    with pytest.raises(TypeMapError, match=r"real_atom_types.npy holds a type id outside"):
+        DeepmdDataSetForLoader(addr)[0]
+
+
+def _rewrite(addr: str, set_name: str, key: str, arr: np.ndarray) -> None:
+    if "#" in addr:
+        import h5py
+
+        path, group = addr.split("#")
+        with h5py.File(path, "a") as fh:
+            fh[group.rstrip("/") + f"/{set_name}/{key}.npy"][...] = arr
+    else:
+        np.save(os.path.join(addr, set_name, key + ".npy"), arr)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_type_map_remap(tmp_path, backend):
+    addr = make_system(tmp_path, natoms=4, types=[0, 1, 0, 1], type_map=("O", "H"),
+                       backend=backend)
+    ds = DeepmdDataSetForLoader(addr, type_map=["H", "Si", "O"])
+    assert ds[0]["atype"].tolist() == [0, 0, 2, 2]
+    assert ds._natoms_vec.tolist() == [4, 4, 2, 0, 2]
+    assert ds._ntypes == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_atomic_alias_type_sel_and_repeat(tmp_path, backend):
+    types = [0, 1, 1, 0, 1]
+    nsel = 2  # type 0 atoms
+    rng = np.random.default_rng(1)
+    dip_sel = rng.normal(size=(3, nsel * 3))
+    pref = rng.normal(size=(3, 5))
+    addr = make_system(tmp_path, natoms=5, nframes=3, types=types, backend=backend,
+                       extra_keys={"atomic_dipole": dip_sel, "atom_pref": pref})
+    ds = DeepmdDataSetForLoader(addr)
+    ds.add_data_requirement([
+        Req("atomic_dipole", 3, atomic=True, type_sel=[0]),
+        Req("atom_pref", 1, atomic=True, repeat=3),
+    ])
+    frame = ds[2]
+    np.testing.assert_array_equal(frame["atom_dipole"], dip_sel[2].reshape(2, 3))
+    assert frame["find_atom_dipole"] == np.float32(1.0)
+    order = np.argsort(types, kind="stable")
+    assert frame["atom_pref"].shape == (5, 3)  # repeat applied (DeePMD-kit forgets it)
+    np.testing.assert_array_equal(frame["atom_pref"][:, 0], pref[2][order])
+    np.testing.assert_array_equal(frame["atom_pref"][:, 2], pref[2][order])
+
+
+def test_type_sel_full_layout_and_output_natoms(tmp_path):
+    types = [1, 0, 1, 0]
+    full = np.arange(2 * 4 * 3, dtype=float).reshape(2, 12)
+    addr = make_system(tmp_path, natoms=4, nframes=2, types=types,
+                       extra_keys={"atom_polar": full})
+    ds = DeepmdDataSetForLoader(addr)
+    ds.add_data_requirement([Req("atom_polar", 3, atomic=True, type_sel=[0],
+                                 output_natoms_for_type_sel=True)])
+    out = ds[1]["atom_polar"]
+    assert out.shape == (4, 3)
+    np.testing.assert_array_equal(out, full[1].reshape(4, 3)[[1, 3, 0, 2]])
+    ds2 = DeepmdDataSetForLoader(addr)
+    ds2.add_data_requirement([Req("atom_polar", 3, atomic=True, type_sel=[0])])
+    np.testing.assert_array_equal(ds2[1]["atom_polar"], full[1].reshape(4, 3)[[1, 3]])
+
+
+def test_hessian_rows_and_columns_permuted(tmp_path):
+    types = [1, 0, 1]
+    hess = np.arange(2 * 81, dtype=float).reshape(2, 81)
+    addr = make_system(tmp_path, natoms=3, nframes=2, types=types, extra_keys={"hessian": hess})
+    ds = DeepmdDataSetForLoader(addr)
+    ds.add_data_requirement([Req("hessian", 1, atomic=True)])
+    idx = np.concatenate([np.arange(3) + 3 * a for a in [1, 0, 2]])
+    expected = hess[1].reshape(9, 9)[idx][:, idx].reshape(-1)
+    np.testing.assert_array_equal(ds[1]["hessian"], expected)
+
+
+def test_missing_optional_key_is_default_filled(tmp_path):
+    addr = make_system(tmp_path, natoms=3, keys=("energy",))
+    ds = DeepmdDataSetForLoader(addr)
+    ds.add_data_requirement([Req("force", 3, atomic=True, default=0.5),
+                             Req("fparam", 2, dtype=np.float32)])
+    frame = ds[0]
+    assert frame["find_force"] == np.float32(0.0) and frame["force"].shape == (3, 3)
+    assert np.all(frame["force"] == 0.5)
+    assert frame["fparam"].dtype == np.float32 and frame["fparam"].shape == (2,)
+
+
+def test_low_precision_mode(tmp_path, monkeypatch):
+    monkeypatch.setenv("DP_INTERFACE_PREC", "low")
+    ds = DeepmdDataSetForLoader(make_system(tmp_path))
+    ds.add_data_requirement([Req("energy", 1, high_prec=True)])
+    assert ds[0]["coord"].dtype == np.float32 and ds[0]["energy"].dtype == np.float64
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pickled_size_is_small_and_handles_are_not_pickled(tmp_path, backend):
+    natoms = 192
+    ds = DeepmdDataSetForLoader(make_system(tmp_path, natoms=natoms, nframes=80,
+                                            backend=backend))
+    ds[0]  # opens a memory map / HDF5 file in this process
+    blob = pickle.dumps(ds)
+    assert len(blob) <= 600 + 2 * natoms, len(blob)
+    clone = pickle.loads(blob)
+    np.testing.assert_array_equal(clone[3]["coord"], ds[3]["coord"])
+
+
+def test_open_memory_maps_are_bounded(tmp_path, monkeypatch):
+    monkeypatch.setenv("MDLOADER_MAX_OPEN_FILES", "4")
+    systems = [DeepmdDataSetForLoader(make_system(tmp_path, f"s{i}", natoms=3, seed=i))
+               for i in range(6)]
+    for ds in systems:
+        ds.add_data_requirement(ENERGY_FORCE)
+        ds[0]
+    assert npy_backend.open_map_count() <= 4
+
+
+def test_frame_index_out_of_range(tmp_path):
+    ds = DeepmdDataSetForLoader(make_system(tmp_path, nframes=3))
+    with pytest.raises(IndexError, match=r"frame index out of range \[0, 3\)"):
+        ds[3]
