@@ -1,0 +1,81 @@
+"""discover_systems: deterministic, de-duplicated, one walk, HDF5 aware."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mdloader.discovery import discover_systems
+from mdloader.errors import NoSystemsFoundError
+from mdloader.testing import make_system
+
+
+@pytest.fixture
+def tree(tmp_path):
+    for name in ["b/data_1", "a/data_0", "a/deeper/data_2", "c/other"]:
+        make_system(tmp_path, name, nframes=2)
+    (tmp_path / "a" / "not_a_system").mkdir()
+    return tmp_path
+
+
+def test_sorted_and_unique(tree):
+    found = discover_systems([str(tree / "b"), str(tree), str(tree / "a" / "data_0")])
+    assert found == sorted(found) and len(found) == len(set(found)) == 4
+    assert found[0].endswith(os.path.join("a", "data_0"))
+
+
+def test_rglob_patterns_match_system_dirs_at_any_depth(tree):
+    found = discover_systems(str(tree), rglob_patterns=["data_*"])
+    assert [os.path.basename(p) for p in found] == ["data_0", "data_2", "data_1"]
+
+
+def test_glob_entries(tree):
+    found = discover_systems(str(tree / "*" / "data_*"))
+    assert sorted(os.path.basename(p) for p in found) == ["data_0", "data_1"]
+
+
+def test_same_order_whatever_the_hash_seed(tree):
+    code = ("import json,sys; from mdloader.discovery import discover_systems;"
+            f"print(json.dumps(discover_systems({str(tree)!r}, rglob_patterns=['data_*','oth*'])))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout
+            for seed in ["0", "1", "12345"]}
+    assert len(outs) == 1
+
+
+def test_hdf5_groups_and_root_system(tmp_path):
+    make_system(tmp_path, "g1", backend="hdf5", h5_file="multi.h5")
+    make_system(tmp_path, "g0", backend="hdf5", h5_file="multi.h5")
+    make_system(tmp_path, "", backend="hdf5", h5_file="root.h5")
+    multi = str(tmp_path / "multi.h5")
+    assert discover_systems(multi) == [f"{multi}#/g0", f"{multi}#/g1"]
+    assert discover_systems(f"{multi}#/g1") == [f"{multi}#/g1"]
+    root = str(tmp_path / "root.h5")
+    assert discover_systems(root) == [f"{root}#/"]
+
+
+def test_nothing_found_says_where(tmp_path):
+    with pytest.raises(NoSystemsFoundError, match=r"no DeePMD system .* found under: .*nowhere"):
+        discover_systems([str(tmp_path / "nowhere")])
+    make_system(tmp_path, "sys")
+    with pytest.raises(NoSystemsFoundError, match=r"matching \['zzz\*'\]"):
+        discover_systems(str(tmp_path), rglob_patterns=["zzz*"])
+
+
+def test_walks_the_tree_once_without_stat_per_entry(tree, monkeypatch):
+    calls = {"walk": 0, "stat": 0}
+    real_walk = os.walk
+
+    def counting_walk(*a, **k):
+        calls["walk"] += 1
+        return real_walk(*a, **k)
+
+    monkeypatch.setattr(os, "walk", counting_walk)
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda *a, **k: calls.__setitem__("stat", calls["stat"] + 1)
+                        or real_stat(*a, **k))
+    discover_systems(str(tree))
+    assert calls["walk"] == 1 and calls["stat"] <= 2
