@@ -1,8 +1,38 @@
 """mdloader: a distributed, file-system-friendly loader of DeePMD data systems.
 
-The public names follow DeePMD-kit's PyTorch backend so that switching is an import change.
+The public names follow DeePMD-kit's PyTorch backend (``DpLoaderSet``,
+``DeepmdDataSetForLoader``, ``get_weighted_sampler``, ``collate_batch``) so that switching is an
+import change. Heavy modules are imported on first use, so ``import mdloader`` stays cheap.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "DeepmdDataSetForLoader": "mdloader.dataset",
+    "DataRequirementItem": "mdloader.schema",
+    "SystemMeta": "mdloader.system",
+    "build_system_meta": "mdloader.system",
+    "discover_systems": "mdloader.discovery",
+    "collate_batch": "mdloader.collate",
+    "World": "mdloader.world",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mdloader' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
