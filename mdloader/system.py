@@ -8,6 +8,7 @@ already been made on rank 0, so nothing is left to fail hours into training insi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -147,7 +148,7 @@ def _frames_and_width(shape: tuple[int, ...], set_frames: int | None) -> tuple[i
         if set_frames == 1 or set_frames is None:
             return 1, shape[0]
         return shape[0], 1
-    return shape[0], int(np.prod(shape[1:], dtype=np.int64))
+    return shape[0], math.prod(shape[1:])
 
 
 def _describe_set(loc: Location, io: Any, name: str, natoms: int, pbc: bool) -> SetMeta:
