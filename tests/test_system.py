@@ -163,3 +163,16 @@ def test_type_map_without_model_map_and_ntypes(tmp_path):
     meta = build_system_meta(make_system(tmp_path, type_map=None, types=[0, 2, 2]))
     assert meta.type_map is None and meta.ntypes == 3
     assert meta.natoms_vec().tolist() == [3, 3, 1, 0, 2]
+
+
+@pytest.mark.parametrize("version", [(1, 0), (2, 0), (3, 0)])
+def test_npy_header_versions_and_byte_orders(tmp_path, version):
+    addr = make_system(tmp_path, natoms=2, nframes=3)
+    force = np.arange(18, dtype=">f8").reshape(3, 6)
+    with open(os.path.join(addr, "set.000", "force.npy"), "wb") as fh:
+        np.lib.format.write_array(fh, np.asfortranarray(force), version=version)
+    meta = build_system_meta(addr)
+    assert meta.sets[0].width("force") == 6
+    ds = DeepmdDataSetForLoader(meta)
+    ds.add_data_requirement([Req("force", 3, atomic=True)])
+    np.testing.assert_array_equal(ds[2]["force"].reshape(-1), force[2])
