@@ -1,0 +1,250 @@
+"""Framed packets (one process) and their broadcast over real gloo groups (2 and 4 ranks)."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+
+from distributed_utils import RankError, errors, run_ranks, values
+from mdloader import comm
+from mdloader.errors import (CollectiveTimeoutError, ConfigError, DistributedError,
+                             MissingDataError, RemoteError)
+from mdloader.world import World
+
+# ----------------------------------------------------------------------------- one process
+
+
+def test_data_packet_round_trip() -> None:
+    packet = comm.data_packet({"a": [1, 2]}, count=7)
+    assert packet.kind is comm.Kind.DATA and packet.count == 7
+    assert comm.open_packet(packet) == {"a": [1, 2]}
+    assert comm.open_packet(comm.STOP_PACKET) is comm.Stop
+
+
+def test_unpicklable_object_becomes_error_packet() -> None:
+    packet = comm.data_packet([threading.Lock()], context="batch serialization failed",
+                              describe=lambda exc: {"system": "/d/sys"})
+    assert packet.kind is comm.Kind.ERROR
+    with pytest.raises(RemoteError, match=r"rank 0 failed \(batch serialization failed\): "
+                                          r"TypeError: cannot pickle.*\[system: /d/sys\]") as info:
+        comm.open_packet(packet)
+    assert isinstance(info.value.__cause__, TypeError)
+    assert "Traceback" in info.value.traceback_text
+
+
+def test_error_packet_carries_data_error_system_and_file() -> None:
+    exc = MissingDataError("no coord.npy", system="/d/sys", file="/d/sys/set.000/coord.npy")
+    packet = comm.error_packet(exc, context="build", system="ignored")
+    received = comm.Packet(packet.kind, packet.payload)  # as another rank sees it: no cause
+    with pytest.raises(RemoteError, match="MissingDataError: no coord.npy; system: /d/sys; "
+                                          "file: /d/sys/set.000/coord.npy") as info:
+        comm.open_packet(received)
+    err = info.value
+    assert (err.origin_rank, err.exc_type, err.system, err.file, err.context) == (
+        0, "MissingDataError", "/d/sys", "/d/sys/set.000/coord.npy", "build")
+    assert err.__cause__ is None
+    assert pickle.loads(pickle.dumps(err)).file == err.file
+
+
+def test_error_packet_takes_file_from_os_error() -> None:
+    packet = comm.error_packet(PermissionError(13, "Permission denied", "/d/sys/type.raw"),
+                               context="build", system="/d/sys")
+    with pytest.raises(RemoteError, match=r"PermissionError.*\[system: /d/sys; file: /d/sys/type.raw\]"):
+        comm.open_packet(packet)
+
+
+def test_unreadable_data_packet_is_a_distributed_error() -> None:
+    with pytest.raises(DistributedError, match="could not unpickle a 3-byte packet"):
+        comm.open_packet(comm.Packet(comm.Kind.DATA, b"xyz"))
+
+
+def test_resolve_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(comm.TIMEOUT_ENV, raising=False)
+    assert comm.resolve_timeout() == comm.DEFAULT_TIMEOUT
+    monkeypatch.setenv(comm.TIMEOUT_ENV, "12.5")
+    assert comm.resolve_timeout() == 12.5
+    assert comm.resolve_timeout(3) == 3.0
+    monkeypatch.setenv(comm.TIMEOUT_ENV, "soon")
+    with pytest.raises(ConfigError, match="MDLOADER_BUILD_TIMEOUT: expected a number of seconds, "
+                                          "found 'soon'"):
+        comm.resolve_timeout()
+    with pytest.raises(ConfigError, match="timeout: expected a positive number of seconds, found 0"):
+        comm.resolve_timeout(0)
+
+
+@pytest.mark.parametrize("backend, device", [
+    ("gloo", "cpu"), ("nccl", "cuda:3"), ("cpu:gloo,cuda:nccl", "cpu"), ("mpi", "cpu"),
+    ("NCCL", "cuda:3"), ("ucc", "cpu"),
+])
+def test_transport_device(backend: str, device: str) -> None:
+    assert comm.transport_device(backend, 3) == torch.device(device)
+
+
+def test_current_world_without_process_group() -> None:
+    assert comm.current_world() == World()
+
+
+# ----------------------------------------------------------------------------- real ranks
+
+
+def _broadcast_object(rank: int, world: int, obj: object) -> tuple[object, int, World]:
+    channel = comm.world_channel(20, activity="testing")
+    packet = comm.data_packet(obj, count=len(obj)) if rank == 0 else None
+    got = channel.broadcast(packet)
+    channel.agree(comm.digest(got.payload), None)
+    return comm.open_packet(got), got.count, comm.current_world()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 4])
+def test_broadcast_reaches_every_rank(world: int) -> None:
+    obj = {"x": list(range(1000)), "s": "é" * 10}
+    got = values(run_ranks(_broadcast_object, world, obj))
+    assert [g[0] for g in got] == [obj] * world
+    assert [g[1] for g in got] == [len(obj)] * world
+    assert [g[2] for g in got] == [World(r, world, r, world) for r in range(world)]
+
+
+def _broadcast_failure(rank: int, world: int, mode: str) -> None:
+    channel = comm.world_channel(20)
+    packet = None
+    if rank == 0:
+        if mode == "error":
+            try:
+                raise MissingDataError("no coord.npy", system="/d/s", file="/d/s/set.000/coord.npy")
+            except MissingDataError as exc:
+                packet = comm.error_packet(exc, context="building systems")
+        else:
+            packet = comm.data_packet(lambda: 0, context="list serialization failed")
+    comm.open_packet(channel.broadcast(packet))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode, pattern", [
+    ("error", r"rank 0 failed \(building systems\): MissingDataError: no coord.npy; system: /d/s; "
+              r"file: /d/s/set.000/coord.npy"),
+    ("unpicklable", r"rank 0 failed \(list serialization failed\): (PicklingError|AttributeError)"),
+])
+def test_error_packet_is_raised_on_every_rank(mode: str, pattern: str) -> None:
+    errs = errors(run_ranks(_broadcast_failure, 3, mode))
+    for err in errs:
+        assert err.exc_type == "RemoteError"
+        with pytest.raises(RemoteError, match=pattern):
+            raise err.exception
+        assert "Traceback" in err.exception.traceback_text
+    assert max(e.finished_at for e in errs) - min(e.finished_at for e in errs) < 2.0
+
+
+def _slow_source(rank: int, world: int) -> None:
+    channel = comm.world_channel(1.0, activity="building the systems")
+    if rank == 0:
+        time.sleep(3)
+        channel.broadcast(comm.data_packet([1]))
+    else:
+        channel.broadcast(None)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_receiver_timeout_says_rank0_may_still_be_building() -> None:
+    outcomes = run_ranks(_slow_source, 2)
+    err = outcomes[1]
+    assert isinstance(err, RankError) and err.exc_type == "CollectiveTimeoutError"
+    with pytest.raises(CollectiveTimeoutError, match=r"rank 1 waited 1\.\d s for the packet header "
+                                                     r"from rank 0 \(timeout 1 s\): rank 0 may still "
+                                                     r"be building the systems; raise the timeout "
+                                                     r"argument or \$MDLOADER_BUILD_TIMEOUT"):
+        raise err.exception
+
+
+def _bad_header(rank: int, world: int, field: int) -> None:
+    import torch.distributed as dist
+
+    channel = comm.world_channel(20)
+    if rank == 0:
+        header = torch.tensor([comm.MAGIC, comm.PROTOCOL_VERSION, 1, 0, 0], dtype=torch.int64)
+        header[field] = 99
+        dist.broadcast(header, src=0, group=channel.group)
+    else:
+        channel.broadcast(None)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("field, pattern", [
+    (0, r"rank 1 received a packet with magic 0x63 from rank 0, expected 0x4d444c44504b54"),
+    (1, r"rank 1 speaks packet protocol 1, rank 0 sent 99: mixed mdloader versions"),
+    (2, r"rank 1 received a malformed header from rank 0: kind=99, length=0"),
+])
+def test_receiver_validates_header(field: int, pattern: str) -> None:
+    err = run_ranks(_bad_header, 2, field)[1]
+    assert isinstance(err, RankError)
+    with pytest.raises(DistributedError, match=pattern):
+        raise err.exception
+
+
+def _agree(rank: int, world: int, case: str) -> None:
+    channel = comm.world_channel(20)
+    payload = b"same"
+    problem = None
+    if case == "digest" and rank in (1, 3):
+        payload = b"other"
+    if case == "problem" and rank == 2:
+        problem = "entries [4, 7] are None"
+    channel.agree(comm.digest(payload), problem)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_agree_names_ranks_with_another_digest() -> None:
+    for err in errors(run_ranks(_agree, 4, "digest")):
+        with pytest.raises(DistributedError, match=r"payload digest differs from rank 0's on "
+                                                   r"ranks \[1, 3\]"):
+            raise err.exception
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_agree_fails_every_rank_when_one_rank_has_a_problem() -> None:
+    errs = errors(run_ranks(_agree, 4, "problem"))
+    with pytest.raises(DistributedError, match=r"rank 2: entries \[4, 7\] are None \(verification "
+                                               r"failed on ranks \[2\]\)"):
+        raise errs[2].exception
+    for rank in (0, 1, 3):
+        with pytest.raises(DistributedError, match=rf"verification of the broadcast failed on "
+                                                   rf"ranks \[2\]; rank {rank} was fine"):
+            raise errs[rank].exception
+
+
+def _group_cache(rank: int, world: int, port: int) -> tuple[bool, bool, bool]:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    first = comm.cpu_group(5.0)
+    same = comm.cpu_group(5.0) is first
+    other_timeout = comm.cpu_group(6.0) is not first
+    dist.barrier()
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
+    fresh = comm.cpu_group(6.0)
+    channel = comm.Channel(fresh, timeout=5)
+    got = comm.open_packet(channel.broadcast(comm.data_packet("hi") if rank == 0 else None))
+    return same, other_timeout, fresh is not first and got == "hi"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_cpu_group_is_reused_until_the_default_group_changes() -> None:
+    from distributed_utils import free_port
+
+    assert values(run_ranks(_group_cache, 2, free_port())) == [(True, True, True)] * 2
