@@ -122,8 +122,8 @@ class WeightedSystemSampler(Sampler[BatchKey]):
     rank, world_size
         This rank among how many; values, not a process group, so tests can play any rank.
     num_samples
-        Keys per ``iter()`` (DeePMD-kit: ``total_batch * max(NUM_WORKERS, 1)``). Each ``iter()``
-        continues the stream where the previous one stopped: it never restarts.
+        Keys per epoch, i.e. per ``iter()`` (DeePMD-kit: ``total_batch * max(NUM_WORKERS, 1)``).
+        Each ``iter()`` continues the stream where the previous one stopped: it never restarts.
     same_system_across_ranks
         All ranks draw the same system at each step (equal atom counts per step, no stragglers),
         still reading disjoint frames.
@@ -176,7 +176,13 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         return BatchKey(sid, self.order.fids(sid, occ), step)
 
     def __iter__(self) -> Iterator[BatchKey]:
-        for _ in range(self.num_samples):
+        """The rest of the current epoch: steps up to the next multiple of ``num_samples``.
+
+        From a fresh or epoch-aligned position that is ``num_samples`` keys; after a resume in
+        the middle of an epoch it is the rest of that epoch, as torchdata's loaders do.
+        """
+        stop = (self._step // self.num_samples + 1) * self.num_samples
+        while self._step < stop:
             yield self.next_key()
 
     def __len__(self) -> int:

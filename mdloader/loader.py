@@ -1,0 +1,293 @@
+"""``DpLoaderSet``, ``get_weighted_sampler``, ``get_sampler_from_params``: DeePMD-kit's names.
+
+What changes under the same names (DEEPMD-FORMAT.md §2.3-2.6, §4.4, §4.8):
+
+- Systems come from :func:`mdloader.build.build_systems` (rank 0 discovers and reads headers,
+  every rank receives small metadata); the set-up keeps a few integers per system and no
+  per-system ``DataLoader``/iterator, so 100 000 systems cost megabytes, not gigabytes.
+- The sampler (:class:`~mdloader.samplers.WeightedSystemSampler`) yields batch *keys*; the outer
+  ``DataLoader(loader_set, sampler=..., batch_size=None, num_workers=K, collate_fn=lambda b: b)``
+  calls ``loader_set[key]``, which only reads. Workers therefore never repeat a batch.
+- Frames are reshuffled on every pass, seeded from the user's seed; the system stream of each
+  rank comes from ``(seed, rank)``. Probability and batch-size inputs are checked up front.
+- No global side effects: no global reseeding, no sharing-strategy change, no start-method change.
+
+``loader_set[sid]`` (an int) keeps DeePMD-kit's meaning -- the next batch of system ``sid`` --
+with its cursor in *this* process. Use it in the main process (tests, statistics); inside
+DataLoader workers each worker would advance its own copy, which is why the sampler hands out
+keys instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset, get_worker_info
+
+from .batching import batches_per_rank, resolve_batch_sizes
+from .dataset import DeepmdDataSetForLoader
+from .errors import ConfigError, StateDictError
+from .probability import select_prob_source, system_probabilities
+from .samplers import STATE_VERSION, BatchKey, FrameOrder, WeightedSystemSampler
+from .sampling import normalize_seed
+from .system import SystemMeta
+from .world import World
+
+log = logging.getLogger("mdloader.loader")
+
+
+def default_num_workers() -> int:
+    """DeePMD-kit's ``NUM_WORKERS``: the environment variable, else ``min(4, cpus)``."""
+    raw = os.environ.get("NUM_WORKERS")
+    if raw is None or raw == "":
+        return min(4, os.cpu_count() or 1)
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        raise ConfigError(f"expected an integer, found {raw!r}", path="NUM_WORKERS") from None
+
+
+def _build(systems: Any, type_map: Sequence[str] | None,
+           rglob_patterns: Sequence[str] | None) -> list[DeepmdDataSetForLoader]:
+    """Built datasets for ``systems``: prebuilt objects pass through, paths go to the build."""
+    if isinstance(systems, (list, tuple)) and systems and all(
+            isinstance(s, (DeepmdDataSetForLoader, SystemMeta)) for s in systems):
+        return [s if isinstance(s, DeepmdDataSetForLoader) else DeepmdDataSetForLoader(s)
+                for s in systems]
+    try:
+        from .build import build_systems
+    except ImportError:  # until the distributed build lands: every rank builds for itself
+        from .discovery import discover_systems
+        return [DeepmdDataSetForLoader(a, type_map)
+                for a in discover_systems(systems, rglob_patterns)]
+    return [DeepmdDataSetForLoader.from_meta(m) if isinstance(m, SystemMeta) else m
+            for m in build_systems(systems, type_map, rglob_patterns=rglob_patterns)]
+
+
+def _agree_seed(seed: int | None, world: World) -> int:
+    """``seed=None``: a fresh random seed, rank 0's for every rank (permutations must agree)."""
+    if seed is not None:
+        return seed
+    fresh = int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
+    if world.world_size == 1:
+        return fresh
+    from . import comm
+    channel = comm.world_channel(activity="choosing the loader seed")
+    packet = channel.broadcast(comm.data_packet(fresh) if channel.is_source else None)
+    return int(comm.open_packet(packet))
+
+
+class SystemBatches:
+    """The batches of one system on this rank, for statistics: DeePMD-kit's per-system loader.
+
+    ``len()`` is the batch count the sampler uses; every ``iter()`` starts again at the first
+    batch of the rank's shard of pass 0. No torch ``DataLoader``, no state: creating one is free.
+    """
+
+    def __init__(self, owner: "DpLoaderSet", sid: int) -> None:
+        self._owner, self.sid = owner, sid
+        self.dataset = owner.systems[sid]
+        self.batch_size = int(owner.batch_sizes[sid])
+
+    def __len__(self) -> int:
+        return int(self._owner.index[self.sid])
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for j in range(len(self)):
+            yield self._owner.read(self.sid, self._owner._order.fids(self.sid, j))
+
+
+class LazySystemBatches(Sequence):
+    """``dataloaders``: one :class:`SystemBatches` per system, created when indexed."""
+
+    def __init__(self, owner: "DpLoaderSet") -> None:
+        self._owner = owner
+
+    def __len__(self) -> int:
+        return len(self._owner.systems)
+
+    def __getitem__(self, sid: int) -> SystemBatches:  # type: ignore[override]
+        n = len(self)
+        if not isinstance(sid, (int, np.integer)) or not -n <= sid < n:
+            raise IndexError(f"system index {sid!r} out of range for {n} systems")
+        return SystemBatches(self._owner, int(sid) % n)
+
+
+class DpLoaderSet(Dataset):
+    """All training systems of this rank, with DeePMD-kit's attributes.
+
+    Parameters
+    ----------
+    systems
+        Paths (directories, roots, globs, HDF5 files, ``file.h5#/grp``) or prebuilt
+        :class:`DeepmdDataSetForLoader`/:class:`SystemMeta` objects.
+    batch_size
+        ``int | list[int] | "auto" | "auto:N" | "max:N" | "filter:N"`` (:mod:`mdloader.batching`).
+    type_map
+        The model's type map.
+    seed
+        Job seed (int), DeePMD-kit's ``[rank, seed]``, or None for a fresh seed agreed by all ranks.
+    shuffle
+        Shuffle frames within each pass (always on in DeePMD-kit's distributed mode).
+    rglob_patterns
+        Passed to discovery.
+    same_system_across_ranks
+        All ranks draw the same system at each step (see :mod:`mdloader.sampling`).
+    world
+        Rank and size; default: the initialised process group, else a single process.
+    modifier
+        DeePMD-kit's data modifier; not supported (must be None).
+    """
+
+    def __init__(self, systems: Any, batch_size: int | Sequence[int] | str,
+                 type_map: Sequence[str] | None, seed: int | Sequence[int] | None = None,
+                 shuffle: bool = True, modifier: Any = None, *,
+                 rglob_patterns: Sequence[str] | None = None,
+                 same_system_across_ranks: bool = False, world: World | None = None) -> None:
+        if modifier is not None:
+            raise ConfigError("data modifiers are not supported by mdloader", path="modifier")
+        if world is None:
+            from .comm import current_world
+            world = current_world()
+        self.world = world
+        self.seed = _agree_seed(normalize_seed(seed, world.rank), world)
+        self.shuffle = bool(shuffle)
+        self.same_system_across_ranks = bool(same_system_across_ranks)
+        built = _build(systems, type_map, rglob_patterns)
+        natoms = np.fromiter((s._natoms for s in built), dtype=np.int64, count=len(built))
+        plan = resolve_batch_sizes(batch_size, natoms)
+        self._nsys_original = len(built)
+        self._kept = plan.kept
+        self.systems: list[DeepmdDataSetForLoader] = (
+            built if len(plan.kept) == len(built) else [built[i] for i in plan.kept])
+        self.batch_sizes = plan.batch_sizes
+        self.nframes = np.fromiter((len(s) for s in self.systems), dtype=np.int64,
+                                   count=len(self.systems))
+        nb = batches_per_rank(self.nframes, self.batch_sizes, world.world_size)
+        self.index: list[int] = nb.tolist()
+        self.total_batch = int(nb.sum())
+        self._order = FrameOrder(self.nframes, self.batch_sizes, seed=self.seed, rank=world.rank,
+                                 world_size=world.world_size, shuffle=self.shuffle)
+        self._cursor = np.zeros(len(self.systems), dtype=np.int64)
+        self.dataloaders = LazySystemBatches(self)
+        self.sampler: WeightedSystemSampler | None = None
+        self._warned_worker = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What DataLoader workers receive (spawn/forkserver): no sampler, they only read.
+        state = self.__dict__.copy()
+        state["sampler"] = None
+        return state
+
+    # -- DeePMD-kit's Dataset protocol -----------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.systems)
+
+    def __getitem__(self, idx: int | BatchKey | tuple) -> dict[str, Any]:
+        """A key from the sampler: read it. An int ``sid``: the next batch of that system."""
+        if isinstance(idx, tuple):
+            return self.read(int(idx[0]), idx[1])
+        sid = int(idx)
+        if get_worker_info() is not None and not self._warned_worker:
+            self._warned_worker = True
+            log.warning("DpLoaderSet[int] inside a DataLoader worker advances that worker's own "
+                        "copy of the system cursor; use the sampler from get_weighted_sampler, "
+                        "whose keys make workers read disjoint batches")
+        occ = int(self._cursor[sid])
+        self._cursor[sid] = occ + 1
+        return self.read(sid, self._order.fids(sid, occ))
+
+    def read(self, sid: int, fids: Sequence[int]) -> dict[str, Any]:
+        """The collated batch of frames ``fids`` of system ``sid`` (with ``sid`` set)."""
+        batch = self.systems[sid].get_batch(list(fids))
+        batch["sid"] = sid
+        return batch
+
+    def add_data_requirement(self, data_requirement: Sequence[Any]) -> None:
+        for system in self.systems:
+            system.add_data_requirement(data_requirement)
+
+    def preload_and_modify_all_data_torch(self) -> None:
+        """DeePMD-kit compatibility: nothing to do without a modifier."""
+
+    def print_summary(self, name: str, prob: Sequence[float]) -> None:
+        """Rank 0 logs system, natoms, batch size, batches on this rank, probability, pbc."""
+        if self.world.rank != 0:
+            return
+        width = max([len(s.system) for s in self.systems] + [6])
+        log.info("---Summary of DataSystem: %s (%d systems, W=%d)---", name, len(self.systems),
+                 self.world.world_size)
+        log.info("%-*s  %6s  %6s  %6s  %9s  %3s", width, "system", "natoms", "bch_sz", "n_bch",
+                 "prob", "pbc")
+        for i, s in enumerate(self.systems):
+            log.info("%-*s  %6d  %6d  %6d  %9.3e  %3s", width, s.system, s._natoms,
+                     self.batch_sizes[i], self.index[i], prob[i], "T" if s.meta.pbc else "F")
+
+    # -- probabilities and state -----------------------------------------------------------
+    def probabilities(self, prob_style: str | Sequence[float], sys_prob: bool = False,
+                      key: str | None = None) -> np.ndarray:
+        """System probabilities from ``index``; inputs written against the unfiltered list."""
+        return system_probabilities(self.index, prob_style, sys_prob, kept=self._kept,
+                                    nsys_original=self._nsys_original, key=key)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Integers only: the attached sampler's state and any ``ls[int]`` cursors in use."""
+        used = np.flatnonzero(self._cursor)
+        return {"version": STATE_VERSION,
+                "sampler": None if self.sampler is None else self.sampler.state_dict(),
+                "cursor_sids": used.tolist(), "cursor_counts": self._cursor[used].tolist()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        expected = {"version", "sampler", "cursor_sids", "cursor_counts"}
+        if set(state) != expected or state["version"] != STATE_VERSION:
+            raise StateDictError(f"loader state must be version {STATE_VERSION} with keys "
+                                 f"{sorted(expected)}, got {sorted(state)}")
+        if (state["sampler"] is None) != (self.sampler is None):
+            raise StateDictError("the saved state and this loader disagree on having a sampler "
+                                 "(call get_weighted_sampler before load_state_dict)")
+        sids = np.asarray(state["cursor_sids"], dtype=np.int64)
+        if len(sids) and (sids.min() < 0 or sids.max() >= len(self.systems)):
+            raise StateDictError(f"cursor system index out of range for {len(self.systems)} "
+                                 "systems")
+        if self.sampler is not None:
+            self.sampler.load_state_dict(state["sampler"])
+        self._cursor[:] = 0
+        self._cursor[sids] = np.asarray(state["cursor_counts"], dtype=np.int64)
+
+
+def get_weighted_sampler(training_data: DpLoaderSet, prob_style: str | Sequence[float],
+                         sys_prob: bool = False, *, num_samples: int | None = None,
+                         num_workers: int | None = None) -> WeightedSystemSampler:
+    """DeePMD-kit's ``get_weighted_sampler``, yielding batch keys; attached to ``training_data``.
+
+    One ``iter()`` yields ``total_batch * max(num_workers, 1)`` keys unless ``num_samples`` is
+    given; ``num_workers`` defaults to ``NUM_WORKERS`` as in DeePMD-kit.
+    """
+    probs = training_data.probabilities(prob_style, sys_prob)
+    if num_samples is None:
+        workers = default_num_workers() if num_workers is None else int(num_workers)
+        num_samples = training_data.total_batch * max(workers, 1)
+    world = training_data.world
+    sampler = WeightedSystemSampler(
+        training_data.nframes, training_data.batch_sizes, probs, seed=training_data.seed,
+        rank=world.rank, world_size=world.world_size, num_samples=num_samples,
+        shuffle=training_data.shuffle,
+        same_system_across_ranks=training_data.same_system_across_ranks)
+    log.debug("Generated weighted sampler with prob array: %s", probs)
+    training_data.sampler = sampler
+    return sampler
+
+
+def get_sampler_from_params(data: DpLoaderSet, params: Mapping[str, Any], **kwargs: Any
+                            ) -> WeightedSystemSampler:
+    """``sys_probs`` if present and not None, else ``auto_prob``, else ``prob_sys_size``."""
+    value, is_sys_probs, _ = select_prob_source(params)
+    return get_weighted_sampler(data, value, sys_prob=is_sys_probs, **kwargs)
+
+
+__all__ = ["DpLoaderSet", "SystemBatches", "LazySystemBatches", "get_weighted_sampler",
+           "get_sampler_from_params", "default_num_workers"]
