@@ -246,3 +246,24 @@ def test_loader_state_dict(systems):
     bare = DpLoaderSet(paths, 2, TYPE_MAP, seed=2)
     with pytest.raises(StateDictError, match="call get_weighted_sampler before"):
         bare.load_state_dict(state)
+
+
+def test_numpy_transport_yields_the_same_batches(systems):
+    paths, h5, _ = systems
+
+    def batches(num_workers, **kw):
+        ls = DpLoaderSet(paths + [h5], 2, TYPE_MAP, seed=4)
+        sampler = get_weighted_sampler(ls, "prob_sys_size", num_samples=12)
+        return list(StatefulLoader(ls, sampler, num_workers=num_workers, **kw))
+
+    ref = batches(0)
+    for got in (batches(2), batches(2, numpy_transport=False)):
+        assert len(got) == len(ref)
+        for x, y in zip(got, ref):
+            assert set(x) == set(y)
+            for k, v in y.items():
+                if isinstance(v, torch.Tensor):
+                    assert isinstance(x[k], torch.Tensor) and x[k].dtype == v.dtype
+                    assert torch.equal(x[k], v), k
+                else:
+                    assert type(x[k]) is type(v) and (x[k] == v or v is None), k
