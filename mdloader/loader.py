@@ -130,7 +130,8 @@ class DpLoaderSet(Dataset):
     type_map
         The model's type map.
     seed
-        Job seed (int), DeePMD-kit's ``[rank, seed]``, or None for a fresh seed agreed by all ranks.
+        Job seed (int), DeePMD-kit's ``[rank, seed]``, or None for a fresh seed agreed by all
+        ranks (a state loaded later then brings its own seed).
     shuffle
         Shuffle frames within each pass (always on in DeePMD-kit's distributed mode).
     rglob_patterns
@@ -154,7 +155,9 @@ class DpLoaderSet(Dataset):
             from .comm import current_world
             world = current_world()
         self.world = world
-        self.seed = _agree_seed(normalize_seed(seed, world.rank), world)
+        user_seed = normalize_seed(seed, world.rank)
+        self.seed_given = user_seed is not None
+        self.seed = _agree_seed(user_seed, world)
         self.shuffle = bool(shuffle)
         self.same_system_across_ranks = bool(same_system_across_ranks)
         built = _build(systems, type_map, rglob_patterns)
@@ -255,6 +258,11 @@ class DpLoaderSet(Dataset):
                                  "systems")
         if self.sampler is not None:
             self.sampler.load_state_dict(state["sampler"])
+            if self.sampler.order.seed != self.seed:     # seed=None adopts the saved seed
+                self.seed = self.sampler.order.seed
+                self._order = FrameOrder(self.nframes, self.batch_sizes, seed=self.seed,
+                                         rank=self.world.rank,
+                                         world_size=self.world.world_size, shuffle=self.shuffle)
         self._cursor[:] = 0
         self._cursor[sids] = np.asarray(state["cursor_counts"], dtype=np.int64)
 
@@ -276,7 +284,8 @@ def get_weighted_sampler(training_data: DpLoaderSet, prob_style: str | Sequence[
         training_data.nframes, training_data.batch_sizes, probs, seed=training_data.seed,
         rank=world.rank, world_size=world.world_size, num_samples=num_samples,
         shuffle=training_data.shuffle,
-        same_system_across_ranks=training_data.same_system_across_ranks)
+        same_system_across_ranks=training_data.same_system_across_ranks,
+        adopt_seed=not training_data.seed_given)
     log.debug("Generated weighted sampler with prob array: %s", probs)
     training_data.sampler = sampler
     return sampler

@@ -130,14 +130,18 @@ class WeightedSystemSampler(Sampler[BatchKey]):
     same_system_across_ranks
         All ranks draw the same system at each step (equal atom counts per step, no stragglers),
         still reading disjoint frames.
+    adopt_seed
+        The seed was not chosen by the user (``seed=None``): :meth:`load_state_dict` then takes
+        the saved seed instead of rejecting it, so a run started without a seed can resume.
     """
 
     def __init__(self, nframes: Sequence[int] | np.ndarray, batch_sizes: Sequence[int] | np.ndarray,
                  probs: Sequence[float] | np.ndarray, *, seed: int, rank: int = 0,
                  world_size: int = 1, num_samples: int | None = None, shuffle: bool = True,
-                 same_system_across_ranks: bool = False) -> None:
+                 same_system_across_ranks: bool = False, adopt_seed: bool = False) -> None:
         self.order = FrameOrder(nframes, batch_sizes, seed=seed, rank=rank,
                                 world_size=world_size, shuffle=shuffle)
+        self.adopt_seed = bool(adopt_seed)
         p = np.asarray(probs, dtype=np.float64)
         if len(p) != len(self.order.nframes):
             raise ConfigError(f"{len(p)} probabilities for {len(self.order.nframes)} systems")
@@ -233,11 +237,21 @@ class WeightedSystemSampler(Sampler[BatchKey]):
                   "nsys": "number of systems", "sizes_digest": "system sizes/batch sizes digest",
                   "weights_digest": "system probabilities digest", "shuffle": "shuffle",
                   "same_system_across_ranks": "same_system_across_ranks"}
+        if self.adopt_seed and int(state["seed"]) != mine["seed"]:
+            self._reseed(int(state["seed"]))
+            mine["seed"] = self.order.seed
         for key, label in labels.items():
             if int(state[key]) != mine[key]:
                 raise StateDictError(f"cannot resume: the saved state has {label} "
                                      f"{state[key]} but this loader has {mine[key]}")
         self.seek(int(state["steps"]))
+
+    def _reseed(self, seed: int) -> None:
+        o = self.order
+        self.order = FrameOrder(o.nframes, o.batch_sizes, seed=seed, rank=o.rank,
+                                world_size=o.world_size, shuffle=o.shuffle)
+        self._step, self._chunk_id = 0, -1
+        self._counts[:] = 0
 
 
 def _identity(batch: Any) -> Any:

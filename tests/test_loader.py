@@ -267,3 +267,16 @@ def test_numpy_transport_yields_the_same_batches(systems):
                     assert torch.equal(x[k], v), k
                 else:
                     assert type(x[k]) is type(v) and (x[k] == v or v is None), k
+
+
+def test_unseeded_loader_adopts_the_saved_seed(systems):
+    paths, _, _ = systems
+    a = DpLoaderSet(paths, 2, TYPE_MAP)
+    sa = get_weighted_sampler(a, "prob_uniform", num_samples=10)
+    [sa.next_key() for _ in range(3)]
+    state = a.state_dict()
+    b = DpLoaderSet(paths, 2, TYPE_MAP)
+    get_weighted_sampler(b, "prob_uniform", num_samples=10)
+    b.load_state_dict(state)
+    assert b.seed == a.seed and b.sampler.next_key() == sa.next_key()
+    assert [x["fid"] for x in b.dataloaders[0]] == [x["fid"] for x in a.dataloaders[0]]

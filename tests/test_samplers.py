@@ -224,3 +224,15 @@ def test_frame_order_cache_is_bounded():
         order.fids(sid, 0)
     assert order._cached <= 3000 and len(order._cache) <= 3
     assert order.fids(0, 0) == FrameOrder([1000], [10], seed=0).fids(0, 0)
+
+
+def test_adopt_seed_for_unseeded_runs():
+    a = make(seed=123)
+    [a.next_key() for _ in range(17)]
+    state = a.state_dict()
+    rest = [a.next_key() for _ in range(20)]
+    b = make(seed=999, adopt_seed=True)
+    b.load_state_dict(state)
+    assert [b.next_key() for _ in range(20)] == rest
+    with pytest.raises(StateDictError, match="seed 123 but this loader has 999"):
+        make(seed=999).load_state_dict(state)
