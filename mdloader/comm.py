@@ -294,15 +294,21 @@ class Channel:
                 work = op(outputs, tensor, group=self.group, async_op=True)
             work.wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as exc:
-            waited = time.monotonic() - start
-            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-                raise CollectiveTimeoutError(
-                    f"rank {dist.get_rank()} waited {waited:.1f} s for the {what} from rank "
-                    f"{self.src_global} (timeout {self.timeout:g} s): rank {self.src_global} may "
-                    f"still be {self.activity}; {self.remedy}") from exc
-            raise DistributedError(f"rank {dist.get_rank()}: {what} with source rank "
-                                   f"{self.src_global} failed after {waited:.1f} s: {exc}") from exc
+            raise self._failure(exc, what, time.monotonic() - start) from exc
         return tensor
+
+    def _failure(self, exc: RuntimeError, what: str, waited: float) -> DistributedError:
+        me, src = dist.get_rank(), self.src_global
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            return DistributedError(f"rank {me}: {what} with source rank {src} failed after "
+                                    f"{waited:.1f} s: {exc}")
+        if self.is_source:
+            return CollectiveTimeoutError(
+                f"rank {me} waited {waited:.1f} s to send the {what} to the other {self.size - 1} "
+                f"ranks (timeout {self.timeout:g} s): they may have given up or failed")
+        return CollectiveTimeoutError(
+            f"rank {me} waited {waited:.1f} s for the {what} from rank {src} (timeout "
+            f"{self.timeout:g} s): rank {src} may still be {self.activity}; {self.remedy}")
 
 
 def _bytes_tensor(payload: bytes, device: torch.device) -> torch.Tensor:

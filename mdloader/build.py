@@ -1,0 +1,257 @@
+"""Build the datasets of a job: rank 0 reads the data tree, every rank gets the same list.
+
+DeePMD-kit builds on rank 0 and broadcasts whole datasets, but every rank still walks the tree,
+a failure on rank 0 leaves the others hanging, only the last entry is checked (by an ``assert``)
+and HDF5 systems cannot be pickled at all (DEEPMD-FORMAT.md §4.1-4.6). Here:
+
+1. rank 0 alone discovers the systems and builds their :class:`~mdloader.system.SystemMeta` in a
+   bounded thread pool (headers only, no frames);
+2. it pickles the list -- or its failure -- into one packet *before* any collective
+   (:mod:`mdloader.comm`), so every rank either gets the list or raises the same
+   :class:`~mdloader.errors.RemoteError` naming the system and file;
+3. every rank checks the count, the type of every entry, and that its payload digest equals
+   rank 0's, then wraps each entry with :meth:`DeepmdDataSetForLoader.from_meta` (no I/O).
+
+Other ranks never touch the data tree during the build.
+
+Why threads (measured on this 2-core machine, 2000 generated systems, see the issue note):
+building one description is ~0.1 ms of Python on a warm local disk, so no pool beats a serial
+loop there (processes lose their start-up and pickling; forking rank 0 after the process group
+exists is unsafe anyway). On a shared file system each ``open`` is a round trip that releases the
+GIL, and threads overlap them: with 2 ms per open, 8 threads build 7.8x faster than one. Hence a
+small bounded thread pool, default :data:`DEFAULT_WORKERS`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from . import comm
+from .dataset import DeepmdDataSetForLoader
+from .discovery import discover_systems
+from .errors import ConfigError, DataError
+from .system import SystemMeta, build_system_meta
+
+log = logging.getLogger("mdloader.build")
+
+WORKERS_ENV = "MDLOADER_BUILD_WORKERS"
+DEFAULT_WORKERS = 8
+CONTEXT = "discovering and building the systems"
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    """What the build did and how long each phase took (seconds as seen by this rank)."""
+
+    nsys: int
+    nframes: int
+    discovery_seconds: float
+    build_seconds: float
+    broadcast_seconds: float
+    payload_bytes: int
+    num_workers: int
+    world_size: int
+
+    def summary(self) -> str:
+        return (f"built {self.nsys} systems ({self.nframes} frames) with {self.num_workers} "
+                f"threads: discovery {self.discovery_seconds:.2f} s, build "
+                f"{self.build_seconds:.2f} s, broadcast {self.broadcast_seconds:.2f} s of "
+                f"{self.payload_bytes} bytes to {self.world_size} ranks")
+
+
+def resolve_workers(num_workers: int | None = None) -> int:
+    """The argument, else ``$MDLOADER_BUILD_WORKERS``, else :data:`DEFAULT_WORKERS`."""
+    where, raw = (("num_workers", num_workers) if num_workers is not None
+                  else (WORKERS_ENV, os.environ.get(WORKERS_ENV)))
+    if raw is None or raw == "":
+        return DEFAULT_WORKERS
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"expected a whole number of threads, found {raw!r}", path=where) from None
+    if value < 1:
+        raise ConfigError(f"expected at least 1 thread, found {raw!r}", path=where)
+    return value
+
+
+def build_systems(systems: str | Sequence[str], type_map: Sequence[str] | None = None, *,
+                  rglob_patterns: Sequence[str] | None = None, num_workers: int | None = None,
+                  timeout: float | None = None,
+                  progress: bool | None = None) -> list[DeepmdDataSetForLoader]:
+    """One dataset per system, the same list on every rank; see :func:`build_systems_with_report`."""
+    return build_systems_with_report(systems, type_map, rglob_patterns=rglob_patterns,
+                                     num_workers=num_workers, timeout=timeout,
+                                     progress=progress)[0]
+
+
+def build_systems_with_report(
+    systems: str | Sequence[str], type_map: Sequence[str] | None = None, *,
+    rglob_patterns: Sequence[str] | None = None, num_workers: int | None = None,
+    timeout: float | None = None, progress: bool | None = None,
+) -> tuple[list[DeepmdDataSetForLoader], BuildReport]:
+    """Discover and describe the systems on rank 0, share them, verify them on every rank.
+
+    Parameters
+    ----------
+    systems, rglob_patterns
+        As :func:`mdloader.discovery.discover_systems`; only rank 0 reads them.
+    type_map
+        The model's type map (rank 0's value is used).
+    num_workers
+        Threads building descriptions on rank 0 (``$MDLOADER_BUILD_WORKERS``, default 8).
+    timeout
+        Seconds the other ranks wait for rank 0 (``$MDLOADER_BUILD_TIMEOUT``, default 1800).
+    progress
+        Show a progress bar on rank 0; default: when stderr is a terminal.
+
+    Raises
+    ------
+    DataError
+        Without a process group (or with one rank): the original error.
+    RemoteError
+        With several ranks, on every rank, when rank 0 failed; it names the system and file.
+    DistributedError, CollectiveTimeoutError
+        Verification failed on some rank, or rank 0 did not answer in time.
+    """
+    world = comm.current_world()
+    if not world.distributed:
+        workers = resolve_workers(num_workers)
+        try:
+            metas, times = _discover_and_build(systems, type_map, rglob_patterns, workers,
+                                               progress)
+        except _SystemFailed as failed:
+            raise failed.original() from None
+        report = _report(metas, times, 0.0, 0, workers, 1)
+        log.info(report.summary())
+        return [DeepmdDataSetForLoader.from_meta(m) for m in metas], report
+    channel = comm.world_channel(timeout, activity=CONTEXT)
+    times, workers, packet = (0.0, 0.0), 0, None
+    if world.is_main:
+        times, workers, packet = _packet_on_rank0(systems, type_map, rglob_patterns,
+                                                  num_workers, progress)
+    start = time.monotonic()
+    packet = channel.broadcast(packet)
+    received = comm.open_packet(packet)  # every rank raises RemoteError here if rank 0 failed
+    datasets, problem = _verify(received, packet.count)
+    channel.agree(comm.digest(packet.payload), problem)
+    report = _report(received, times, time.monotonic() - start, len(packet.payload), workers,
+                     world.world_size)
+    if world.is_main:
+        log.info(report.summary())
+    return datasets, report
+
+
+def _packet_on_rank0(systems: Any, type_map: Sequence[str] | None,
+                     rglob_patterns: Sequence[str] | None, num_workers: int | None,
+                     progress: bool | None) -> tuple[tuple[float, float], int, comm.Packet]:
+    """Rank 0's outcome as one packet: the list of descriptions, or the first failure."""
+    try:
+        workers = resolve_workers(num_workers)
+        metas, times = _discover_and_build(systems, type_map, rglob_patterns, workers, progress)
+    except _SystemFailed as failed:
+        return (0.0, 0.0), 0, comm.error_packet(failed.__cause__, context=CONTEXT,
+                                                system=failed.address)
+    except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
+        return (0.0, 0.0), 0, comm.error_packet(exc, context=CONTEXT)
+    packet = comm.data_packet(metas, count=len(metas),
+                              context="serializing the system descriptions",
+                              describe=lambda exc: {"system": _unpicklable(metas)})
+    return times, workers, packet
+
+
+class _SystemFailed(Exception):
+    """Building one system raised; ``__cause__`` is the error, ``address`` the system."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.address = address
+
+    def original(self) -> BaseException:
+        """The cause, with a note naming the system (for the single-process path)."""
+        exc = self.__cause__
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"while building the system {self.address}")
+        return exc
+
+
+def _discover_and_build(systems: Any, type_map: Sequence[str] | None,
+                        rglob_patterns: Sequence[str] | None, workers: int,
+                        progress: bool | None) -> tuple[list[SystemMeta], tuple[float, float]]:
+    start = time.monotonic()
+    addresses = discover_systems(systems, rglob_patterns)
+    found = time.monotonic()
+    show = sys.stderr.isatty() if progress is None else progress
+    metas = list(_with_progress(_build_all(addresses, type_map, workers), len(addresses), show))
+    return metas, (found - start, time.monotonic() - found)
+
+
+def _build_all(addresses: list[str], type_map: Sequence[str] | None,
+               workers: int) -> Iterator[SystemMeta]:
+    """Descriptions in input order; the first failing system (in order) stops the build."""
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mdloader-build") as pool:
+        results = pool.map(build_system_meta, addresses, [type_map] * len(addresses))
+        done = 0
+        try:
+            for meta in results:
+                done += 1
+                yield meta
+        except Exception as exc:
+            pool.shutdown(wait=True, cancel_futures=True)
+            if isinstance(exc, DataError):
+                raise  # already names its system and file
+            raise _SystemFailed(addresses[done]) from exc
+
+
+def _with_progress(items: Iterator[SystemMeta], total: int, show: bool) -> Iterator[SystemMeta]:
+    if not show:
+        yield from items
+        return
+    from tqdm import tqdm
+
+    yield from tqdm(items, total=total, desc="mdloader: building systems", unit="sys",
+                    file=sys.stderr, dynamic_ncols=True)
+
+
+def _unpicklable(metas: list[Any]) -> str | None:
+    """The address (or repr) of the first entry pickle refuses, to name it in the error."""
+    for meta in metas:
+        try:
+            pickle.dumps(meta)
+        except Exception:  # noqa: BLE001 - looking for the culprit
+            return getattr(meta, "address", None) or repr(meta)[:200]
+    return None
+
+
+def _verify(received: Any, count: int) -> tuple[list[DeepmdDataSetForLoader], str | None]:
+    """This rank's datasets and its verification problem (``None`` when all is well)."""
+    if not isinstance(received, list):
+        return [], f"expected a list of SystemMeta from rank 0, found {type(received).__name__}"
+    if len(received) != count:
+        return [], f"received {len(received)} system descriptions, rank 0 sent {count}"
+    bad = [i for i, m in enumerate(received) if not isinstance(m, SystemMeta)]
+    if bad:
+        kinds = sorted({type(received[i]).__name__ for i in bad})
+        return [], (f"{len(bad)} of {count} entries are missing or not SystemMeta: indices "
+                    f"{bad[:20]}{' ...' if len(bad) > 20 else ''} (found {', '.join(kinds)})")
+    datasets = []
+    for i, meta in enumerate(received):
+        try:
+            datasets.append(DeepmdDataSetForLoader.from_meta(meta))
+        except Exception as exc:  # noqa: BLE001 - reported through the collective check
+            return [], f"entry {i} ({meta.address}) failed: {type(exc).__name__}: {exc}"
+    return datasets, None
+
+
+def _report(metas: list[SystemMeta], times: tuple[float, float], broadcast: float,
+            nbytes: int, workers: int, world_size: int) -> BuildReport:
+    return BuildReport(nsys=len(metas), nframes=sum(m.nframes for m in metas),
+                       discovery_seconds=times[0], build_seconds=times[1],
+                       broadcast_seconds=broadcast, payload_bytes=nbytes, num_workers=workers,
+                       world_size=world_size)

@@ -1,0 +1,300 @@
+"""build_systems: one process, then 2 and 4 real gloo ranks, success and every rank-0 failure."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from distributed_utils import RankError, errors, run_ranks, values
+from mdloader import build
+from mdloader.errors import (CollectiveTimeoutError, ConfigError, DistributedError,
+                             MissingDataError, RemoteError)
+from mdloader.system import build_system_meta
+from mdloader.testing import make_system
+
+# ----------------------------------------------------------------------------- helpers
+
+_LISTING_EVENTS = {"os.listdir", "os.scandir", "os.walk", "glob.glob"}
+
+
+def count_data_touches(root: str) -> tuple[dict[str, int], Callable[[], None]]:
+    """Count this process's opens/listings/stats of paths under ``root``; returns (counts, stop).
+
+    An audit hook sees ``open`` and directory listings; ``os.stat``/``os.lstat`` (no audit
+    event) and HDF5 opens (done in C) are counted by wrapping them.
+    """
+    import h5py._hl.files as h5files
+
+    root = os.path.abspath(root)
+    counts = {"open": 0, "list": 0, "stat": 0, "h5open": 0}
+    active = [True]
+
+    def under(path: Any) -> bool:
+        if isinstance(path, (str, bytes, os.PathLike)):
+            return os.path.abspath(os.fsdecode(path)).startswith(root)
+        return False
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if active[0] and args and under(args[0]):
+            if event == "open":
+                counts["open"] += 1
+            elif event in _LISTING_EVENTS:
+                counts["list"] += 1
+
+    def wrap(module: Any, name: str, key: str) -> Callable[[], None]:
+        original = getattr(module, name)
+
+        def counted(path: Any, *a: Any, **k: Any) -> Any:
+            if active[0] and under(path):
+                counts[key] += 1
+            return original(path, *a, **k)
+
+        setattr(module, name, counted)
+        return lambda: setattr(module, name, original)
+
+    sys.addaudithook(hook)
+    undo = [wrap(os, "stat", "stat"), wrap(os, "lstat", "stat"),
+            wrap(h5files, "make_fid", "h5open")]
+
+    def stop() -> None:
+        active[0] = False
+        for u in undo:
+            u()
+
+    return counts, stop
+
+
+def _good_systems(root: Path) -> tuple[list[str], list[str]]:
+    """(systems argument, addresses): three npy systems and an HDF5 file with two."""
+    out = [make_system(root / "npy", f"sys.{i}", natoms=3 + i, nframes=4 + i, seed=i)
+           for i in range(3)]
+    out += [make_system(root, f"grp{i}", natoms=5, nframes=3, nsets=2, backend="hdf5",
+                        h5_file="data.h5", seed=10 + i) for i in range(2)]
+    return [str(root / "npy"), str(root / "data.h5")], out
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+def test_single_process_builds_without_broadcast(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    systems, addresses = _good_systems(tmp_path)
+    with caplog.at_level(logging.INFO, logger="mdloader.build"):
+        datasets, report = build.build_systems_with_report(systems, ["O", "H"],
+                                                           num_workers=2)
+    assert [d.meta for d in datasets] == [build_system_meta(a, ["O", "H"]) for a in sorted(addresses)]
+    assert (report.nsys, report.nframes, report.payload_bytes, report.world_size) == (
+        5, 4 + 5 + 6 + 3 + 3, 0, 1)
+    assert "built 5 systems (21 frames) with 2 threads: discovery" in caplog.text
+    assert [len(d[0]["atype"]) for d in datasets] == [5, 5, 3, 4, 5]  # HDF5 sorts first
+
+
+def test_single_process_raises_the_original_error(tmp_path: Path) -> None:
+    make_system(tmp_path, "a")
+    bad = make_system(tmp_path, "b", broken="no_coord")
+    with pytest.raises(MissingDataError, match=f"the set has no coord.npy; system: {bad}; "
+                                               f"file: {bad}/set.000/coord.npy"):
+        build.build_systems(str(tmp_path))
+
+
+def test_single_process_names_the_system_of_a_foreign_error(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    make_system(tmp_path, "a")
+    bad = make_system(tmp_path, "b")
+    monkeypatch.setattr(build, "build_system_meta", _raising_build(bad))
+    with pytest.raises(RuntimeError, match="disk on fire") as info:
+        build.build_systems(str(tmp_path))
+    assert info.value.__notes__ == [f"while building the system {bad}"]
+
+
+def test_progress_bar_goes_to_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make_system(tmp_path, "a")
+    build.build_systems(str(tmp_path), progress=True)
+    assert "mdloader: building systems" in capsys.readouterr().err
+    build.build_systems(str(tmp_path))  # stderr is not a terminal under pytest
+    assert capsys.readouterr().err == ""
+
+
+def test_resolve_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(build.WORKERS_ENV, raising=False)
+    assert build.resolve_workers() == build.DEFAULT_WORKERS
+    monkeypatch.setenv(build.WORKERS_ENV, "3")
+    assert (build.resolve_workers(), build.resolve_workers(5)) == (3, 5)
+    monkeypatch.setenv(build.WORKERS_ENV, "many")
+    with pytest.raises(ConfigError, match="MDLOADER_BUILD_WORKERS: expected a whole number of "
+                                          "threads, found 'many'"):
+        build.resolve_workers()
+    with pytest.raises(ConfigError, match="num_workers: expected at least 1 thread, found 0"):
+        build.resolve_workers(0)
+
+
+# ----------------------------------------------------------------------------- real ranks
+
+
+def _raising_build(bad: str, exc: BaseException | None = None) -> Callable[..., Any]:
+    def fake(address: str, type_map: Any = None) -> Any:
+        if address == bad:
+            raise exc or RuntimeError("disk on fire")
+        return build_system_meta(address, type_map)
+    return fake
+
+
+def _unpicklable_build(bad: str) -> Callable[..., Any]:
+    def fake(address: str, type_map: Any = None) -> Any:
+        meta = build_system_meta(address, type_map)
+        if address == bad:  # a field holding something pickle refuses
+            meta = dataclasses.replace(meta, mixed_idx_map=threading.Lock())
+        return meta
+    return fake
+
+
+def _none_build(bad: str) -> Callable[..., Any]:
+    return lambda address, type_map=None: (None if address == bad
+                                           else build_system_meta(address, type_map))
+
+
+def _build_rank(rank: int, world: int, root: str, systems: Any, patch: tuple | None,
+                timeout: float | None = None) -> dict[str, Any]:
+    if patch is not None and rank == patch[0]:
+        factory, arg = patch[1], patch[2]
+        if factory == "from_meta":
+            def broken(meta: Any) -> Any:
+                raise ValueError(f"cannot wrap {meta.address}")
+            build.DeepmdDataSetForLoader.from_meta = broken  # type: ignore[method-assign]
+        elif factory == "slow":
+            real = build.build_system_meta
+            build.build_system_meta = lambda a, t=None: (time.sleep(arg), real(a, t))[1]
+        else:
+            build.build_system_meta = factory(arg)
+    counts, stop = count_data_touches(root)
+    try:
+        datasets, report = build.build_systems_with_report(systems, ["O", "H"], num_workers=2,
+                                                           timeout=timeout)
+    finally:
+        stop()
+    frame = datasets[-1][0]  # reading after the build is allowed on every rank
+    return {"metas": pickle.dumps([d.meta for d in datasets]), "touches": counts,
+            "nsys": report.nsys, "bytes": report.payload_bytes, "natoms": len(frame["atype"])}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_gets_identical_entries_and_only_rank0_reads(tmp_path: Path, world: int) -> None:
+    systems, _ = _good_systems(tmp_path)
+    got = values(run_ranks(_build_rank, world, str(tmp_path), systems, None))
+    assert all(g["metas"] == got[0]["metas"] for g in got)
+    assert [len(pickle.loads(g["metas"])) for g in got] == [5] * world
+    assert got[0]["bytes"] > 0 and len({g["bytes"] for g in got}) == 1
+    assert got[0]["touches"]["open"] > 0 and got[0]["touches"]["h5open"] > 0
+    for g in got[1:]:
+        assert g["touches"] == {"open": 0, "list": 0, "stat": 0, "h5open": 0}
+
+
+def _make_failure(root: Path, case: str) -> tuple[Any, tuple | None, str, str]:
+    """(systems argument, patch, system named, file named) for one rank-0 failure."""
+    for name in ("a", "c"):
+        make_system(root, name)
+    bad = str(root / "b")
+    broken = {"no_sets": "no_sets", "no_coord": "no_coord", "corrupt_npy": "corrupt_header",
+              "frames": "frame_mismatch", "type_map": "type_outside_map"}
+    files = {"no_sets": "set.*", "no_coord": "set.000/coord.npy",
+             "corrupt_npy": "set.000/coord.npy", "frames": "set.000/energy.npy",
+             "type_map": "type.raw"}
+    if case in broken:
+        make_system(root, "b", broken=broken[case])
+        return str(root), None, bad, f"{bad}/{files[case]}"
+    make_system(root, "b")
+    if case == "worker_oserror":
+        exc = PermissionError(13, "Permission denied", f"{bad}/type.raw")
+        return (str(root), (0, functools.partial(_raising_build, exc=exc), bad), bad,
+                f"{bad}/type.raw")
+    if case == "unpicklable":
+        return str(root), (0, _unpicklable_build, bad), bad, ""
+    fake = root / "fake.h5"
+    fake.write_bytes(b"this is not an HDF5 file\n" * 10)
+    return [str(root / "a"), str(fake)], None, f"{fake}#/", str(fake)
+
+
+BUILDING = r"\(discovering and building the systems\): "
+FAILURES = {  # what follows "rank 0 failed " in every rank's error
+    "no_sets": BUILDING + "MissingDataError: no set.* is found in the system",
+    "no_coord": BUILDING + "MissingDataError: the set has no coord.npy",
+    "corrupt_npy": BUILDING + "CorruptFileError: cannot read the npy header",
+    "frames": BUILDING + "ShapeError: frame counts disagree within set.000",
+    "type_map": BUILDING + "TypeMapError: type.raw holds a type id outside type_map.raw",
+    "worker_oserror": BUILDING + "PermissionError: .*Permission denied",
+    "unpicklable": r"\(serializing the system descriptions\): TypeError: cannot pickle",
+    "not_hdf5": BUILDING + "CorruptFileError: cannot open the file as HDF5",
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case, world", [(case, 2) for case in FAILURES] + [
+    (case, 4) for case in ("no_coord", "unpicklable", "not_hdf5")])  # a sample at 4: keep it fast
+def test_rank0_failure_fails_every_rank_together(tmp_path: Path, case: str, world: int) -> None:
+    systems, patch, system, file = _make_failure(tmp_path, case)
+    errs = errors(run_ranks(_build_rank, world, str(tmp_path), systems, patch))
+    for err in errs:
+        assert err.exc_type == "RemoteError", str(err)
+        remote = err.exception
+        assert (remote.origin_rank, remote.system) == (0, system)
+        assert remote.file == (file or None)
+        with pytest.raises(RemoteError, match="rank 0 failed " + FAILURES[case]):
+            raise remote
+        assert system in str(remote) and file in str(remote)
+    times = [e.finished_at for e in errs]
+    assert max(times) - min(times) < 3.0
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_none_entry_is_named_on_every_rank(tmp_path: Path) -> None:
+    for name in ("a", "b", "c"):
+        make_system(tmp_path, name)
+    patch = (0, _none_build, str(tmp_path / "b"))
+    errs = errors(run_ranks(_build_rank, 2, str(tmp_path), str(tmp_path), patch))
+    for err in errs:
+        with pytest.raises(DistributedError, match=rf"rank {err.rank}: 1 of 3 entries are missing "
+                                                   r"or not SystemMeta: indices \[1\] \(found "
+                                                   r"NoneType\) \(verification failed on ranks "
+                                                   r"\[0, 1\]\)"):
+            raise err.exception
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_failure_on_one_receiver_fails_every_rank(tmp_path: Path) -> None:
+    make_system(tmp_path, "a")
+    errs = errors(run_ranks(_build_rank, 3, str(tmp_path), str(tmp_path), (2, "from_meta", None)))
+    with pytest.raises(DistributedError, match=rf"rank 2: entry 0 \({tmp_path}/a\) failed: "
+                                               r"ValueError: cannot wrap"):
+        raise errs[2].exception
+    for rank in (0, 1):
+        with pytest.raises(DistributedError, match=r"verification of the broadcast failed on "
+                                                   r"ranks \[2\]"):
+            raise errs[rank].exception
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_slow_rank0_times_out_with_a_clear_message(tmp_path: Path) -> None:
+    make_system(tmp_path, "a")
+    outcomes = run_ranks(_build_rank, 2, str(tmp_path), str(tmp_path), (0, "slow", 4.0), 1.5)
+    err = outcomes[1]
+    assert isinstance(err, RankError)
+    with pytest.raises(CollectiveTimeoutError, match=r"rank 1 waited 1\.\d s for the packet header "
+                                                     r"from rank 0 \(timeout 1.5 s\): rank 0 may "
+                                                     r"still be discovering and building the systems"):
+        raise err.exception
