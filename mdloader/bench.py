@@ -46,21 +46,9 @@ def _peak_rss_mb(who: int) -> float:
 def run_bench(config: Config, *, batches: int = 200, num_workers: int | None = None
               ) -> list[dict[str, Any]] | None:
     """Bench this rank; return every rank's row on rank 0 (``None`` on the others)."""
-    started = not ddp.is_running() and World.from_env().world_size > 1
-    world = ddp.init_from_env()
-    clean = False
-    try:
+    with ddp.process_group() as world:
         row = bench_rank(config, world, batches=batches, num_workers=num_workers)
-        rows = ddp.gather_to_main(row)
-        clean = True
-        return rows
-    finally:
-        if clean:
-            ddp.shutdown(started)
-        elif started:
-            import torch.distributed
-
-            torch.distributed.destroy_process_group()
+        return ddp.gather_to_main(row)
 
 
 def bench_rank(config: Config, world: World, *, batches: int, num_workers: int | None

@@ -19,9 +19,12 @@ from typing import Any, Mapping
 from dargs import Argument
 from dargs.dargs import ArgumentError, ArgumentKeyError, ArgumentTypeError, ArgumentValueError
 
-from .argcheck import STRICT_SECTIONS, input_schema
+from .argcheck import STRICT_SECTIONS, input_schema, schema_markdown
 from .batching import parse_rule
 from .errors import ConfigError
+
+__all__ = ["Config", "DataConfig", "LearningRateConfig", "LossConfig", "load_config",
+           "parse_config", "schema_markdown"]
 
 _KEY_RE = re.compile(r"key `([^`]+)`")
 

@@ -13,7 +13,8 @@ that does not set it, the decision is the world size itself.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -43,11 +44,25 @@ def device_of(world: World) -> torch.device:
     return torch.device("cpu")
 
 
-def shutdown(started: bool) -> None:
-    """Barrier then destroy (torch 2.13 + gloo aborts a rank that exits without the barrier)."""
-    if started and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+@contextmanager
+def process_group() -> Iterator[World]:
+    """Run a job inside the default group, started here if needed and torn down after.
+
+    On success every rank passes a barrier before ``destroy_process_group`` (torch 2.13 + gloo
+    aborts a rank that exits without it); on failure the group is destroyed without a barrier,
+    which the failed ranks' peers may never reach.
+    """
+    started = not is_running() and World.from_env().world_size > 1
+    world = init_from_env()
+    ok = False
+    try:
+        yield world
+        ok = True
+    finally:
+        if started and dist.is_initialized():
+            if ok:
+                dist.barrier()
+            dist.destroy_process_group()
 
 
 def is_running() -> bool:

@@ -66,19 +66,9 @@ def train(config: Config, *, output: str = ".", restart: str | None = None,
           numb_steps: int | None = None, stop_after: int | None = None,
           num_workers: int | None = None, options: ModelOptions = ModelOptions()) -> TrainResult:
     """Train; ``stop_after`` ends this run early (with a checkpoint) as a job time limit would."""
-    started = not ddp.is_running() and World.from_env().world_size > 1
-    world = ddp.init_from_env()
-    clean = False
-    try:
-        result = _Trainer(config, world, output=output, numb_steps=numb_steps,
-                          num_workers=num_workers, options=options).run(restart, stop_after)
-        clean = True
-        return result
-    finally:
-        if clean:
-            ddp.shutdown(started)
-        elif started:  # a failed rank must not wait in a barrier for ranks that may be gone
-            torch.distributed.destroy_process_group()
+    with ddp.process_group() as world:
+        return _Trainer(config, world, output=output, numb_steps=numb_steps,
+                        num_workers=num_workers, options=options).run(restart, stop_after)
 
 
 def _loader_set(data: DataConfig, config: Config, world: World, seed: int | None) -> DpLoaderSet:

@@ -96,6 +96,21 @@ def test_check_deep_finds_nan_frames(tmp_path: Path, capsys: pytest.CaptureFixtu
                          "message": f"NaN/inf in {force}: 2 frame(s), system frame ids 2, 5"}]
 
 
+def test_check_deep_reads_hdf5(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import h5py
+
+    address = make_system(tmp_path, "grp", natoms=4, nframes=3, backend="hdf5",
+                          keys=("energy", "force"))
+    with h5py.File(tmp_path / "data.h5", "r+") as fh:
+        fh["grp/set.000/energy.npy"][1] = np.nan
+    (tmp_path / "in.json").write_text(json.dumps(
+        {"training": {"training_data": {"systems": "data.h5", "batch_size": 1}}}))
+    assert main(["check", str(tmp_path / "in.json"), "--deep"]) == 1
+    out = capsys.readouterr().out
+    assert address in out
+    assert "NaN/inf in " in out and "energy.npy: 1 frame(s), system frame ids 1" in out
+
+
 def test_check_reports_config_level_problems(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     _data(tmp_path)
