@@ -22,7 +22,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from . import ddp
+from . import comm, ddp
 from .config import Config, DataConfig
 from .errors import ConfigError, StateDictError
 from .loader import DpLoaderSet, default_num_workers, get_sampler_from_params
@@ -139,8 +139,7 @@ class _Trainer:
     def run(self, restart: str | None, stop_after: int | None) -> TrainResult:
         step = 0
         if restart is None:
-            if self.world.is_main:
-                self._statistics()
+            self._statistics_on_main()
         self.ddp_model = (DistributedDataParallel(self.model) if ddp.is_running()
                           else self.model)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.schedule.start_lr)
@@ -155,6 +154,23 @@ class _Trainer:
         finally:
             if self.lcurve is not None:
                 self.lcurve.close()
+
+    def _statistics_on_main(self) -> None:
+        """Rank 0 computes the statistics (DDP then broadcasts them with the weights); its
+        failure (e.g. a system without energy.npy) reaches every rank as one framed error
+        instead of leaving the others waiting in the DDP constructor."""
+        if not ddp.is_running():
+            self._statistics()
+            return
+        channel = comm.world_channel(activity="computing the model statistics")
+        packet = None
+        if channel.is_source:
+            try:
+                self._statistics()
+                packet = comm.data_packet(None)
+            except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
+                packet = comm.error_packet(exc, context="computing the model statistics")
+        comm.open_packet(channel.broadcast(packet))
 
     def _statistics(self) -> None:
         """Energy bias by least squares and feature scales from a few frames per system."""

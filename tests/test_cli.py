@@ -253,3 +253,19 @@ def test_torchrun_bench_gathers_rows(tmp_path: Path) -> None:
     assert [r["rank"] for r in rows] == [0, 1] and all(r["world_size"] == 2 for r in rows)
     assert rows[0]["bcast_MB"] > 0 and rows[1]["bcast_MB"] == rows[0]["bcast_MB"]
     assert rows[1]["discover_s"] == 0.0  # only rank 0 walks the data tree
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_torchrun_train_fails_together(tmp_path: Path) -> None:
+    """A label missing on disk: every rank reports the same error (from the shared metadata)."""
+    data = tmp_path / "data"
+    make_system(data, "train0", natoms=5, nframes=4, keys=("energy",))  # no force.npy
+    path = _input(tmp_path)
+    done = _run(_torchrun(["train", str(path), "--rcut", "2.5", "--num-workers", "0"]),
+                tmp_path, 150)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("mdloader: error:")]
+    assert len(errors) == 2 and errors[0] == errors[1], done.stderr
+    assert errors[0].startswith("mdloader: error: a required key is missing: force; system: ")
+    assert errors[0].endswith("train0/set.000/force.npy")

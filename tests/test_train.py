@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from distributed_utils import errors, run_ranks
 
 from mdloader.config import LearningRateConfig, LossConfig, parse_config
 from mdloader.errors import ConfigError, DataError, StateDictError
@@ -211,6 +209,33 @@ def test_steps_are_required_and_epochs_convert(tmp_path: Path) -> None:
     out = train(cfg, output=str(tmp_path / "e"), num_workers=0, options=SMALL)
     # 2 systems of 6 frames, batch 2: 3 batches each, p = 1/2 -> ceil(0.5 * ceil(3 / 0.5)) = 3
     assert out.step == 3
+
+
+def _train_rank0_stats_fail(rank: int, world_size: int, raw: dict, base: str, out: str) -> None:
+    from mdloader import train as train_module
+
+    if rank == 0:
+        def boom(self: object) -> None:
+            raise DataError("synthetic statistics failure", system="sysX", file="sysX/e.npy")
+
+        train_module._Trainer._statistics = boom  # type: ignore[method-assign]
+    train(parse_config(raw, base_dir=base), output=out, num_workers=0, options=SMALL)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_rank0_statistics_failure_reaches_every_rank(tmp_path: Path) -> None:
+    _config(tmp_path, valid=False)  # writes the data
+    raw = {"training": {"training_data": {"systems": ["data/sys0", "data/sys1"],
+                                          "batch_size": 1}, "numb_steps": 2}}
+    outcomes = run_ranks(_train_rank0_stats_fail, 2, raw, str(tmp_path), str(tmp_path / "o"),
+                         timeout=90)
+    failed = errors(outcomes)
+    assert [e.rank for e in failed] == [0, 1]
+    for e in failed:
+        assert e.exc_type == "RemoteError"
+        assert e.message.startswith("rank 0 failed (computing the model statistics): DataError: "
+                                    "synthetic statistics failure; system: sysX")
 
 
 @pytest.mark.slow
