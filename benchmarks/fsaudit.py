@@ -17,7 +17,7 @@ import re
 from collections import Counter
 from typing import Any
 
-_LINE = re.compile(r"^(\d+) (\d+\.\d+) (.*)$")
+_LINE = re.compile(r"^(\d+)\s+(\d+\.\d+) (.*)$")
 _CLONE = re.compile(r"^(?:<\.\.\. )?(clone3?|fork|vfork)\b.*= (\d+)$")
 _CALL = re.compile(r"^([a-z0-9_]+)\((.*)$")
 _CWD = re.compile(r"AT_FDCWD<[^>]*>")
@@ -57,9 +57,14 @@ def parse_trace(path: str, rank_pids: dict[int, int], data_root: str) -> dict[in
             continue
         if _under(args, root, data_root):
             counts[r][name] += 1
-    return {r: {"fs_calls": sum(c.values()), "by_call": dict(c),
-                "window_s": (windows[r][1] - windows[r][0]) if r in windows else None}
+    return {r: {"fs_calls": sum(c.values()) if None not in windows[r] else None,
+                "by_call": dict(c), "window_s": _span(windows[r])}
             for r, c in counts.items()}
+
+
+def _span(window: tuple[float | None, float | None]) -> float | None:
+    lo, hi = window
+    return None if lo is None or hi is None else hi - lo
 
 
 def _under(args: str, root: str, bare_root: str) -> bool:

@@ -22,6 +22,8 @@ class Adapter:
     """What the benchmark needs from a loader."""
 
     name = "?"
+    report: dict[str, Any] = {}
+    """The loader's own account of its build phases, when it gives one."""
 
     def load(self) -> None:
         """Import the package (outside the measured build)."""
@@ -74,10 +76,23 @@ class MdloaderAdapter(Adapter):
     name = "mdloader"
 
     def load(self) -> None:
+        import mdloader.build as build
         import mdloader.loader as loader
         from mdloader.schema import DataRequirementItem
 
         self._loader, self._item = loader, DataRequirementItem
+        original = build.build_systems_with_report
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            datasets, report = original(*args, **kwargs)
+            self.report = {"discovery_s": report.discovery_seconds,
+                           "build_s": report.build_seconds,
+                           "broadcast_s": report.broadcast_seconds,
+                           "payload_bytes": report.payload_bytes,
+                           "build_threads": report.num_workers}
+            return datasets, report
+
+        build.build_systems_with_report = recording
 
     def build(self, systems: Any, batch_size: Any, seed: int, rank: int) -> Any:
         return self._loader.DpLoaderSet(systems, batch_size, TYPE_MAP, seed=seed)

@@ -2,7 +2,7 @@
 
 One command::
 
-    python -m benchmarks.run --quick      # < 5 minutes: 100 and 2 000 systems, W = 1, 2
+    python -m benchmarks.run --quick      # < 5 minutes: 100 and 2 000 systems, W = 2
     python -m benchmarks.run --full       # the whole matrix: 100 … 100 000 systems, W = 1, 2, 4
 
 For every (number of systems, world size) the two loaders run alternately (the order flips on
@@ -31,10 +31,11 @@ from benchmarks.generate import DEFAULT_BASE, ensure_dataset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES: dict[str, dict[str, Any]] = {
-    "quick": {"nsys": [100, 2000], "worlds": [1, 2], "reps": 2, "seconds": 1.5,
+    "quick": {"nsys": [100, 2000], "worlds": [2], "reps": 2, "seconds": 1.0,
               "strace_worlds": [2], "timeout": 300},
     "full": {"nsys": [100, 2000, 10000, 100000], "worlds": [1, 2, 4], "reps": 3, "seconds": 4.0,
-             "strace_worlds": [2, 4], "timeout": 3600, "reps_at": {100000: 1}},
+             "strace_worlds": [2, 4], "timeout": 3600, "reps_at": {100000: 1},
+             "strace_max_nsys": 10000},
 }
 
 
@@ -54,6 +55,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-strace", action="store_true")
     p.add_argument("--out", help="JSON-lines output (default benchmarks/results/<mode>.jsonl)")
     p.add_argument("--no-report", action="store_true", help="do not rewrite docs/benchmarks.md")
+    p.add_argument("--merge", nargs="*", help="earlier results files to report together with "
+                   "this run (e.g. a quick run plus one 100 000-system configuration)")
     p.set_defaults(mode="quick")
     return p.parse_args(argv)
 
@@ -70,13 +73,13 @@ def _python_for(impl: str, args: argparse.Namespace) -> str | None:
 
 
 def launch(python: str, impl: str, root: str, world: int, *, seconds: float, build_only: bool,
-           strace_to: str | None, timeout: float) -> tuple[list[dict[str, Any]], str]:
+           strace_to: str | None, timeout: float, rep: int = 0) -> tuple[list[dict[str, Any]], str]:
     """One torchrun launch; returns the ranks' records and the tail of its output."""
     tmp = tempfile.mkdtemp(prefix="mdl-bench-")
     out = os.path.join(tmp, "r")
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            "-m", "benchmarks.worker", "--impl", impl, "--data", root, "--out", out,
-           "--seconds", str(seconds)]
+           "--seconds", str(seconds), "--rep", str(rep)]
     if build_only:
         cmd.append("--build-only")
     if strace_to:
@@ -104,7 +107,7 @@ def _emit(fh: Any, base: dict[str, Any], recs: list[dict[str, Any]], tail: str) 
     if len(recs) != base["world"]:
         fh.write(json.dumps({**base, "error": tail or "missing rank records"}) + "\n")
     for rec in recs:
-        fh.write(json.dumps({**base, **rec}) + "\n")
+        fh.write(json.dumps({**rec, **base}) + "\n")
     fh.flush()
 
 
@@ -115,7 +118,8 @@ def timed_runs(fh: Any, pythons: dict[str, str], root: str, nsys: int, world: in
         for impl in (order if rep % 2 == 0 else order[::-1]):
             t0 = time.monotonic()
             recs, tail = launch(pythons[impl], impl, root, world, seconds=cfg["seconds"],
-                                build_only=False, strace_to=None, timeout=cfg["timeout"])
+                                build_only=False, strace_to=None, timeout=cfg["timeout"],
+                                rep=rep)
             base = {"kind": "timed", "mode": args.mode, "impl": impl, "nsys": nsys,
                     "world": world, "rep": rep, "wall_s": round(time.monotonic() - t0, 2)}
             _emit(fh, base, recs, tail)
@@ -164,13 +168,14 @@ def main(argv: list[str] | None = None) -> int:
             reps = cfg.get("reps_at", {}).get(nsys, cfg["reps"]) if not args.reps else args.reps
             for world in cfg["worlds"]:
                 timed_runs(fh, pythons, root, nsys, world, reps, args, cfg)
-                if strace_ok and world in cfg["strace_worlds"]:
+                if (strace_ok and world in cfg["strace_worlds"]
+                        and nsys <= cfg.get("strace_max_nsys", nsys)):
                     strace_runs(fh, pythons, root, nsys, world, cfg)
     print(f"results: {out}", flush=True)
     if not args.no_report:
         from benchmarks import report
 
-        report.main([out])
+        report.main([out] + list(args.merge or []))
     return 0
 
 

@@ -34,6 +34,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=3.0, help="timed window per throughput run")
     p.add_argument("--max-batches", type=int, default=20000)
     p.add_argument("--build-only", action="store_true")
+    p.add_argument("--rep", type=int, default=0, help="repetition label copied to the record")
     return p.parse_args(argv)
 
 
@@ -63,6 +64,7 @@ def build_phase(adapter: Any, args: argparse.Namespace, rank: int, dist: Any,
         "nsys": len(loader_set.systems),
         "nframes": int(sum(len(s) for s in loader_set.systems)),
         **coll.summary(since=t0),
+        "impl_report": dict(adapter.report),
     }
     rec["rss_growth_kib"] = rec["rss_after_kib"] - rss0
     rec["peak_growth_kib"] = rec["peak_kib"] - rss0
@@ -108,11 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     _barrier(dist)
-    rec: dict[str, Any] = {"impl": args.impl, "rank": rank, "world": world, "pid": os.getpid(),
+    rec: dict[str, Any] = {"kind": "timed", "impl": args.impl, "rep": args.rep,
+                           "rank": rank, "world": world, "pid": os.getpid(),
                            "data": args.data, "batch_size": args.batch_size,
-                           "import_s": time.monotonic() - t_start}
+                           "import_s": time.monotonic() - t_start,
+                           "loadavg_1min": os.getloadavg()[0]}
     loader_set, build = build_phase(adapter, args, rank, dist, coll)
     rec["build"] = build
+    rec["nsys"] = build["nsys"]
     if not args.build_only:
         rec["throughput"] = throughput_phase(adapter, loader_set, args, dist)
     with open(f"{args.out}.rank{rank}.json", "w") as fh:

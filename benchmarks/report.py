@@ -1,0 +1,190 @@
+"""Write ``docs/benchmarks.md`` (tables, targets) and ``docs/img/bench_*.png`` from a results file.
+
+Usage: ``python -m benchmarks.report benchmarks/results/quick.jsonl [--docs docs/benchmarks.md]``
+(:mod:`benchmarks.run` calls it at the end of a run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Any
+
+from benchmarks import aggregate as agg
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MD, DP = "mdloader", "deepmd"
+TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report_text.md")
+
+
+def _f(x: float | None, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}"
+
+
+def _ratio(num: float | None, den: float | None) -> str:
+    if num is None or den is None or den == 0 or math.isnan(num) or math.isnan(den):
+        return "–" if not (den == 0 and num) else "∞"
+    return f"{num / den:.1f}×"
+
+
+def _configs(med: dict[agg.Key, dict[str, float]]) -> list[tuple[int, int]]:
+    return sorted({(n, w) for (_i, n, w) in med})
+
+
+def _get(med: dict, impl: str, n: int, w: int, name: str) -> float | None:
+    return med.get((impl, n, w), {}).get(name)
+
+
+def setup_table(med: dict) -> list[str]:
+    lines = ["| systems | W | mdloader set-up s | DeePMD-kit set-up s | DeePMD ÷ mdloader | "
+             "discovery s (md / dp) | build s (md / dp) | broadcast s (md / dp) |",
+             "|---:|---:|---:|---:|---:|---|---|---|"]
+    for n, w in _configs(med):
+        g = lambda i, k: _get(med, i, n, w, k)  # noqa: E731
+        lines.append(
+            f"| {n:,} | {w} | {_f(g(MD, 'setup_s'))} | {_f(g(DP, 'setup_s'))} | "
+            f"{_ratio(g(DP, 'setup_s'), g(MD, 'setup_s'))} | "
+            f"{_f(g(MD, 'discovery_s'))} / {_f(g(DP, 'discovery_s'))} | "
+            f"{_f(g(MD, 'build_s'))} / {_f(g(DP, 'build_s'))} | "
+            f"{_f(g(MD, 'broadcast_s'))} / {_f(g(DP, 'broadcast_s'))} |")
+    return lines
+
+
+def cost_table(med: dict) -> list[str]:
+    lines = ["| systems | W | bytes broadcast (md / dp) | B per system (md / dp) | "
+             "DeePMD ÷ mdloader | RSS growth MiB rank 0 (md / dp) | other ranks (md / dp) | "
+             "DeePMD ÷ mdloader (rank 0) | FS calls rank 0 (md / dp) | FS calls other ranks "
+             "(md / dp) |", "|---:|---:|---|---|---:|---|---|---:|---|---|"]
+    for n, w in _configs(med):
+        g = lambda i, k: _get(med, i, n, w, k)  # noqa: E731
+        lines.append(
+            f"| {n:,} | {w} | {_f(g(MD, 'bytes'))} / {_f(g(DP, 'bytes'))} | "
+            f"{_f(g(MD, 'bytes_per_sys'))} / {_f(g(DP, 'bytes_per_sys'))} | "
+            f"{_ratio(g(DP, 'bytes'), g(MD, 'bytes'))} | "
+            f"{_f(g(MD, 'rss_growth_r0_mib'))} / {_f(g(DP, 'rss_growth_r0_mib'))} | "
+            f"{_f(g(MD, 'rss_growth_rn_mib'))} / {_f(g(DP, 'rss_growth_rn_mib'))} | "
+            f"{_ratio(g(DP, 'rss_growth_r0_mib'), g(MD, 'rss_growth_r0_mib'))} | "
+            f"{_f(g(MD, 'fs_r0'))} / {_f(g(DP, 'fs_r0'))} | "
+            f"{_f(g(MD, 'fs_rn'))} / {_f(g(DP, 'fs_rn'))} |")
+    return lines
+
+
+def throughput_table(med: dict) -> list[str]:
+    lines = ["| systems | W | workers | batches/s per rank (md / dp) | mdloader ÷ DeePMD | "
+             "frames/s (md / dp) | atoms/s (md / dp) | raw-read limit batches/s | "
+             "% of limit (md / dp) |", "|---:|---:|---:|---|---:|---|---|---:|---|"]
+    for n, w in _configs(med):
+        g = lambda i, k: _get(med, i, n, w, k)  # noqa: E731
+        for nw in ("nw0", "nw2"):
+            if g(MD, f"{nw}_batches_ps") is None and g(DP, f"{nw}_batches_ps") is None:
+                continue
+            pct = lambda i: _f(100 * g(i, f"{nw}_raw_frac") if g(i, f"{nw}_raw_frac") else None)  # noqa: E731,E501
+            lines.append(
+                f"| {n:,} | {w} | {nw[2:]} | {_f(g(MD, f'{nw}_batches_ps'))} / "
+                f"{_f(g(DP, f'{nw}_batches_ps'))} | "
+                f"{_ratio(g(MD, f'{nw}_batches_ps'), g(DP, f'{nw}_batches_ps'))} | "
+                f"{_f(g(MD, f'{nw}_frames_ps'))} / {_f(g(DP, f'{nw}_frames_ps'))} | "
+                f"{_f(g(MD, f'{nw}_atoms_ps'))} / {_f(g(DP, f'{nw}_atoms_ps'))} | "
+                f"{_f(g(MD, 'raw_bps'))} | {pct(MD)} / {pct(DP)} |")
+    return lines
+
+
+def targets(med: dict) -> list[str]:
+    """The issue's targets at 10 000 systems, W = 2 (or the largest W = 2 configuration run)."""
+    cands = sorted(n for (i, n, w) in med if w == 2 and i == MD and (DP, n, w) in med)
+    if not cands:
+        return ["No W = 2 configuration with both loaders in this run."]
+    n = 10000 if 10000 in cands else cands[-1]
+    g = lambda i, k: _get(med, i, n, 2, k)  # noqa: E731
+    rows = [
+        ("set-up (discovery + build + broadcast) ≥ 10× faster (DeePMD ÷ md)", g(DP, "setup_s"),
+         g(MD, "setup_s"), 10, "ratio"),
+        ("bytes broadcast ≥ 10× fewer (DeePMD ÷ md)", g(DP, "bytes"), g(MD, "bytes"), 10, "ratio"),
+        ("RSS growth ≤ 1/4 of DeePMD-kit's, rank 0 (need ≥ 4×)", g(DP, "rss_growth_r0_mib"), g(MD, "rss_growth_r0_mib"), 4,
+         "ratio"),
+        ("RSS growth ≤ 1/4 of DeePMD-kit's, other ranks (need ≥ 4×)", g(DP, "rss_growth_rn_mib"),
+         g(MD, "rss_growth_rn_mib"), 4, "ratio"),
+        ("batches/s ≥ 3× DeePMD-kit's, workers 0 (md ÷ DeePMD)", g(MD, "nw0_batches_ps"), g(DP, "nw0_batches_ps"), 3,
+         "ratio"),
+        ("batches/s ≥ 3× DeePMD-kit's, workers 2 (md ÷ DeePMD)", g(MD, "nw2_batches_ps"), g(DP, "nw2_batches_ps"), 3,
+         "ratio"),
+    ]
+    out = [f"Measured at **{n:,} systems, W = 2**"
+           + ("" if n == 10000 else " (10 000 was not part of this run)") + ".", "",
+           "| target | measured | met? |", "|---|---:|:---:|"]
+    for label, num, den, need, _ in rows:
+        ok = None if num is None or den is None or den == 0 else num / den >= need
+        out.append(f"| {label} | {_ratio(num, den)} | {_mark(ok)} |")
+    fs = g(MD, "fs_rn")
+    out.append(f"| zero FS calls under the data tree from rank 1 | {_f(fs)} "
+               f"(DeePMD-kit: {_f(g(DP, 'fs_rn'))}) | {_mark(None if fs is None else fs == 0)} |")
+    for nw in ("nw0", "nw2"):
+        frac = g(MD, f"{nw}_raw_frac")
+        out.append(f"| ≥ 50 % of the raw-read limit (workers {nw[2:]}) | "
+                   f"{_f(None if frac is None else 100 * frac)} % | "
+                   f"{_mark(None if frac is None else frac >= 0.5)} |")
+    big = _get(med, MD, 100000, 2, "setup_s") or _get(med, MD, 100000, 1, "setup_s")
+    out.append(f"| 100 000 systems: whole build < 30 s | {_f(big)} s | "
+               f"{_mark(None if big is None else big < 30)} |")
+    return out
+
+
+def _mark(ok: bool | None) -> str:
+    return "–" if ok is None else ("yes" if ok else "**no**")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("results", nargs="+", help="one or more JSON-lines files (merged)")
+    p.add_argument("--docs", default=os.path.join(REPO, "docs", "benchmarks.md"))
+    args = p.parse_args(argv)
+    meta, rows = agg.load_many(args.results)
+    med = agg.medians(rows)
+    img_dir = os.path.join(os.path.dirname(args.docs), "img")
+    from benchmarks import plots
+
+    images = plots.write_all(med, img_dir)
+    body = render(meta, med, agg.errors(rows), images,
+                  ", ".join(os.path.relpath(r, REPO) for r in args.results))
+    os.makedirs(os.path.dirname(args.docs), exist_ok=True)
+    with open(args.docs, "w") as fh:
+        fh.write(body)
+    print(f"wrote {args.docs}")
+    return 0
+
+
+def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
+           results: str) -> str:
+    with open(TEXT) as fh:
+        text = fh.read()
+    cfg = meta.get("cfg", {})
+    run = (f"Mode `{meta.get('mode')}`, started {meta.get('started')}, {meta.get('cpus')} CPUs; "
+           f"systems {cfg.get('nsys')}, world sizes {cfg.get('worlds')}, "
+           f"{cfg.get('reps')} repetitions (medians), {cfg.get('seconds')} s per throughput "
+           f"window. Raw results: `{results}`.")
+    loads = [v["loadavg_1min"] for v in med.values()
+             if not math.isnan(v.get("loadavg_1min", float("nan")))]
+    if loads:
+        run += (f" Machine load (1-min load average at the start of each run, median per "
+                f"configuration): {min(loads):.1f}–{max(loads):.1f} on {meta.get('cpus')} CPUs "
+                "shared with other work, so absolute times are noisy; the two loaders alternate "
+                "so that their ratios see the same conditions.")
+    if meta.get("skipped"):
+        run += f" Skipped (not installed): {meta['skipped']}."
+    if errs:
+        run += f" **{len(errs)} failed run(s)**: " + "; ".join(
+            f"{e.get('impl')} nsys={e.get('nsys')} W={e.get('world')}" for e in errs)
+    figs = "\n\n".join(f"![{os.path.basename(i)}](img/{os.path.basename(i)})" for i in images)
+    return text.format(run=run, targets="\n".join(targets(med)),
+                       setup="\n".join(setup_table(med)), costs="\n".join(cost_table(med)),
+                       throughput="\n".join(throughput_table(med)), figures=figs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
