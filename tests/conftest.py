@@ -15,3 +15,20 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data is not present")
     return SHARED_DATA
+
+
+@pytest.fixture(autouse=True)
+def _restore_mdloader_logger():
+    """``mdloader.cli.main`` configures the ``mdloader`` logger for a process (handlers on
+    stderr, no propagation); undo it after each test so caplog and later tests see the default."""
+    import logging
+
+    logger = logging.getLogger("mdloader")
+    before = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    for handler in list(logger.handlers):
+        if handler not in before[0]:
+            logger.removeHandler(handler)
+            handler.close()
+    logger.setLevel(before[1])
+    logger.propagate = before[2]
