@@ -3,17 +3,20 @@
 Both follow DeePMD-kit's PyTorch backend so that the numbers in ``lcurve.out`` mean the same
 thing: the learning rate decays exponentially in steps of ``decay_steps`` to reach ``stop_lr``
 at the last step, and the loss prefactors move from ``start_pref_*`` to ``limit_pref_*`` in
-proportion to ``lr / start_lr``.
+proportion to ``lr / start_lr``. The number of steps follows DeePMD-kit too, including its
+conversion from ``numb_epoch``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
+import numpy as np
 import torch
 
-from .config import LearningRateConfig, LossConfig
+from .config import Config, LearningRateConfig, LossConfig
 from .errors import ConfigError
 
 
@@ -85,3 +88,20 @@ def rmse_columns(mse: dict[str, float]) -> dict[str, float]:
     """``rmse``, ``rmse_e`` (per atom) and ``rmse_f`` from averaged squared errors."""
     return {"rmse": math.sqrt(mse["mse"]), "rmse_e": math.sqrt(mse["mse_e"]),
             "rmse_f": math.sqrt(mse["mse_f"])}
+
+
+def resolve_numb_steps(config: Config, override: int | None, nbatch: Sequence[int],
+                       probs: np.ndarray) -> int:
+    """``--numb-steps``, else ``numb_steps``, else DeePMD-kit's steps from ``numb_epoch``:
+    ``ceil(numb_epoch * ceil(max_i nb_i / p_i))`` with ``nb_i`` the batches on this rank
+    (the same on every rank, so no broadcast is needed, unlike DeePMD-kit's #5570)."""
+    if override is not None:
+        return override
+    if config.numb_steps is not None:
+        return config.numb_steps
+    if config.numb_epoch is not None:
+        nb, p = np.asarray(nbatch, dtype=np.float64), np.asarray(probs, dtype=np.float64)
+        per_epoch = (nb[p > 0] / p[p > 0]).max()  # systems never drawn do not count
+        return max(1, math.ceil(config.numb_epoch * math.ceil(per_epoch)))
+    raise ConfigError("mdloader train needs the number of steps: give training.numb_steps, "
+                      "training.numb_epoch or --numb-steps", path="training.numb_steps")

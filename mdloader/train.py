@@ -12,8 +12,8 @@ exactly those an uninterrupted run would have drawn.
 from __future__ import annotations
 
 import logging
-import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -27,7 +27,7 @@ from .config import Config, DataConfig
 from .errors import ConfigError, StateDictError
 from .loader import DpLoaderSet, default_num_workers, get_sampler_from_params
 from .model import RadialPotential, fit_energy_bias
-from .objective import EnergyForceLoss, ExpDecayLR, rmse_columns
+from .objective import EnergyForceLoss, ExpDecayLR, resolve_numb_steps, rmse_columns
 from .samplers import StatefulLoader
 from .schema import DataRequirementItem
 from .trainio import Lcurve, load_checkpoint, save_checkpoint
@@ -66,6 +66,10 @@ def train(config: Config, *, output: str = ".", restart: str | None = None,
           numb_steps: int | None = None, stop_after: int | None = None,
           num_workers: int | None = None, options: ModelOptions = ModelOptions()) -> TrainResult:
     """Train; ``stop_after`` ends this run early (with a checkpoint) as a job time limit would."""
+    if stop_after is not None and stop_after < 1:
+        raise ConfigError(f"must be a positive step, got {stop_after}", path="--stop-after")
+    if numb_steps is not None and numb_steps < 1:
+        raise ConfigError(f"must be a positive integer, got {numb_steps}", path="--numb-steps")
     with ddp.process_group() as world:
         return _Trainer(config, world, output=output, numb_steps=numb_steps,
                         num_workers=num_workers, options=options).run(restart, stop_after)
@@ -77,24 +81,6 @@ def _loader_set(data: DataConfig, config: Config, world: World, seed: int | None
                      rglob_patterns=data.rglob_patterns, world=world)
     ls.add_data_requirement(LABELS)
     return ls
-
-
-def resolve_numb_steps(config: Config, override: int | None, ls: DpLoaderSet,
-                       probs: np.ndarray) -> int:
-    """``--numb-steps``, else ``numb_steps``, else DeePMD-kit's steps from ``numb_epoch``."""
-    if override is not None:
-        if override < 1:
-            raise ConfigError(f"must be a positive integer, got {override}", path="--numb-steps")
-        return override
-    if config.numb_steps is not None:
-        return config.numb_steps
-    if config.numb_epoch is not None:
-        nb = np.asarray(ls.index, dtype=np.float64)
-        with np.errstate(divide="ignore"):
-            per_epoch = np.where(probs > 0, nb / np.where(probs > 0, probs, 1), 0).max()
-        return max(1, math.ceil(config.numb_epoch * math.ceil(per_epoch)))
-    raise ConfigError("mdloader train needs the number of steps: give training.numb_steps, "
-                      "training.numb_epoch or --numb-steps", path="training.numb_steps")
 
 
 class _Trainer:
@@ -110,7 +96,7 @@ class _Trainer:
                                           num_workers=workers)
         self.loader = StatefulLoader(self.train_set, sampler, num_workers=workers,
                                      pin_memory=self.device.type == "cuda")
-        self.numb_steps = resolve_numb_steps(config, numb_steps, self.train_set,
+        self.numb_steps = resolve_numb_steps(config, numb_steps, self.train_set.index,
                                              sampler.weights.numpy())
         self.train_set.print_summary("training", sampler.weights.tolist())
         self.valid = self._validation_loader()
@@ -254,7 +240,11 @@ class _Trainer:
         pred = self._forward(self.ddp_model, batch, create_graph=True)
         loss, mse = self.loss_fn(pred, self._labels(batch), lr)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        with warnings.catch_warnings():
+            # The [1, H] output weight gets a grad with strides (1, 1) instead of (H, 1): the
+            # same memory layout for a size-1 dimension, yet DDP's reducer warns once per rank.
+            warnings.filterwarnings("ignore", message="Grad strides do not match bucket view")
+            loss.backward()
         self.optimizer.step()
         return mse
 

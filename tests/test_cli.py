@@ -138,6 +138,12 @@ def test_config_errors_exit_2_without_traceback(tmp_path: Path,
     assert "cannot read the input file" in capsys.readouterr().err
     assert main(["bench", str(path), "--batches", "0"]) == 2
     assert main(["train", str(path), "--rcut", "0"]) == 2
+    good = _input(tmp_path)
+    capsys.readouterr()
+    assert main(["train", str(good), "--stop-after", "0"]) == 2
+    assert capsys.readouterr().err.strip() == ("mdloader: error: --stop-after: must be a "
+                                               "positive step, got 0")
+    assert main(["train", str(good), "--numb-steps", "-1", "--rcut", "2.5"]) == 2
 
 
 def test_bench_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
