@@ -20,6 +20,17 @@ _EXPORTS = {
     "discover_systems": "mdloader.discovery",
     "collate_batch": "mdloader.collate",
     "World": "mdloader.world",
+    "DpLoaderSet": "mdloader.loader",
+    "get_weighted_sampler": "mdloader.loader",
+    "get_sampler_from_params": "mdloader.loader",
+    "WeightedSystemSampler": "mdloader.samplers",
+    "StatefulLoader": "mdloader.samplers",
+    "BatchKey": "mdloader.samplers",
+    "build_systems": "mdloader.build",
+    "build_systems_with_report": "mdloader.build",
+    "BroadcastingDataLoader": "mdloader.broadcasting",
+    "is_source_rank": "mdloader.broadcasting",
+    "broadcast_batch": "mdloader.broadcasting",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

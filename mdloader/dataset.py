@@ -49,9 +49,12 @@ class DeepmdDataSetForLoader(Dataset):
         return cls(meta)
 
     def _reset(self) -> None:
-        self._requirements = merge_requirements(default_requirements(self._meta.pbc), self._extra)
+        # Shared tuples and lazily computed arrays: a dataset costs little until it is read.
+        defaults = default_requirements(self._meta.pbc)
+        self._requirements = (merge_requirements(defaults, self._extra) if self._extra
+                              else defaults)
         self._order: AtomOrder | None = None
-        self._prefix = np.cumsum([s.nframes for s in self._meta.sets])
+        self._prefix: np.ndarray | None = None
 
     # -- pickling: metadata and requirements only ------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -107,9 +110,8 @@ class DeepmdDataSetForLoader(Dataset):
         self._reset()
 
     def _check_requirement(self, req: DataRequirementItem) -> None:
-        order = self._atom_order()
         io = backend_of(self._meta.location)
-        accepted = expected_widths(req, order)
+        accepted = expected_widths(req, self._meta.atom_types)
         for s in self._meta.sets:
             stem = _stem_in_set(s, req.key)
             if stem is None:
@@ -162,6 +164,8 @@ class DeepmdDataSetForLoader(Dataset):
     def _read(self, fids: Sequence[int]) -> tuple[dict[str, np.ndarray | None],
                                                  dict[str, list[np.float32]]]:
         fid_arr = self._check_fids(fids)
+        if self._prefix is None:
+            self._prefix = np.cumsum([s.nframes for s in self._meta.sets])
         set_idx = np.searchsorted(self._prefix, fid_arr, side="right")
         starts = np.concatenate([[0], self._prefix[:-1]])
         k = len(fid_arr)

@@ -101,16 +101,16 @@ def _type_sel(req: DataRequirementItem, rows: np.ndarray, order: AtomOrder,
         found=width)
 
 
-def expected_widths(req: DataRequirementItem, order: AtomOrder) -> tuple[int, ...]:
+def expected_widths(req: DataRequirementItem, atom_types: np.ndarray) -> tuple[int, ...]:
     """Widths on disk a requirement accepts (checked against headers before any read)."""
-    natoms = order.atom_types.shape[0]
+    natoms = atom_types.shape[0]
     if req.is_hessian:
         return (9 * natoms * natoms,)
     if not req.atomic:
         return (req.ndof,)
     if req.type_sel is None:
         return (natoms * req.ndof,)
-    nsel = int(np.isin(order.atom_types, req.type_sel).sum())
+    nsel = int(np.isin(atom_types, req.type_sel).sum())
     return (nsel * req.ndof, natoms * req.ndof)
 
 

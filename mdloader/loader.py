@@ -32,6 +32,7 @@ from .batching import batches_per_rank, resolve_batch_sizes
 from .dataset import DeepmdDataSetForLoader
 from .errors import ConfigError, StateDictError
 from .probability import select_prob_source, system_probabilities
+from .schema import as_requirement
 from .samplers import STATE_VERSION, BatchKey, FrameOrder, WeightedSystemSampler
 from .sampling import normalize_seed
 from .system import SystemMeta
@@ -211,8 +212,10 @@ class DpLoaderSet(Dataset):
         return batch
 
     def add_data_requirement(self, data_requirement: Sequence[Any]) -> None:
+        # Convert once, so every system shares the same requirement objects.
+        items = [as_requirement(item) for item in data_requirement]
         for system in self.systems:
-            system.add_data_requirement(data_requirement)
+            system.add_data_requirement(items)
 
     def preload_and_modify_all_data_torch(self) -> None:
         """DeePMD-kit compatibility: nothing to do without a modifier."""

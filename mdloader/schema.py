@@ -152,13 +152,21 @@ def as_requirement(item: Any) -> DataRequirementItem:
     raise ConfigError(f"not a data requirement: {item!r}")
 
 
-def default_requirements(pbc: bool) -> list[DataRequirementItem]:
-    """What every DeePMD system provides: box (required when periodic), coord, numb_copy."""
-    return [
-        DataRequirementItem("box", 9, must=pbc),
-        DataRequirementItem("coord", 3, atomic=True, must=True),
-        DataRequirementItem("numb_copy", 1, must=False, default=1, dtype=int),
-    ]
+_DEFAULTS: dict[bool, tuple[DataRequirementItem, ...]] = {}
+
+
+def default_requirements(pbc: bool) -> tuple[DataRequirementItem, ...]:
+    """What every DeePMD system provides: box (required when periodic), coord, numb_copy.
+
+    One shared tuple per periodicity: 100 000 datasets must not each carry their own copies.
+    """
+    if pbc not in _DEFAULTS:
+        _DEFAULTS[pbc] = (
+            DataRequirementItem("box", 9, must=pbc),
+            DataRequirementItem("coord", 3, atomic=True, must=True),
+            DataRequirementItem("numb_copy", 1, must=False, default=1, dtype=int),
+        )
+    return _DEFAULTS[pbc]
 
 
 def merge_requirements(
