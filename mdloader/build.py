@@ -54,7 +54,8 @@ class BuildReport:
     nframes: int
     discovery_seconds: float
     build_seconds: float
-    broadcast_seconds: float
+    broadcast_seconds: float  # on other ranks: includes the wait for rank 0
+    verify_seconds: float  # unpickle, check every entry, wrap, compare digests
     payload_bytes: int
     num_workers: int
     world_size: int
@@ -63,7 +64,8 @@ class BuildReport:
         return (f"built {self.nsys} systems ({self.nframes} frames) with {self.num_workers} "
                 f"threads: discovery {self.discovery_seconds:.2f} s, build "
                 f"{self.build_seconds:.2f} s, broadcast {self.broadcast_seconds:.2f} s of "
-                f"{self.payload_bytes} bytes to {self.world_size} ranks")
+                f"{self.payload_bytes} bytes to {self.world_size} ranks, verification "
+                f"{self.verify_seconds:.2f} s")
 
 
 def resolve_workers(num_workers: int | None = None) -> int:
@@ -128,7 +130,7 @@ def build_systems_with_report(
                                                progress)
         except _SystemFailed as failed:
             raise failed.original() from None
-        report = _report(metas, times, 0.0, 0, workers, 1)
+        report = _report(metas, times + (0.0, 0.0), 0, workers, 1)
         log.info(report.summary())
         return [DeepmdDataSetForLoader.from_meta(m) for m in metas], report
     channel = comm.world_channel(timeout, activity=CONTEXT)
@@ -138,11 +140,12 @@ def build_systems_with_report(
                                                   num_workers, progress)
     start = time.monotonic()
     packet = channel.broadcast(packet)
-    received = comm.open_packet(packet)  # every rank raises RemoteError here if rank 0 failed
-    datasets, problem = _verify(received, packet.count)
+    received = time.monotonic()
+    metas = comm.open_packet(packet)  # every rank raises RemoteError here if rank 0 failed
+    datasets, problem = _verify(metas, packet.count)
     channel.agree(comm.digest(packet.payload), problem)
-    report = _report(received, times, time.monotonic() - start, len(packet.payload), workers,
-                     world.world_size)
+    report = _report(metas, times + (received - start, time.monotonic() - received),
+                     len(packet.payload), workers, world.world_size)
     if world.is_main:
         log.info(report.summary())
     return datasets, report
@@ -249,9 +252,8 @@ def _verify(received: Any, count: int) -> tuple[list[DeepmdDataSetForLoader], st
     return datasets, None
 
 
-def _report(metas: list[SystemMeta], times: tuple[float, float], broadcast: float,
-            nbytes: int, workers: int, world_size: int) -> BuildReport:
-    return BuildReport(nsys=len(metas), nframes=sum(m.nframes for m in metas),
-                       discovery_seconds=times[0], build_seconds=times[1],
-                       broadcast_seconds=broadcast, payload_bytes=nbytes, num_workers=workers,
-                       world_size=world_size)
+def _report(metas: list[SystemMeta], times: tuple[float, ...], nbytes: int, workers: int,
+            world_size: int) -> BuildReport:
+    """``times``: discovery, build, broadcast (with the wait for rank 0), verification."""
+    return BuildReport(len(metas), sum(m.nframes for m in metas), *times, payload_bytes=nbytes,
+                       num_workers=workers, world_size=world_size)

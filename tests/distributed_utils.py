@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -136,7 +137,7 @@ def _collect(pipes: list[Any], procs: list[Any], deadline: float) -> list[Any]:
         for pipe in ready:
             rank = pending.pop(pipe)
             try:
-                outcomes[rank] = pipe.recv()
+                outcomes[rank] = pickle.loads(pipe.recv_bytes())
             except EOFError:  # died without reporting (segfault, abort, os._exit)
                 procs[rank].join(5)
                 outcomes[rank] = RankError(rank, "ProcessDied",
@@ -170,8 +171,10 @@ def _child(writer: Any, fn: Callable[..., Any], rank: int, world_size: int, port
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent
         outcome = RankError(rank, type(exc).__name__, str(exc), traceback.format_exc(),
                             time.time(), exc)
+    # Plain pickle: multiprocessing's pickler would share tensors through file descriptors
+    # that die with this process.
     try:
-        writer.send(outcome)
+        data = pickle.dumps(outcome)
     except Exception:  # noqa: BLE001 - the value or exception could not be pickled
         if isinstance(outcome, RankError):
             outcome = RankError(rank, outcome.exc_type, outcome.message, outcome.traceback,
@@ -179,7 +182,8 @@ def _child(writer: Any, fn: Callable[..., Any], rank: int, world_size: int, port
         else:
             outcome = RankError(rank, "UnpicklableResult", repr(outcome.value)[:200], "",
                                 outcome.finished_at)
-        writer.send(outcome)
+        data = pickle.dumps(outcome)
+    writer.send_bytes(data)
     writer.close()
     if init_group and dist.is_initialized():
         _teardown(dist)

@@ -102,10 +102,12 @@ def _broadcast_object(rank: int, world: int, obj: object) -> tuple[object, int, 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [2, 4])
-def test_broadcast_reaches_every_rank(world: int) -> None:
-    obj = {"x": list(range(1000)), "s": "é" * 10}
+@pytest.mark.parametrize("size", [1000, 100_000])
+def test_broadcast_reaches_every_rank(world: int, size: int) -> None:
+    obj = {"x": list(range(size)), "s": "é" * 10, "t": torch.arange(size)}
     got = values(run_ranks(_broadcast_object, world, obj))
-    assert [g[0] for g in got] == [obj] * world
+    for g in got:
+        assert g[0]["x"] == obj["x"] and torch.equal(g[0]["t"], obj["t"])
     assert [g[1] for g in got] == [len(obj)] * world
     assert [g[2] for g in got] == [World(r, world, r, world) for r in range(world)]
 
@@ -168,7 +170,7 @@ def _bad_header(rank: int, world: int, field: int) -> None:
 
     channel = comm.world_channel(20)
     if rank == 0:
-        header = torch.tensor([comm.MAGIC, comm.PROTOCOL_VERSION, 1, 0, 0], dtype=torch.int64)
+        header = comm.header_tensor(comm.Packet(comm.Kind.DATA, b""))
         header[field] = 99
         dist.broadcast(header, src=0, group=channel.group)
     else:
@@ -248,3 +250,8 @@ def test_cpu_group_is_reused_until_the_default_group_changes() -> None:
     from distributed_utils import free_port
 
     assert values(run_ranks(_group_cache, 2, free_port())) == [(True, True, True)] * 2
+
+
+def test_header_tensor() -> None:
+    header = comm.header_tensor(comm.Packet(comm.Kind.STOP, b"", 4))
+    assert header.tolist() == [comm.MAGIC, comm.PROTOCOL_VERSION, int(comm.Kind.STOP), 0, 4]
