@@ -1,0 +1,404 @@
+"""The docs never lie: the code blocks and commands of the README, docs/ and examples/ run here.
+
+Conventions (also explained on the docs' home page):
+
+* Every fenced block names its language. ``python`` blocks run; the blocks of one page run in
+  order as one script, in a scratch folder holding a link to the repository's ``examples/``.
+  ``bash`` and ``console`` commands then run, in order, from the same folder (``console``:
+  lines starting with ``$ `` are commands, the lines after them the expected output, compared
+  with ``...`` standing for any text and any whitespace run matching any other). ``json`` blocks must parse, and a
+  ``json`` block with a ``training`` section must pass mdloader's ``input.json`` checker.
+  ``text`` blocks (diagrams, outputs) are shown only.
+* An HTML comment right before a block changes how it is tested, visibly in the source:
+  ``<!-- docs-test: skip (reason) -->`` (the reason is required),
+  ``<!-- docs-test: replace "long" "short" -->`` (e.g. fewer training steps; "long" must occur),
+  ``<!-- docs-test: exit N -->`` (the expected exit code of the block's commands),
+  ``<!-- docs-test: torchrun N -->`` (a python block that runs alone, under
+  ``torchrun --standalone --nproc_per_node=N``).
+* ``pip install ... &&`` prefixes are dropped: CI (``.ci/run``) runs the installs themselves.
+* ``docs/README.proposed.md``, while it exists, stands for the root README (it is the README the
+  lead will move there); its links are resolved from the repository root.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+PROPOSED = DOCS / "README.proposed.md"
+RUN_LANGS = {"python", "bash", "console", "json"}
+SHOW_LANGS = {"text"}
+MARKER_RE = re.compile(r"^<!--\s*docs-test:\s*(.*?)\s*-->\s*$")
+FENCE_RE = re.compile(r"^(\s*)(```|~~~)\s*([\w+-]*)\s*$")
+LINK_RE = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+QUOTED = r'"((?:[^"\\]|\\.)*)"'
+DIRECTIVES = {
+    "skip": re.compile(r"^skip\s*\((.*)\)$"),
+    "replace": re.compile(rf"^replace\s+{QUOTED}\s+{QUOTED}$"),
+    "exit": re.compile(r"^exit\s+(\d+)$"),
+    "torchrun": re.compile(r"^torchrun\s+(\d+)$"),
+}
+COMMAND_TIMEOUT = 240
+# Pages whose long commands are not marked yet by their owner: their structure and links are
+# checked, their commands are not run (a visible, reasoned exception, like a skip marker).
+NOT_RUN = {"docs/benchmarks.md": "its commands run the benchmark suite (minutes to an hour, with "
+                                 "DeePMD-kit's venv); they need docs-test skip markers"}
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int
+    lang: str
+    code: str
+    markers: list[str] = field(default_factory=list)
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(REPO)}:{self.line}"
+
+    def directives(self) -> list[tuple[str, tuple[str, ...]]]:
+        out = []
+        for text in self.markers:
+            for name, rx in DIRECTIVES.items():
+                m = rx.match(text)
+                if m:
+                    out.append((name, tuple(g.replace('\\"', '"') for g in m.groups())))
+                    break
+            else:
+                raise AssertionError(f"{self.where}: unknown docs-test directive {text!r}")
+        return out
+
+    @property
+    def skipped(self) -> bool:
+        return any(name == "skip" for name, _ in self.directives())
+
+    @property
+    def expected_exit(self) -> int:
+        return next((int(a[0]) for n, a in self.directives() if n == "exit"), 0)
+
+    @property
+    def nproc(self) -> int | None:
+        """``torchrun N``: this python block runs alone, as a script of N ranks."""
+        return next((int(a[0]) for n, a in self.directives() if n == "torchrun"), None)
+
+    def runnable_code(self) -> str:
+        code = self.code
+        for name, args in self.directives():
+            if name == "replace":
+                code = code.replace(args[0], args[1])
+        return code
+
+
+def pages() -> list[Path]:
+    readme = PROPOSED if PROPOSED.exists() else REPO / "README.md"
+    found = [readme, REPO / "examples" / "water" / "README.md"]
+    found += sorted(p for p in DOCS.rglob("*.md") if p != PROPOSED)
+    return [p for p in found if p.exists()]
+
+
+def parse_blocks(page: Path) -> list[Block]:
+    blocks, markers = [], []
+    lines = page.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        marker = MARKER_RE.match(lines[i].strip())
+        fence = FENCE_RE.match(lines[i])
+        if marker:
+            markers.append(marker.group(1))
+        elif fence:
+            end = next((j for j in range(i + 1, len(lines))
+                        if lines[j].strip() == fence.group(2)), None)
+            assert end is not None, f"{page.relative_to(REPO)}:{i + 1}: unclosed code fence"
+            indent = len(fence.group(1))
+            code = "\n".join(line[indent:] for line in lines[i + 1:end]) + "\n"
+            blocks.append(Block(page, i + 1, fence.group(3).lower(), code, markers))
+            markers, i = [], end
+        elif lines[i].strip():
+            assert not markers, (f"{page.relative_to(REPO)}:{i + 1}: a docs-test marker must "
+                                 "come right before a code block")
+        i += 1
+    assert not markers, f"{page.relative_to(REPO)}: a docs-test marker after the last block"
+    return blocks
+
+
+ALL_BLOCKS = [b for p in pages() for b in parse_blocks(p)]
+
+
+def test_every_block_has_a_known_language_and_valid_markers() -> None:
+    assert ALL_BLOCKS, "no code blocks found"
+    for block in ALL_BLOCKS:
+        assert block.lang in RUN_LANGS | SHOW_LANGS, (
+            f"{block.where}: code block language {block.lang!r}; use one of "
+            f"{sorted(RUN_LANGS | SHOW_LANGS)}")
+        for name, args in block.directives():
+            if name == "skip":
+                assert args[0].strip(), f"{block.where}: docs-test skip needs a reason"
+            if name == "replace":
+                assert args[0] in block.code, f"{block.where}: {args[0]!r} is not in the block"
+            assert block.lang in RUN_LANGS, f"{block.where}: a marker on a {block.lang} block"
+
+
+def _link_targets(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    return [t for t in LINK_RE.findall(text) if not re.match(r"^[a-z]+:|^#", t)]
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_exist(page: Path) -> None:
+    base = REPO if page == PROPOSED else page.parent
+    for target in _link_targets(page):
+        path = (base / target.split("#", 1)[0]).resolve()
+        assert path.exists(), f"{page.relative_to(REPO)}: broken link {target}"
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("gen_reference", DOCS / "gen_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+@pytest.mark.parametrize("rel", ["reference/input-json.md", "reference/cli.md"])
+def test_reference_page_is_up_to_date(rel: str) -> None:
+    gen = _generator()
+    assert (DOCS / rel).read_text(encoding="utf-8") == gen.PAGES[rel](), (
+        f"docs/{rel} is out of date: run python docs/gen_reference.py")
+
+
+def code_env_vars() -> set[str]:
+    """Environment variables the package reads (``environ.get("X")``, ``X_ENV = "X"``)."""
+    names = set()
+    for path in (REPO / "mdloader").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        names |= set(re.findall(r'(?:environ|env)\.get\(\s*"([A-Z][A-Z0-9_]+)"', text))
+        names |= set(re.findall(r'^[A-Z_]*ENV\s*=\s*"([A-Z][A-Z0-9_]+)"', text, flags=re.M))
+    return names
+
+
+def test_every_environment_variable_is_documented() -> None:
+    names = code_env_vars()
+    assert {"MDLOADER_BUILD_WORKERS", "MDLOADER_BUILD_TIMEOUT", "NUM_WORKERS"} <= names
+    hpc = (DOCS / "hpc.md").read_text(encoding="utf-8")
+    missing = sorted(n for n in names if f"`{n}`" not in hpc)
+    assert not missing, f"docs/hpc.md does not document {missing}"
+    script = (REPO / "examples" / "water" / "job_slurm.sh").read_text(encoding="utf-8")
+    exported = set(re.findall(r"^export ([A-Z0-9_]+)=", script, flags=re.M))
+    unknown = sorted(exported - names - {"OMP_NUM_THREADS"})
+    assert not unknown, f"job_slurm.sh exports variables no code reads: {unknown}"
+
+
+@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.lang == "json"],
+                         ids=lambda b: b.where)
+def test_json_blocks_are_valid(block: Block) -> None:
+    from mdloader.config import parse_config
+
+    data = json.loads(block.code)
+    if isinstance(data, dict) and "training" in data:
+        parse_config(data, base_dir=str(REPO))
+
+
+def test_example_input_json_is_accepted() -> None:
+    from mdloader.config import load_config
+
+    cfg = load_config(REPO / "examples" / "water" / "input.json")
+    assert cfg.type_map == ("O", "H") and cfg.validation_data is not None
+    assert [os.path.basename(s) for s in cfg.training_data.systems] == [
+        "data_0", "data_1", "data_2"]
+    assert cfg.numb_steps and cfg.seed is not None
+
+
+# -- running commands ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ws = tmp_path_factory.mktemp("docs")
+    (ws / "examples").symlink_to(REPO / "examples")
+    return ws
+
+
+def _env() -> dict[str, str]:
+    bindir = os.path.dirname(sys.executable)
+    return dict(os.environ, PYTHONUNBUFFERED="1", PATH=bindir + os.pathsep + os.environ["PATH"],
+                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                OMP_NUM_THREADS="1", NUM_WORKERS=os.environ.get("NUM_WORKERS", "0"))
+
+
+def _run(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=_env(), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          timeout=COMMAND_TIMEOUT)
+
+
+def logical_lines(code: str) -> list[str]:
+    out, current = [], ""
+    for line in code.splitlines():
+        if line.rstrip().endswith("\\"):
+            current += line.rstrip()[:-1] + " "
+            continue
+        current += line
+        if current.strip() and not current.lstrip().startswith("#"):
+            out.append(current.strip())
+        current = ""
+    return out
+
+
+PIP_PREFIX = re.compile(r"^(?:pip install [^&]*&&\s*)+")
+
+
+def bash_commands(block: Block) -> list[tuple[str, str | None]]:
+    """(command, expected output or None) pairs of a bash or console block."""
+    code = block.runnable_code()
+    if block.lang == "bash":
+        commands = [(PIP_PREFIX.sub("", c), None) for c in logical_lines(code)]
+    else:
+        commands, lines = [], code.splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("$ "):
+                cmd = line[2:]
+                rest = lines[i + 1:]
+                while cmd.endswith("\\") and rest:
+                    cmd, rest = cmd[:-1] + " " + rest[0].strip(), rest[1:]
+                want = []
+                for nxt in rest:
+                    if nxt.startswith("$ "):
+                        break
+                    want.append(nxt)
+                commands.append((PIP_PREFIX.sub("", cmd), "\n".join(want)))
+    for cmd, _ in commands:
+        assert not cmd.startswith(("pip ", "git ", "sbatch", "srun")), (
+            f"{block.where}: {cmd!r} cannot run in a test: mark the block with a skip reason")
+    return commands
+
+
+def output_matches(want: str, got: str) -> bool:
+    """``...`` stands for any text (lines included); any run of whitespace matches any other."""
+    parts = []
+    for literal in want.split("..."):
+        words = literal.split()
+        parts.append(r"\s+".join(re.escape(w) for w in words) if words else "")
+    pattern = r"\s*" + r".*?".join(rf"\s*{p}\s*" if p else "" for p in parts) + r"\s*"
+    return re.fullmatch(pattern, got, flags=re.S) is not None
+
+_done: dict[str, subprocess.CompletedProcess] = {}
+
+
+def run_block_commands(block: Block, cwd: Path) -> None:
+    for cmd, want in bash_commands(block):
+        key = f"{cmd}\0{cwd}"
+        if key not in _done or want is not None:  # identical long commands run once
+            _done[key] = _run(cmd, cwd)
+        out = _done[key]
+        assert out.returncode == block.expected_exit, (
+            f"{block.where}: `{cmd}` exited {out.returncode} (expected {block.expected_exit}):"
+            f"\n{out.stdout[-4000:]}")
+        if want:
+            assert output_matches(want, out.stdout), (
+                f"{block.where}: output of `{cmd}` differs from the page:\n--- page\n{want}\n"
+                f"--- real\n{out.stdout}")
+
+
+RUN_PAGES = [p for p in pages() if str(p.relative_to(REPO)) not in NOT_RUN
+             and any(b.lang in {"python", "bash", "console"} and not b.skipped
+                    for b in parse_blocks(p))]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_page_runs(page: Path, workspace: Path) -> None:
+    blocks = [b for b in parse_blocks(page) if not b.skipped]
+    script = "\n".join(b.runnable_code() for b in blocks if b.lang == "python" and not b.nproc)
+    if script:
+        path = workspace / f"docs_{page.stem.replace('-', '_')}.py"
+        path.write_text(script, encoding="utf-8")
+        out = subprocess.run([sys.executable, str(path)], cwd=workspace, env=_env(), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             timeout=COMMAND_TIMEOUT)
+        assert out.returncode == 0, (f"python blocks of {page.relative_to(REPO)} failed:\n"
+                                     f"{out.stdout[-4000:]}")
+    for block in blocks:
+        if block.lang in {"bash", "console"}:
+            run_block_commands(block, workspace)
+        elif block.lang == "python" and block.nproc:
+            path = workspace / f"docs_{page.stem.replace('-', '_')}_{block.line}.py"
+            path.write_text(block.runnable_code(), encoding="utf-8")
+            out = _run(f"torchrun --standalone --nproc_per_node={block.nproc} {path.name}",
+                       workspace)
+            assert out.returncode == 0, f"{block.where} under torchrun:\n{out.stdout[-4000:]}"
+
+
+# -- the Slurm script, with stand-ins for srun and scontrol ----------------------------------
+FAKE_SRUN = """#!/bin/bash
+# stand-in for srun: drop srun's options, run the command once on this machine
+while [[ $# -gt 0 && $1 == -* ]]; do shift; done
+exec "$@"
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(300)
+def test_job_slurm_script_runs_with_a_stand_in_srun(tmp_path: Path) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text(FAKE_SRUN)
+    (fake / "scontrol").write_text("#!/bin/bash\necho localhost\n")
+    for tool in fake.iterdir():
+        tool.chmod(0o755)
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    env = dict(_env(), PATH=f"{fake}{os.pathsep}{_env()['PATH']}", SLURM_JOB_ID="7",
+               SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", SLURM_CPUS_PER_TASK="2",
+               NPROC_PER_NODE="2", NUM_WORKERS="0", RDZV_PORT=str(_free_port()))
+    env.pop("OMP_NUM_THREADS")
+    script = REPO / "examples" / "water" / "job_slurm.sh"
+    out = subprocess.run(["bash", str(script), "--numb-steps", "2"], cwd=tmp_path, env=env,
+                         text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         timeout=COMMAND_TIMEOUT)
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "1 node(s) x 2 rank(s)" in out.stdout and "OMP_NUM_THREADS=1" in out.stdout
+    run = tmp_path / "runs" / "water-7"
+    assert (run / "lcurve.out").read_text().splitlines()[-1].split()[0] == "2"
+    assert "saved checkpoint" in (run / "train.log").read_text()
+    assert sorted(p.parent.name for p in run.glob("torchrun/*/attempt_0/*/stderr.log")) == [
+        "0", "1"]
+
+
+def test_job_slurm_script_is_valid_bash() -> None:
+    script = REPO / "examples" / "water" / "job_slurm.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    assert os.access(script, os.X_OK)
+
+
+# -- the site ------------------------------------------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="mkdocs not installed")
+@pytest.mark.timeout(120)
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                          str(tmp_path / "site")], cwd=REPO, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=110)
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert (tmp_path / "site" / "index.html").exists()
+
+
+def test_readme_setup_commands_match_ci() -> None:
+    """The README's test command is the one .ci/run runs (the lead keeps them identical)."""
+    readme = (PROPOSED if PROPOSED.exists() else REPO / "README.md").read_text(encoding="utf-8")
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    tests = 'pip install -e ".[test]" && python -m pytest -q'
+    assert tests in readme and tests in ci
+    assert shlex.split("pip install torch==2.13.0")[2] in ci
