@@ -23,8 +23,8 @@ def input_json_page() -> str:
     from mdloader.argcheck import schema_markdown
 
     return (HEADER.format(source="mdloader/argcheck.py") + "# `input.json` reference\n\n"
-            "mdloader reads DeePMD-kit's `input.json`. The table lists every key it reads: its type, "
-            "its default, its aliases (DeePMD-kit's other spellings) and what it means. Keys are "
+            "mdloader reads DeePMD-kit's `input.json`. The table lists every key it reads: its "
+            "type, its default, its aliases (DeePMD-kit's other spellings) and what it means. Keys are "
             "dotted JSON paths; an error message names the same path, e.g. "
             "`training.training_data.batch_size: bad value ...`. Relative `systems` paths are "
             "taken from the folder of the `input.json` file.\n\n"

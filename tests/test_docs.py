@@ -5,9 +5,9 @@ Conventions (also explained on the docs' home page):
 * Every fenced block names its language. ``python`` blocks run; the blocks of one page run in
   order as one script, in a scratch folder holding a link to the repository's ``examples/``.
   ``bash`` and ``console`` commands then run, in order, from the same folder (``console``:
-  lines starting with ``$ `` are commands, the lines after them the expected output, compared
-  with ``...`` standing for any text and any whitespace run matching any other). ``json`` blocks must parse, and a
-  ``json`` block with a ``training`` section must pass mdloader's ``input.json`` checker.
+  lines starting with ``$ `` are commands, the lines after them the expected output, in which
+  ``...`` stands for any text and any run of whitespace matches any other). ``json`` blocks must
+  parse, and a ``json`` block with a ``training`` section must pass mdloader's ``input.json`` checker.
   ``text`` blocks (diagrams, outputs) are shown only.
 * An HTML comment right before a block changes how it is tested, visibly in the source:
   ``<!-- docs-test: skip (reason) -->`` (the reason is required),
@@ -26,7 +26,6 @@ import importlib.util
 import json
 import os
 import re
-import shlex
 import socket
 import subprocess
 import sys
@@ -220,6 +219,13 @@ def test_example_input_json_is_accepted() -> None:
     assert cfg.numb_steps and cfg.seed is not None
 
 
+def test_example_input_json_is_accepted_by_deepmd_kit() -> None:
+    """``dp --pt train`` reads the same file (checked when DeePMD-kit is installed)."""
+    argcheck = pytest.importorskip("deepmd.utils.argcheck")
+    text = (REPO / "examples" / "water" / "input.json").read_text(encoding="utf-8")
+    assert argcheck.normalize(json.loads(text))["training"]["numb_steps"] > 0
+
+
 # -- running commands ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -395,10 +401,20 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert (tmp_path / "site" / "index.html").exists()
 
 
-def test_readme_setup_commands_match_ci() -> None:
-    """The README's test command is the one .ci/run runs (the lead keeps them identical)."""
-    readme = (PROPOSED if PROPOSED.exists() else REPO / "README.md").read_text(encoding="utf-8")
+SETUP_COMMANDS = [
+    "pip install torch==2.13.0 && pip install -e . && torchrun --standalone --nproc_per_node=2 "
+    "-m mdloader train examples/water/input.json --numb-steps 200 --output runs/water",
+    'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q',
+]
+
+
+def test_readme_setup_commands() -> None:
+    """The two set-up commands stay as they are, in the README, its proposal, and .ci/run."""
+    readmes = [p for p in (REPO / "README.md", PROPOSED) if p.exists()]
+    for readme in readmes:
+        commands = [c for b in parse_blocks(readme) if b.lang == "bash"
+                    for c in logical_lines(b.code) if c.startswith("pip install")]
+        assert commands[:2] == SETUP_COMMANDS, f"{readme.relative_to(REPO)}: {commands[:2]}"
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
-    tests = 'pip install -e ".[test]" && python -m pytest -q'
-    assert tests in readme and tests in ci
-    assert shlex.split("pip install torch==2.13.0")[2] in ci
+    assert "pip install torch==2.13.0" in ci
+    assert 'pip install -e ".[test]" && python -m pytest -q' in ci
