@@ -199,5 +199,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MdloaderError as exc:
         if args.debug:
             traceback.print_exc()
-        print(f"mdloader: error: {exc}", file=sys.stderr)
+        text = str(exc) if args.debug else getattr(exc, "summary", str(exc))
+        print(f"mdloader: error: {text}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1

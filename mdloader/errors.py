@@ -146,6 +146,8 @@ class RemoteError(DistributedError):
         head = f"rank {origin_rank} failed ({context}): {exc_type}: {exc_message}"
         if where and not all(w in exc_message for w in where):
             head += " [" + "; ".join(where) + "]"
+        self.summary = head
+        """The message without rank 0's traceback (what the command line prints by default)."""
         if traceback_text:
             head += "\n--- traceback on rank %d ---\n%s" % (origin_rank, traceback_text.rstrip())
         super().__init__(head)

@@ -275,3 +275,24 @@ def test_torchrun_train_fails_together(tmp_path: Path) -> None:
     assert len(errors) == 2 and errors[0] == errors[1], done.stderr
     assert errors[0].startswith("mdloader: error: a required key is missing: force; system: ")
     assert errors[0].endswith("train0/set.000/force.npy")
+
+
+def test_rank0_failure_prints_one_line_without_debug(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A RemoteError carries rank 0's traceback; users see it only with --debug."""
+    import mdloader.cli as cli
+    from mdloader.errors import RemoteError
+
+    def fail(args: object) -> int:
+        raise RemoteError(origin_rank=0, exc_type="MissingDataError", exc_message="no coord",
+                          context="building", system="/d/sys", file="/d/sys/set.000/coord.npy",
+                          traceback_text="Traceback (most recent call last):\n  boom\n")
+
+    monkeypatch.setitem(cli.RUNNERS, "check", fail)
+    assert main(["check", str(tmp_path / "input.json")]) == 1
+    err = capsys.readouterr().err
+    assert "rank 0 failed (building): MissingDataError: no coord" in err
+    assert "/d/sys/set.000/coord.npy" in err and "Traceback" not in err
+    assert main(["check", str(tmp_path / "input.json"), "--debug"]) == 1
+    assert "Traceback (most recent call last):\n  boom" in capsys.readouterr().err
