@@ -189,24 +189,27 @@ def transport_device(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-_cpu_group_cache: tuple[Any, float, Any] | None = None  # (parent WORLD, timeout, gloo group)
+_cpu_groups: tuple[Any, dict[float, Any]] | None = None  # (parent WORLD, timeout -> gloo group)
 
 
 def cpu_group(timeout: float) -> Any:
-    """A gloo group over all ranks with ``timeout``, created once per default group.
+    """A gloo group over all ranks whose collectives time out after ``timeout`` seconds.
 
-    A collective: every rank must call it (with the same timeout). The cache holds a strong
-    reference to the parent and compares identity, so after destroy/re-init a new group is made;
-    caching by ``id()`` could hand a dead group to a new parent that reuses the address.
+    Created once per (default group, timeout) -- a collective, so every rank must ask for the
+    same timeouts in the same order (they come from the same argument or environment). The cache
+    holds a strong reference to the parent and compares identity: after destroy/re-init a new
+    group is made, where caching by ``id()`` could hand a dead group to a new parent that reuses
+    the address. The group's own timeout equals ``timeout`` so that a receiver that gives up
+    leaves no collective pending for longer than it waited.
     """
-    global _cpu_group_cache
+    global _cpu_groups
     parent = dist.group.WORLD
-    cached = _cpu_group_cache
-    if cached is not None and cached[0] is parent and cached[1] == timeout:
-        return cached[2]
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
-    _cpu_group_cache = (parent, timeout, group)
-    return group
+    if _cpu_groups is None or _cpu_groups[0] is not parent:
+        _cpu_groups = (parent, {})
+    groups = _cpu_groups[1]
+    if timeout not in groups:
+        groups[timeout] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    return groups[timeout]
 
 
 def subgroup(ranks: list[int]) -> Any:

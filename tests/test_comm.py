@@ -231,8 +231,9 @@ def _group_cache(rank: int, world: int, port: int) -> tuple[bool, bool, bool]:
     import torch.distributed as dist
 
     first = comm.cpu_group(5.0)
-    same = comm.cpu_group(5.0) is first
-    other_timeout = comm.cpu_group(6.0) is not first
+    other = comm.cpu_group(6.0)
+    same = comm.cpu_group(5.0) is first and comm.cpu_group(6.0) is other
+    other_timeout = other is not first
     dist.barrier()
     dist.destroy_process_group()
     os.environ["MASTER_PORT"] = str(port)
