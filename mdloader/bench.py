@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from . import ddp
+from . import comm
 from .build import build_systems_with_report
 from .config import Config
 from .loader import DpLoaderSet, default_num_workers, get_sampler_from_params
@@ -46,9 +46,9 @@ def _peak_rss_mb(who: int) -> float:
 def run_bench(config: Config, *, batches: int = 200, num_workers: int | None = None
               ) -> list[dict[str, Any]] | None:
     """Bench this rank; return every rank's row on rank 0 (``None`` on the others)."""
-    with ddp.process_group() as world:
+    with comm.process_group() as world:
         row = bench_rank(config, world, batches=batches, num_workers=num_workers)
-        return ddp.gather_to_main(row)
+        return comm.gather_to_main(row)
 
 
 def bench_rank(config: Config, world: World, *, batches: int, num_workers: int | None

@@ -22,7 +22,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from . import comm, ddp
+from . import comm
 from .config import Config, DataConfig
 from .errors import ConfigError, StateDictError
 from .loader import DpLoaderSet, default_num_workers, get_sampler_from_params
@@ -70,7 +70,7 @@ def train(config: Config, *, output: str = ".", restart: str | None = None,
         raise ConfigError(f"must be a positive step, got {stop_after}", path="--stop-after")
     if numb_steps is not None and numb_steps < 1:
         raise ConfigError(f"must be a positive integer, got {numb_steps}", path="--numb-steps")
-    with ddp.process_group() as world:
+    with comm.process_group() as world:
         return _Trainer(config, world, output=output, numb_steps=numb_steps,
                         num_workers=num_workers, options=options).run(restart, stop_after)
 
@@ -89,7 +89,7 @@ class _Trainer:
     def __init__(self, config: Config, world: World, *, output: str, numb_steps: int | None,
                  num_workers: int | None, options: ModelOptions) -> None:
         self.config, self.world, self.output, self.options = config, world, output, options
-        self.device = ddp.device_of(world)
+        self.device = comm.device_of(world)
         workers = default_num_workers() if num_workers is None else num_workers
         self.train_set = _loader_set(config.training_data, config, world, config.seed)
         sampler = get_sampler_from_params(self.train_set, config.training_data.sampler_params(),
@@ -126,7 +126,7 @@ class _Trainer:
         step = 0
         if restart is None:
             self._statistics_on_main()
-        self.ddp_model = (DistributedDataParallel(self.model) if ddp.is_running()
+        self.ddp_model = (DistributedDataParallel(self.model) if comm.is_running()
                           else self.model)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.schedule.start_lr)
         if restart is not None:
@@ -145,7 +145,7 @@ class _Trainer:
         """Rank 0 computes the statistics (DDP then broadcasts them with the weights); its
         failure (e.g. a system without energy.npy) reaches every rank as one framed error
         instead of leaving the others waiting in the DDP constructor."""
-        if not ddp.is_running():
+        if not comm.is_running():
             self._statistics()
             return
         channel = comm.world_channel(activity="computing the model statistics")
@@ -268,11 +268,11 @@ class _Trainer:
 
     def _display(self, done: int, lr: float, mse: dict[str, float], result: TrainResult,
                  bar: tqdm) -> None:
-        trn = ddp.all_reduce_mean([mse["mse"], mse["mse_e"], mse["mse_f"]])
+        trn = comm.all_reduce_mean([mse["mse"], mse["mse_e"], mse["mse_f"]])
         result.last_train = rmse_columns(dict(zip(("mse", "mse_e", "mse_f"), trn)))
         val = self._validate(lr)
         if val is not None:
-            val_arr = ddp.all_reduce_mean([val["mse"], val["mse_e"], val["mse_f"]])
+            val_arr = comm.all_reduce_mean([val["mse"], val["mse_e"], val["mse_f"]])
             result.last_valid = rmse_columns(dict(zip(("mse", "mse_e", "mse_f"), val_arr)))
         if self.lcurve is not None:
             self.lcurve.write(done, lr, result.last_train, result.last_valid)
@@ -280,8 +280,8 @@ class _Trainer:
             log.debug("step %d: train %s valid %s", done, result.last_train, result.last_valid)
 
     def _save(self, done: int) -> str | None:
-        loaders = ddp.gather_to_main(self.loader.state_dict())
-        valid = ddp.gather_to_main(self.valid.state_dict()) if self.valid is not None else None
+        loaders = comm.gather_to_main(self.loader.state_dict())
+        valid = comm.gather_to_main(self.valid.state_dict()) if self.valid is not None else None
         if not self.world.is_main:
             return None
         state = {"world_size": self.world.world_size, "model": self.model.state_dict(),

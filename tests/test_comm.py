@@ -256,3 +256,32 @@ def test_cpu_group_is_reused_until_the_default_group_changes() -> None:
 def test_header_tensor() -> None:
     header = comm.header_tensor(comm.Packet(comm.Kind.STOP, b"", 4))
     assert header.tolist() == [comm.MAGIC, comm.PROTOCOL_VERSION, int(comm.Kind.STOP), 0, 4]
+
+
+# ---------------------------------------------------- gather / broadcast helpers of the jobs
+
+
+def _gather(rank: int, world: int, poison: bool) -> object:
+    obj = threading.Lock() if (poison and rank == world - 1) else {"rank": rank, "x": [rank] * 3}
+    main = comm.broadcast_from_main({"seed": 7} if rank == 0 else None)
+    return main, comm.gather_to_main(obj, context="gathering loader states")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_gather_to_main_and_broadcast_from_main_are_framed() -> None:
+    got = values(run_ranks(_gather, 3, False))
+    assert [main for main, _ in got] == [{"seed": 7}] * 3
+    assert got[0][1] == [{"rank": r, "x": [r] * 3} for r in range(3)]
+    assert got[1][1] is None and got[2][1] is None
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_gather_with_an_unpicklable_object_fails_every_rank() -> None:
+    errs = errors(run_ranks(_gather, 3, True))
+    assert len(errs) == 3
+    for err in errs:
+        assert err.exc_type == "RemoteError"
+        assert "rank 2 failed (gathering loader states): TypeError: cannot pickle" in err.message
+    assert max(e.finished_at for e in errs) - min(e.finished_at for e in errs) < 5

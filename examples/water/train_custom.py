@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from mdloader.loader import DpLoaderSet, get_sampler_from_params
-from mdloader.schema import DataRequirementItem
+from mdloader import DataRequirementItem, DpLoaderSet, get_sampler_from_params
+from mdloader.comm import gather_to_main
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = [str(HERE / "data" / f"data_{i}") for i in range(3)]
@@ -92,7 +92,6 @@ def main() -> None:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if distributed else 0
-    world_size = dist.get_world_size() if distributed else 1
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(name)s: %(message)s")  # mdloader logs its build on rank 0
 
@@ -150,12 +149,8 @@ def main() -> None:
 
     # 5. Save: the model, the optimizer and each rank's loader state, gathered on rank 0.
     # The DataLoader prefetches keys, so save the number of batches *consumed*, not drawn.
-    state = sampler.state_dict(consumed=args.steps)
-    states = [None] * world_size
-    if distributed:
-        dist.all_gather_object(states, state)
-    else:
-        states = [state]
+    # gather_to_main is framed: a rank that fails to pickle its state fails every rank.
+    states = gather_to_main(sampler.state_dict(consumed=args.steps))
     if rank == 0:
         os.makedirs(args.output, exist_ok=True)
         path = os.path.join(args.output, "checkpoint.pt")
