@@ -26,7 +26,6 @@ the same count. Hence a small bounded thread pool, default :data:`DEFAULT_WORKER
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import sys
 import time
@@ -37,7 +36,8 @@ from typing import Any, Iterator, Sequence
 from . import comm
 from .dataset import DeepmdDataSetForLoader
 from .discovery import discover_systems
-from .errors import ConfigError, DataError
+from .errors import DataError
+from .settings import setting
 from .system import SystemMeta, build_system_meta
 
 log = logging.getLogger("mdloader.build")
@@ -71,17 +71,9 @@ class BuildReport:
 
 def resolve_workers(num_workers: int | None = None) -> int:
     """The argument, else ``$MDLOADER_BUILD_WORKERS``, else :data:`DEFAULT_WORKERS`."""
-    where, raw = (("num_workers", num_workers) if num_workers is not None
-                  else (WORKERS_ENV, os.environ.get(WORKERS_ENV)))
-    if raw is None or raw == "":
-        return DEFAULT_WORKERS
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"expected a whole number of threads, found {raw!r}", path=where) from None
-    if value < 1:
-        raise ConfigError(f"expected at least 1 thread, found {raw!r}", path=where)
-    return value
+    return setting(num_workers, argument="num_workers", env=WORKERS_ENV,
+                   default=DEFAULT_WORKERS, parse=int, minimum=1,
+                   expected="a whole number of threads", floor="at least 1 thread")
 
 
 def build_systems(systems: str | Sequence[str], type_map: Sequence[str] | None = None, *,

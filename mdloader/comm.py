@@ -16,7 +16,6 @@ the bytes move as a device tensor on ``cuda:<local_rank>`` (:func:`transport_dev
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -27,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from . import packets
-from .errors import CollectiveTimeoutError, ConfigError, DistributedError, RemoteError
-from .packets import (MAGIC, PROTOCOL_VERSION, STOP_PACKET, Kind, Packet, Stop, digest, dumps,
-                      header_tensor)
+from .errors import CollectiveTimeoutError, DistributedError, RemoteError
+from .packets import (  # noqa: F401 - re-exported: callers use comm.Packet, comm.Stop ...
+    MAGIC, PROTOCOL_VERSION, STOP_PACKET, Kind, Packet, Stop, digest, dumps, header_tensor)
+from .settings import setting
 from .world import World
 
 TIMEOUT_ENV = "MDLOADER_BUILD_TIMEOUT"
@@ -80,16 +80,9 @@ def group_size(group: Any) -> int:
 
 def resolve_timeout(timeout: float | None = None) -> float:
     """The argument, else ``$MDLOADER_BUILD_TIMEOUT`` (seconds), else 1800 s."""
-    where, raw = ("timeout", timeout) if timeout is not None else (TIMEOUT_ENV, os.environ.get(TIMEOUT_ENV))
-    if raw is None or raw == "":
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"expected a number of seconds, found {raw!r}", path=where) from None
-    if not value > 0:
-        raise ConfigError(f"expected a positive number of seconds, found {raw!r}", path=where)
-    return value
+    return setting(timeout, argument="timeout", env=TIMEOUT_ENV, default=DEFAULT_TIMEOUT,
+                   parse=float, minimum=1e-3,
+                   expected="a number of seconds", floor="a positive number of seconds")
 
 
 def transport_device(backend: str, local_rank: int) -> torch.device:

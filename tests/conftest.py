@@ -1,7 +1,6 @@
 """Shared fixtures."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import pytest
 
 from mdloader.batching import batches_per_rank, parse_rule, resolve_batch_sizes

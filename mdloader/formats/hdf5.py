@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptFileError, MissingDataError
+from ..settings import setting
 from . import Location
 from .npy import as_rows
 
@@ -25,7 +26,9 @@ _FILES_PID = os.getpid()
 
 def max_open_files() -> int:
     """How many HDF5 files one process keeps open (``MDLOADER_MAX_OPEN_H5``, default 32)."""
-    return max(1, int(os.environ.get("MDLOADER_MAX_OPEN_H5", "32")))
+    return setting(None, argument="MDLOADER_MAX_OPEN_H5", env="MDLOADER_MAX_OPEN_H5",
+                   default=32, parse=int, minimum=1,
+                   expected="a whole number of files", floor="at least 1 file")
 
 
 def open_file(path: str, address: str | None = None) -> Any:

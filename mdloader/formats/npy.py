@@ -16,6 +16,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ..errors import CorruptFileError, MissingDataError
+from ..settings import setting
 from . import Location
 
 _MAPS: "OrderedDict[str, np.ndarray]" = OrderedDict()
@@ -24,7 +25,9 @@ _MAPS_PID = os.getpid()
 
 def max_open_maps() -> int:
     """How many memory maps one process keeps open (``MDLOADER_MAX_OPEN_FILES``, default 256)."""
-    return max(1, int(os.environ.get("MDLOADER_MAX_OPEN_FILES", "256")))
+    return setting(None, argument="MDLOADER_MAX_OPEN_FILES", env="MDLOADER_MAX_OPEN_FILES",
+                   default=256, parse=int, minimum=1,
+                   expected="a whole number of files", floor="at least 1 file")
 
 
 def file_of(loc: Location, set_name: str | None, name: str) -> str:
