@@ -50,9 +50,11 @@ def load_many(paths: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         cfg = dict(merged.get("cfg", {}))
         for key in ("nsys", "worlds"):
             cfg[key] = sorted({v for m in metas for v in m.get("cfg", {}).get(key, [])})
-        cfg["reps"] = sorted({m.get("cfg", {}).get("reps") for m in metas} - {None})
+        for key in ("reps", "seconds"):
+            cfg[key] = sorted({m.get("cfg", {}).get(key) for m in metas} - {None})
+        merged["started"] = min(m.get("started", "") for m in metas)
         merged["cfg"] = cfg
-        merged["mode"] = "+".join(m.get("mode", "?") for m in metas)
+        merged["mode"] = " + ".join(m.get("mode", "?") for m in metas)
         merged["skipped"] = sorted({s for m in metas for s in m.get("skipped", [])})
     return merged, rows
 

@@ -160,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     strace_ok = not args.no_strace and shutil.which("strace") is not None
     with open(out, "w") as fh:
-        fh.write(json.dumps({"kind": "meta", "mode": args.mode, "cfg": cfg, "skipped": skipped,
+        custom = any(v for v in (args.nsys, args.worlds, args.reps, args.seconds))
+        fh.write(json.dumps({"kind": "meta", "mode": "custom" if custom else args.mode,
+                             "cfg": cfg, "skipped": skipped,
                              "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                              "cpus": os.cpu_count(), "strace": strace_ok}) + "\n")
         for nsys in cfg["nsys"]:
