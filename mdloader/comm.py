@@ -313,9 +313,11 @@ def is_running() -> bool:
 def process_group() -> Iterator[World]:
     """Run a job inside the default group, started here if needed and torn down after.
 
-    On success every rank passes a barrier before ``destroy_process_group`` (torch 2.13 + gloo
-    aborts a rank that exits while another is still finishing); on failure the group is
-    destroyed without a barrier, which failed peers would never reach.
+    Every rank passes a barrier before ``destroy_process_group``: torch 2.13 + gloo aborts a
+    rank ("terminate called without an active exception") that tears down while another is
+    still inside the group. On success that is a plain barrier. On failure the ranks usually
+    failed together (a framed error reaches all of them), so they meet at a monitored barrier
+    that gives up after :data:`SETTLE_SECONDS` instead of hanging on a rank that did not fail.
     """
     started = not is_running() and World.from_env().world_size > 1
     world = init_from_env()
@@ -327,7 +329,25 @@ def process_group() -> Iterator[World]:
         if started and dist.is_initialized():
             if ok:
                 dist.barrier()
+            else:
+                _settle_after_failure()
             dist.destroy_process_group()
+
+
+SETTLE_SECONDS = 30.0
+
+
+def _settle_after_failure() -> None:
+    group = _cpu_groups[1].get(resolve_timeout()) if _cpu_groups is not None and \
+        _cpu_groups[0] is dist.group.WORLD else None
+    if group is None and dist.get_backend() == "gloo":
+        group = dist.group.WORLD
+    if group is None:
+        return  # NCCL only: no barrier that can time out; tear down as we are
+    try:
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=SETTLE_SECONDS))
+    except RuntimeError:
+        pass  # a peer did not fail with us: nothing to wait for
 
 
 def all_reduce_mean(values: np.ndarray | list[float],

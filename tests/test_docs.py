@@ -178,12 +178,14 @@ def test_reference_page_is_up_to_date(rel: str) -> None:
 
 
 def code_env_vars() -> set[str]:
-    """Environment variables the package reads (``environ.get("X")``, ``X_ENV = "X"``)."""
+    """Environment variables the package reads (``environ.get("X")``, ``X_ENV = "X"``,
+    ``setting(..., env="X")``)."""
     names = set()
     for path in (REPO / "mdloader").rglob("*.py"):
         text = path.read_text(encoding="utf-8")
         names |= set(re.findall(r'(?:environ|env)\.get\(\s*"([A-Z][A-Z0-9_]+)"', text))
         names |= set(re.findall(r'^[A-Z_]*ENV\s*=\s*"([A-Z][A-Z0-9_]+)"', text, flags=re.M))
+        names |= set(re.findall(r'\benv="([A-Z][A-Z0-9_]+)"', text))  # settings.setting(env=...)
     return names
 
 
