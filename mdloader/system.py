@@ -19,6 +19,24 @@ from .formats import Location, backend_of, parse_address
 from .schema import KNOWN_WIDTHS
 
 
+_SHARED: dict[Any, Any] = {}
+_SHARED_LIMIT = 1 << 20
+
+
+def shared(value: Any) -> Any:
+    """One instance per distinct value (set names, key tuples, type maps, whole sets).
+
+    100 000 systems of a data set mostly repeat the same few ``SetMeta`` values: sharing them
+    cuts the memory of the descriptions, and pickle writes a shared object once per broadcast.
+    """
+    found = _SHARED.get(value)
+    if found is None:
+        if len(_SHARED) >= _SHARED_LIMIT:
+            _SHARED.clear()
+        found = _SHARED[value] = value
+    return found
+
+
 @dataclass(frozen=True)
 class SetMeta:
     """One ``set.*``: its name, frame count, and the arrays present with per-frame widths."""
@@ -27,6 +45,9 @@ class SetMeta:
     nframes: int
     keys: tuple[str, ...]
     widths: tuple[int, ...]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore_set, (self.name, self.nframes, self.keys, self.widths))
 
     def width(self, key: str) -> int | None:
         try:
@@ -86,26 +107,28 @@ class SystemMeta:
         return hash(self.address)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # A flat tuple of builtins: ~1 byte per atom plus a few dozen bytes per set, so that
-        # broadcasting 100 000 systems stays cheap.
+        # Builtins plus shared sets: ~1 byte per atom plus the address, because the set
+        # descriptions and the type map are shared objects that pickle writes once per stream.
         small = self.atom_types.max(initial=0) < 127
         types = self.atom_types.astype(np.int8 if small else np.int16).tobytes()
-        sets = tuple((s.name, s.nframes, " ".join(s.keys), s.widths) for s in self.sets)
-        tmap = None if self.type_map is None else " ".join(self.type_map)
         flags = int(self.pbc) | int(self.mixed_type) << 1 | int(not small) << 2
-        return (_restore, (self.address, types, tmap, flags, sets, self.mixed_idx_map))
+        folder, sep, name = self.address.rpartition("/")  # the folder is shared by siblings
+        return (_restore, (shared(folder + sep), name, types, self.type_map, flags, self.sets,
+                           self.mixed_idx_map))
 
 
-def _restore(address: str, types: bytes, tmap: str | None, flags: int,
-             sets: tuple[Any, ...], mixed_idx_map: tuple[int, ...] | None) -> SystemMeta:
+def _restore_set(name: str, nframes: int, keys: tuple[str, ...],
+                 widths: tuple[int, ...]) -> SetMeta:
+    return shared(SetMeta(shared(name), nframes, shared(keys), shared(widths)))
+
+
+def _restore(folder: str, name: str, types: bytes, tmap: tuple[str, ...] | None, flags: int,
+             sets: tuple[SetMeta, ...], mixed_idx_map: tuple[int, ...] | None) -> SystemMeta:
     atom_types = np.frombuffer(types, dtype=np.int16 if flags & 4 else np.int8).astype(np.int32)
     atom_types.flags.writeable = False
     return SystemMeta(
-        address=address, atom_types=atom_types,
-        type_map=None if tmap is None else tuple(tmap.split(" ")),
-        pbc=bool(flags & 1), mixed_type=bool(flags & 2),
-        sets=tuple(SetMeta(n, f, tuple(k.split(" ")) if k else (), tuple(w))
-                   for n, f, k, w in sets),
+        address=folder + name, atom_types=atom_types, type_map=shared(tmap),
+        pbc=bool(flags & 1), mixed_type=bool(flags & 2), sets=shared(tuple(sets)),
         mixed_idx_map=mixed_idx_map,
     )
 
@@ -136,8 +159,8 @@ def build_system_meta(address: str, type_map: Sequence[str] | None = None) -> Sy
     atom_types, final_map, idx_map = _resolve_types(loc, io, types, sys_map, type_map, mixed)
     atom_types = atom_types.astype(np.int32)
     atom_types.flags.writeable = False
-    return SystemMeta(address=loc.address, atom_types=atom_types, type_map=final_map, pbc=pbc,
-                      mixed_type=mixed, sets=sets, mixed_idx_map=idx_map)
+    return SystemMeta(address=loc.address, atom_types=atom_types, type_map=shared(final_map),
+                      pbc=pbc, mixed_type=mixed, sets=shared(sets), mixed_idx_map=idx_map)
 
 
 def _frames_and_width(shape: tuple[int, ...], set_frames: int | None) -> tuple[int, int]:
@@ -172,7 +195,7 @@ def _describe_set(loc: Location, io: Any, name: str, natoms: int, pbc: bool) -> 
                 expected=f"{nframes} frames", found=f"{frames} frames (shape {shape})")
         _check_known_width(loc, io, name, key, width, natoms, shape)
         widths[key] = width
-    return SetMeta(name, nframes, tuple(widths), tuple(widths.values()))
+    return _restore_set(name, nframes, tuple(widths), tuple(widths.values()))
 
 
 def _check_known_width(loc: Location, io: Any, set_name: str, key: str, width: int,

@@ -176,3 +176,15 @@ def test_npy_header_versions_and_byte_orders(tmp_path, version):
     ds = DeepmdDataSetForLoader(meta)
     ds.add_data_requirement([Req("force", 3, atomic=True)])
     np.testing.assert_array_equal(ds[2]["force"].reshape(-1), force[2])
+
+
+def test_many_descriptions_pickle_compactly_and_round_trip(tmp_path):
+    """Siblings share their folder, set descriptions and type map in one pickle stream."""
+    metas = [build_system_meta(make_system(tmp_path, f"sys.{i:03d}", natoms=6, nframes=20,
+                                           seed=i)) for i in range(200)]
+    metas.append(build_system_meta(make_system(tmp_path, "", backend="hdf5", h5_file="r.h5")))
+    blob = pickle.dumps(metas)
+    assert len(blob) / len(metas) < 60, len(blob) / len(metas)  # 6 B of types + a name
+    clone = pickle.loads(blob)
+    assert clone == metas and clone[-1].address.endswith("r.h5#/")
+    assert clone[0].sets is clone[1].sets  # shared after unpickling too
