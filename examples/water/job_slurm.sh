@@ -32,8 +32,9 @@ mkdir -p "$RUN_DIR"
 export MDLOADER_BUILD_WORKERS=${MDLOADER_BUILD_WORKERS:-16}
 # Seconds the other ranks wait for rank 0's build before failing with a clear error (default 1800).
 export MDLOADER_BUILD_TIMEOUT=${MDLOADER_BUILD_TIMEOUT:-3600}
-# Memory maps (= open files) one process keeps (default 256); per rank *and* per worker.
-export MDLOADER_MAX_OPEN_FILES=${MDLOADER_MAX_OPEN_FILES:-256}
+# Memory maps (= open files) one process keeps (default: soft `ulimit -n` / 16, at most 1024);
+# per rank *and* per worker.
+export MDLOADER_MAX_OPEN_FILES=${MDLOADER_MAX_OPEN_FILES:-1024}
 # DataLoader worker processes per rank (as in DeePMD-kit; default min(4, cpus)).
 export NUM_WORKERS=${NUM_WORKERS:-4}
 

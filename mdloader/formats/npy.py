@@ -7,7 +7,9 @@ kept in a bounded per-process cache, because every open map holds a file descrip
 
 from __future__ import annotations
 
+import functools
 import math
+import mmap
 import os
 import re
 from collections import OrderedDict
@@ -24,10 +26,25 @@ _MAPS_PID = os.getpid()
 
 
 def max_open_maps() -> int:
-    """How many memory maps one process keeps open (``MDLOADER_MAX_OPEN_FILES``, default 256)."""
+    """How many memory maps one process keeps open (``MDLOADER_MAX_OPEN_FILES``).
+
+    Each map holds a file descriptor. The default, 1/16 of the soft ``ulimit -n`` capped at
+    1024, leaves room for the DataLoader workers (each keeps its own maps) and everything else.
+    """
     return setting(None, argument="MDLOADER_MAX_OPEN_FILES", env="MDLOADER_MAX_OPEN_FILES",
-                   default=256, parse=int, minimum=1,
+                   default=_default_open_maps(), parse=int, minimum=1,
                    expected="a whole number of files", floor="at least 1 file")
+
+
+@functools.lru_cache(maxsize=1)
+def _default_open_maps() -> int:
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 256
+    return 1024 if soft == resource.RLIM_INFINITY else max(16, min(1024, soft // 16))
 
 
 def file_of(loc: Location, set_name: str | None, name: str) -> str:
@@ -84,7 +101,8 @@ def set_shapes(loc: Location, set_name: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-_HEADER_RE = re.compile(r"'descr':\s*'([^']+)'.*'shape':\s*\(([\d,\s]*)\)", re.S)
+_HEADER_RE = re.compile(r"'descr':\s*'([^']+)',\s*'fortran_order':\s*(True|False),\s*"
+                        r"'shape':\s*\(([\d,\s]*)\)")
 _DTYPES: dict[str, np.dtype] = {}
 
 
@@ -98,7 +116,7 @@ def _header_shape(loc: Location, path: str) -> tuple[int, ...]:
     try:
         with open(path, "rb") as fh:
             head = fh.read(256)
-            shape, dtype, offset = _parse_header(fh, head)
+            shape, dtype, offset, _ = _parse_header(fh, head)
             data_bytes = os.fstat(fh.fileno()).st_size - offset
     except (ValueError, OSError, EOFError, SyntaxError) as exc:
         raise CorruptFileError("cannot read the npy header (corrupt or truncated file)",
@@ -112,7 +130,9 @@ def _header_shape(loc: Location, path: str) -> tuple[int, ...]:
     return shape
 
 
-def _parse_header(fh: BinaryIO, head: bytes) -> tuple[tuple[int, ...], np.dtype, int]:
+def _parse_header(fh: BinaryIO, head: bytes) -> tuple[tuple[int, ...], np.dtype, int, bool]:
+    """(shape, dtype, data offset, Fortran order) of an open npy file whose first bytes are
+    ``head``."""
     if head[:6] != b"\x93NUMPY" or len(head) < 10:
         raise ValueError(f"not an npy file (magic bytes {head[:8]!r})")
     start, hlen = (10, int.from_bytes(head[8:10], "little")) if head[6] == 1 else \
@@ -122,14 +142,14 @@ def _parse_header(fh: BinaryIO, head: bytes) -> tuple[tuple[int, ...], np.dtype,
         if match:
             descr = match.group(1)
             dtype = _DTYPES.get(descr) or _DTYPES.setdefault(descr, np.dtype(descr))
-            shape = tuple(int(x) for x in match.group(2).replace(",", " ").split())
-            return shape, dtype, start + hlen
+            shape = tuple(int(x) for x in match.group(3).replace(",", " ").split())
+            return shape, dtype, start + hlen, match.group(2) == "True"
     fh.seek(0)
     version = np.lib.format.read_magic(fh)
     reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
         np.lib.format.read_array_header_2_0
-    shape, _, dtype = reader(fh)
-    return tuple(int(s) for s in shape), dtype, fh.tell()
+    shape, fortran, dtype = reader(fh)
+    return tuple(int(s) for s in shape), dtype, fh.tell(), bool(fortran)
 
 
 def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray,
@@ -158,7 +178,17 @@ def _memmap(path: str) -> np.ndarray:
     if arr is not None:
         _MAPS.move_to_end(path)
         return arr
-    arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    with open(path, "rb") as fh:  # one open: the map keeps its own descriptor
+        shape, dtype, offset, fortran = _parse_header(fh, fh.read(256))
+        if dtype.hasobject:
+            raise ValueError(f"{path} holds Python objects; DeePMD arrays are numeric")
+        count = math.prod(shape)
+        if count == 0:
+            arr = np.empty(shape, dtype=dtype)
+        else:  # a plain ndarray over an mmap: np.memmap's Python-level hooks cost ~3x more
+            buffer = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            arr = np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(
+                shape, order="F" if fortran else "C")
     _MAPS[path] = arr
     while len(_MAPS) > max_open_maps():
         _MAPS.popitem(last=False)
