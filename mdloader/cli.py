@@ -182,23 +182,35 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mdloader`` and ``python -m mdloader``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in PLUGIN_COMMANDS:
+        # Everything after `dp` belongs to DeePMD-kit (``--pt`` included): no parsing here.
+        plugin = _load_plugin(PLUGIN_COMMANDS[argv[0]])
+        if plugin is None:
+            print(f"mdloader: error: `{argv[0]}` needs DeePMD-kit (pip install "
+                  f"'mdloader[deepmd]')", file=sys.stderr)
+            return 2
+        return _guarded(lambda: plugin.run_dp(argv[1:]), debug="--debug" in argv)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version (0) and usage errors (2)
         return int(exc.code or 0)
     setup_logging(args.log_level, args.log_path, all_ranks=args.log_all_ranks)
-    runner = RUNNERS.get(args.command)
-    if runner is None:
-        runner = _load_plugin(PLUGIN_COMMANDS[args.command]).run  # type: ignore[union-attr]
+    runner = RUNNERS[args.command]
+    return _guarded(lambda: runner(args), debug=args.debug)
+
+
+def _guarded(job: Callable[[], int], *, debug: bool) -> int:
+    """Run ``job``; user errors become one line on stderr and an exit code."""
     try:
-        return runner(args)
+        return job()
     except KeyboardInterrupt:
         print("mdloader: interrupted", file=sys.stderr)
         return 130
     except MdloaderError as exc:
-        if args.debug:
+        if debug:
             traceback.print_exc()
-        text = str(exc) if args.debug else getattr(exc, "summary", str(exc))
+        text = str(exc) if debug else getattr(exc, "summary", str(exc))
         print(f"mdloader: error: {text}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1

@@ -296,3 +296,20 @@ def test_rank0_failure_prints_one_line_without_debug(
     assert "/d/sys/set.000/coord.npy" in err and "Traceback" not in err
     assert main(["check", str(tmp_path / "input.json"), "--debug"]) == 1
     assert "Traceback (most recent call last):\n  boom" in capsys.readouterr().err
+
+
+def test_dp_passes_every_argument_through(monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`mdloader dp --pt train input.json`: DeePMD-kit's flags are not parsed by mdloader."""
+    import types
+
+    import mdloader.cli as cli
+
+    seen: list[list[str]] = []
+    fake = types.SimpleNamespace(run_dp=lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(cli, "_load_plugin", lambda module: fake)
+    assert main(["dp", "--pt", "train", "input.json", "--skip-neighbor-stat"]) == 0
+    assert seen == [["--pt", "train", "input.json", "--skip-neighbor-stat"]]
+    monkeypatch.setattr(cli, "_load_plugin", lambda module: None)
+    assert main(["dp", "--pt", "train", "input.json"]) == 2
+    assert "needs DeePMD-kit" in capsys.readouterr().err
