@@ -33,7 +33,9 @@ from .dataset import DeepmdDataSetForLoader
 from .errors import ConfigError, StateDictError
 from .probability import select_prob_source, system_probabilities
 from .schema import as_requirement
-from .samplers import STATE_VERSION, BatchKey, FrameOrder, WeightedSystemSampler
+from .samplers import (
+    STATE_VERSION, BatchKey, FrameOrder, TransportBatch, WeightedSystemSampler,
+)
 from .sampling import normalize_seed
 from .system import SystemMeta
 from .world import World
@@ -192,11 +194,22 @@ class DpLoaderSet(Dataset):
         return len(self.systems)
 
     def __getitem__(self, idx: int | BatchKey | tuple) -> dict[str, Any]:
-        """A key from the sampler: read it. An int ``sid``: the next batch of that system."""
+        """A key from the sampler: read it. An int ``sid``: the next batch of that system.
+
+        Inside a DataLoader worker the batch is a :class:`~mdloader.samplers.TransportBatch`:
+        its tensors cross to the main process as numpy arrays (an order of magnitude cheaper than
+        torch's per-tensor shared memory for small tensors) and arrive as the same plain dict.
+        """
+        in_worker = get_worker_info() is not None
         if isinstance(idx, tuple):
-            return self.read(int(idx[0]), idx[1])
-        sid = int(idx)
-        if get_worker_info() is not None and not self._warned_worker:
+            batch = self.read(int(idx[0]), idx[1])
+        else:
+            batch = self._next_batch(int(idx), in_worker)
+        return TransportBatch(batch) if in_worker else batch
+
+    def _next_batch(self, sid: int, in_worker: bool) -> dict[str, Any]:
+        """``ls[sid]``: advance this process's cursor of system ``sid`` and read that batch."""
+        if in_worker and not self._warned_worker:
             self._warned_worker = True
             log.warning("DpLoaderSet[int] inside a DataLoader worker advances that worker's own "
                         "copy of the system cursor; use the sampler from get_weighted_sampler, "

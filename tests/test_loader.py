@@ -13,6 +13,7 @@ from mdloader.dataset import DeepmdDataSetForLoader
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.loader import DpLoaderSet, get_sampler_from_params, get_weighted_sampler
 from mdloader.samplers import BatchKey, StatefulLoader
+from mdloader.schema import DataRequirementItem
 from mdloader.testing import make_system
 from mdloader.world import World
 
@@ -248,6 +249,19 @@ def test_loader_state_dict(systems):
         bare.load_state_dict(state)
 
 
+def _assert_same_batches(got, ref):
+    """Same keys, types, dtypes, shapes and values; batches are plain dicts as without workers."""
+    assert len(got) == len(ref)
+    for x, y in zip(got, ref):
+        assert type(x) is dict and set(x) == set(y)
+        for k, v in y.items():
+            if isinstance(v, torch.Tensor):
+                assert type(x[k]) is torch.Tensor and x[k].dtype == v.dtype, k
+                assert x[k].shape == v.shape and torch.equal(x[k], v), k
+            else:
+                assert type(x[k]) is type(v) and (x[k] == v or v is None), k
+
+
 def test_numpy_transport_yields_the_same_batches(systems):
     paths, h5, _ = systems
 
@@ -258,15 +272,47 @@ def test_numpy_transport_yields_the_same_batches(systems):
 
     ref = batches(0)
     for got in (batches(2), batches(2, numpy_transport=False)):
-        assert len(got) == len(ref)
-        for x, y in zip(got, ref):
-            assert set(x) == set(y)
-            for k, v in y.items():
-                if isinstance(v, torch.Tensor):
-                    assert isinstance(x[k], torch.Tensor) and x[k].dtype == v.dtype
-                    assert torch.equal(x[k], v), k
-                else:
-                    assert type(x[k]) is type(v) and (x[k] == v or v is None), k
+        _assert_same_batches(got, ref)
+
+
+def test_deepmd_outer_dataloader_same_batches_with_workers(systems, tmp_path):
+    # DeePMD-kit's trainer: DataLoader(ls, sampler, batch_size=None, collate_fn=lambda b: b).
+    paths, h5, _ = systems
+    nopbc = make_system(tmp_path, "nopbc", natoms=5, nframes=6, pbc=False, seed=7)
+
+    def batches(num_workers):
+        ls = DpLoaderSet(paths + [h5, nopbc], 2, TYPE_MAP, seed=5)
+        ls.add_data_requirement([DataRequirementItem(k, ndof=n, atomic=a, must=False)
+                                 for k, n, a in (("energy", 1, False), ("force", 3, True),
+                                                 ("dipole", 3, False))])  # dipole: find 0
+        sampler = get_weighted_sampler(ls, "prob_uniform", num_samples=24)
+        return list(DataLoader(ls, sampler=sampler, batch_size=None, num_workers=num_workers,
+                               collate_fn=lambda b: b))
+
+    ref = batches(0)
+    assert any(b["box"] is None for b in ref) and any(b["box"] is not None for b in ref)
+    assert all(b["find_dipole"] == 0 and type(b["find_energy"]) is np.float32
+               and b["dipole"].dtype == torch.float64 and type(b["fid"]) is list
+               and type(b["sid"]) is int for b in ref)
+    _assert_same_batches(batches(2), ref)
+
+
+def test_transport_batch_pickles_tensors_as_numpy(systems, monkeypatch):
+    from multiprocessing.reduction import ForkingPickler
+    from mdloader.samplers import TransportBatch
+
+    ls = DpLoaderSet(systems[0], 2, TYPE_MAP, seed=1)
+    assert type(ls[BatchKey(0, (0, 1), 0)]) is dict and type(ls[0]) is dict
+    monkeypatch.setattr("mdloader.loader.get_worker_info", lambda: object())  # "in a worker"
+    assert type(ls[BatchKey(0, (0, 1), 0)]) is TransportBatch
+    assert type(ls[0]) is TransportBatch
+    batch = {"coord": torch.arange(6.0).reshape(1, 2, 3), "atype": torch.tensor([[0, 1]]),
+             "box": None, "find_energy": np.float32(1.0), "fid": [3], "sid": 2,
+             "half": torch.ones(2, dtype=torch.bfloat16)}   # numpy cannot hold it: torch's path
+    func, (sent, keys) = TransportBatch(batch).__reduce__()
+    assert set(keys) == {"coord", "atype"} and isinstance(sent["coord"], np.ndarray)
+    got = ForkingPickler.loads(ForkingPickler.dumps(TransportBatch(batch)))
+    _assert_same_batches([got], [batch])
 
 
 def test_unseeded_loader_adopts_the_saved_seed(systems):
