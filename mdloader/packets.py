@@ -60,17 +60,28 @@ def data_packet(obj: Any, *, count: int = 0, context: str = "serialization faile
     return Packet(Kind.DATA, payload, count)
 
 
+def tensor_as_numpy(value: Any) -> Any:
+    """A CPU tensor's numpy view (zero copy), or None when numpy cannot hold it.
+
+    Pickling tensors as numpy arrays is ~8x faster both ways than torch's storage pickling
+    (192-atom water batch: 75 us vs 560 us to dump, 36 us vs 600 us to load), and it avoids
+    torch's per-tensor shared memory when a DataLoader worker sends a batch.
+    """
+    if (type(value) is not torch.Tensor or value.requires_grad or value.device.type != "cpu"
+            or value.layout is not torch.strided):
+        return None
+    try:
+        return value.numpy()
+    except (TypeError, RuntimeError):  # bfloat16, conjugate views ...
+        return None
+
+
 class _Pickler(pickle.Pickler):
-    """Pickle CPU tensors as numpy arrays: 8x faster both ways than torch's storage pickling
-    (measured on a 192-atom water batch: 75 us vs 560 us to dump, 36 us vs 600 us to load)."""
+    """Pickle CPU tensors as numpy arrays (see :func:`tensor_as_numpy`)."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is torch.Tensor and not obj.requires_grad and obj.device.type == "cpu":
-            try:
-                return torch.from_numpy, (obj.numpy(),)
-            except (TypeError, RuntimeError):  # bfloat16, sparse, conjugate views ...
-                pass
-        return NotImplemented
+        array = tensor_as_numpy(obj)
+        return NotImplemented if array is None else (torch.from_numpy, (array,))
 
 
 def dumps(obj: Any) -> bytes:

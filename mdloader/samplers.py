@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from .batching import batches_per_rank
 from .errors import ConfigError, StateDictError
+from .packets import tensor_as_numpy
 from .sampling import (
     batch_of_shard, occurrence_to_batch, rank_frames, sizes_digest, stream_chunk,
     stream_counts, weights_to_cdf, STREAM_CHUNK,
@@ -258,17 +259,6 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
-def _as_numpy(value: Any) -> np.ndarray | None:
-    """A CPU tensor's numpy view (zero copy), or None when numpy cannot hold it."""
-    if (type(value) is not torch.Tensor or value.requires_grad or value.device.type != "cpu"
-            or value.layout is not torch.strided):
-        return None
-    try:
-        return value.numpy()
-    except (TypeError, RuntimeError):  # bfloat16, conjugate views ...
-        return None
-
-
 def _rebuild_batch(batch: dict, tensor_keys: tuple[Any, ...]) -> dict:
     """Unpickling side of :class:`TransportBatch`: a plain ``dict``, arrays back to tensors."""
     for k in tensor_keys:
@@ -292,7 +282,7 @@ class TransportBatch(dict):
     def __reduce__(self) -> tuple[Any, tuple[dict, tuple[Any, ...]]]:
         plain, keys = dict(self), []
         for k, v in plain.items():
-            array = _as_numpy(v)
+            array = tensor_as_numpy(v)
             if array is not None:
                 plain[k] = array
                 keys.append(k)
