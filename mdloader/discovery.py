@@ -1,9 +1,13 @@
 """Finding systems: the only place that walks a directory tree.
 
 Every root is walked once with ``os.walk`` (``scandir`` under the hood: no ``stat`` per entry),
-HDF5 files are listed once, and the result is sorted and de-duplicated, so the same input gives
-the same list on every run, file system and ``PYTHONHASHSEED`` (DeePMD-kit's does not, which
-silently reassigns positional ``sys_probs``).
+not descending into the ``set.*`` folders of a system (a directory holding ``type.raw``): they
+hold frames. The one difference this makes: a ``type.raw`` *inside* a system's ``set.*`` folder
+is no longer taken for a system (DeePMD-kit's ``rglob`` would take it; such a tree mixes a set
+and a system). Systems nested in a system's other subfolders are found. HDF5 files are listed
+once, and the result is sorted and de-duplicated, so the same input gives the same list on every
+run, file system and ``PYTHONHASHSEED`` (DeePMD-kit's does not, which silently reassigns
+positional ``sys_probs``).
 """
 
 from __future__ import annotations
@@ -78,8 +82,14 @@ def _systems_under(entry: str, patterns: Sequence[str] | None) -> list[str]:
         log.warning("%s does not exist or is not a directory", entry)
         return []
     out = []
-    for dirpath, _dirnames, filenames in os.walk(root):
-        if "type.raw" in filenames and _matches(os.path.relpath(dirpath, root), patterns):
+    for dirpath, dirnames, filenames in os.walk(root):
+        if "type.raw" not in filenames:
+            continue
+        # A system's set.* folders hold frames, not systems: not descending into them is most
+        # of the walk at 100 000 systems (7.8-14.6 s -> 3.5-4.0 s). Other subfolders of a
+        # system are still searched, so systems nested there are found as before.
+        dirnames[:] = [d for d in dirnames if not d.startswith("set.")]
+        if not patterns or _matches(os.path.relpath(dirpath, root), patterns):
             out.append(os.path.normpath(dirpath))
     return out
 

@@ -138,6 +138,52 @@ def test_resolve_workers(monkeypatch: pytest.MonkeyPatch) -> None:
         build.resolve_workers(0)
 
 
+def _recording_build(seen: list[tuple[str, str]], bad: set[str],
+                     delay: float = 0.0) -> Callable[..., Any]:
+    def fake(address: str, type_map: Any = None) -> str:
+        seen.append((address, threading.current_thread().name))
+        if delay:
+            time.sleep(delay)  # waiting on a disk
+        else:
+            start = time.thread_time()
+            while time.thread_time() - start < 0.001:  # 1 ms of work, as on a local disk
+                pass
+        if address in bad:
+            raise RuntimeError(f"cannot read {address}")
+        return address
+    return fake
+
+
+@pytest.mark.parametrize("delay, pooled", [(0.0, False), (0.002, True)])
+def test_threads_only_when_the_first_systems_wait_on_the_disk(monkeypatch: pytest.MonkeyPatch,
+                                                              delay: float, pooled: bool) -> None:
+    seen: list[tuple[str, str]] = []
+    monkeypatch.setattr(build, "build_system_meta", _recording_build(seen, set(), delay))
+    monkeypatch.setattr(build, "PROBE", 8)
+    addresses = [f"s{i:03d}" for i in range(40)]
+    assert list(build._build_all(addresses, None, 4)) == addresses
+    threads = {name for _, name in seen[8:]}
+    assert all(name.startswith("mdloader-build") for name in threads) == pooled
+    assert {name for _, name in seen[:8]} == {threading.current_thread().name}
+
+
+def test_pool_stops_at_the_first_failing_system_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[str, str]] = []
+    addresses = [f"s{i:03d}" for i in range(200)]
+    fake = _recording_build(seen, {"s017", "s030"}, delay=0.001)
+    monkeypatch.setattr(build, "build_system_meta", fake)
+    monkeypatch.setattr(build, "PROBE", 2)
+    monkeypatch.setattr(build, "IO_BOUND", 0.0)  # always the pool
+    monkeypatch.setattr(build, "CHUNK", 3)
+    got: list[str] = []
+    with pytest.raises(build._SystemFailed) as info:
+        got.extend(build._build_all(addresses, None, 4))
+    assert info.value.address == "s017" and got == addresses[:17]
+    assert str(info.value.__cause__) == "cannot read s017"
+    assert len(seen) < 60 and "s199" not in {a for a, _ in seen}
+    assert any(name.startswith("mdloader-build") for _, name in seen)
+
+
 # ----------------------------------------------------------------------------- real ranks
 
 

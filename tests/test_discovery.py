@@ -79,3 +79,24 @@ def test_walks_the_tree_once_without_stat_per_entry(tree, monkeypatch):
                         or real_stat(*a, **k))
     discover_systems(str(tree))
     assert calls["walk"] == 1 and calls["stat"] <= 2
+
+
+def test_systems_nested_in_a_system_are_found_but_set_folders_are_not_walked(tmp_path,
+                                                                            monkeypatch):
+    outer = make_system(tmp_path, "outer", nframes=2, nsets=2)
+    inner = make_system(tmp_path / "outer" / "more", "inner", nframes=2)
+    deepest = make_system(tmp_path / "outer" / "more" / "inner" / "sub", "deepest", nframes=2)
+    not_a_system_dir = tmp_path / "set.000"  # a set.* name outside a system is still walked
+    found_there = make_system(not_a_system_dir, "sys", nframes=2)
+    walked = []
+    real_walk = os.walk
+
+    def recording_walk(*a, **k):
+        for dirpath, dirnames, filenames in real_walk(*a, **k):
+            walked.append(os.path.relpath(dirpath, tmp_path))
+            yield dirpath, dirnames, filenames
+
+    monkeypatch.setattr(os, "walk", recording_walk)
+    assert discover_systems(str(tmp_path)) == sorted([outer, inner, deepest, found_there])
+    assert not [w for w in walked if "outer" in w and os.path.basename(w).startswith("set.")]
+    assert os.path.join("outer", "more", "inner", "sub") in walked
