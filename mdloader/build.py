@@ -69,11 +69,11 @@ class BuildReport:
     broadcast_seconds: float  # on other ranks: includes the wait for rank 0
     verify_seconds: float  # unpickle, check every entry, wrap, compare digests
     payload_bytes: int
-    num_workers: int
+    num_workers: int  # the most threads the build may use (it runs serially on a fast disk)
     world_size: int
 
     def summary(self) -> str:
-        return (f"built {self.nsys} systems ({self.nframes} frames) with {self.num_workers} "
+        return (f"built {self.nsys} systems ({self.nframes} frames), up to {self.num_workers} "
                 f"threads: discovery {self.discovery_seconds:.2f} s, build "
                 f"{self.build_seconds:.2f} s, broadcast {self.broadcast_seconds:.2f} s of "
                 f"{self.payload_bytes} bytes to {self.world_size} ranks, verification "

@@ -95,7 +95,7 @@ def test_single_process_builds_without_broadcast(tmp_path: Path,
     assert [d.meta for d in datasets] == [build_system_meta(a, ["O", "H"]) for a in sorted(addresses)]
     assert (report.nsys, report.nframes, report.payload_bytes, report.world_size) == (
         5, 4 + 5 + 6 + 3 + 3, 0, 1)
-    assert "built 5 systems (21 frames) with 2 threads: discovery" in caplog.text
+    assert "built 5 systems (21 frames), up to 2 threads: discovery" in caplog.text
     assert [len(d[0]["atype"]) for d in datasets] == [5, 5, 3, 4, 5]  # HDF5 sorts first
 
 
