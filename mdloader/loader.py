@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset, get_worker_info
 
+from . import comm
 from .batching import batches_per_rank, resolve_batch_sizes
+from .build import build_systems
 from .dataset import DeepmdDataSetForLoader
 from .errors import ConfigError, StateDictError
 from .probability import select_prob_source, system_probabilities
@@ -61,14 +63,7 @@ def _build(systems: Any, type_map: Sequence[str] | None,
             isinstance(s, (DeepmdDataSetForLoader, SystemMeta)) for s in systems):
         return [s if isinstance(s, DeepmdDataSetForLoader) else DeepmdDataSetForLoader(s)
                 for s in systems]
-    try:
-        from .build import build_systems
-    except ImportError:  # until the distributed build lands: every rank builds for itself
-        from .discovery import discover_systems
-        return [DeepmdDataSetForLoader(a, type_map)
-                for a in discover_systems(systems, rglob_patterns)]
-    return [DeepmdDataSetForLoader.from_meta(m) if isinstance(m, SystemMeta) else m
-            for m in build_systems(systems, type_map, rglob_patterns=rglob_patterns)]
+    return build_systems(systems, type_map, rglob_patterns=rglob_patterns)
 
 
 def _agree_seed(seed: int | None, world: World) -> int:
@@ -78,10 +73,7 @@ def _agree_seed(seed: int | None, world: World) -> int:
     fresh = int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
     if world.world_size == 1:
         return fresh
-    from . import comm
-    channel = comm.world_channel(activity="choosing the loader seed")
-    packet = channel.broadcast(comm.data_packet(fresh) if channel.is_source else None)
-    return int(comm.open_packet(packet))
+    return int(comm.broadcast_from_main(fresh, context="choosing the loader seed"))
 
 
 class SystemBatches:
