@@ -128,16 +128,21 @@ def medians(rows: list[dict[str, Any]]) -> dict[Key, dict[str, float]]:
 
 
 def fs_counts(rows: Iterable[dict[str, Any]]) -> dict[Key, dict[str, float]]:
-    """File-system calls under the data tree during the build: rank 0 and the busiest other rank."""
-    per: dict[Key, dict[int, int]] = defaultdict(dict)
+    """File-system calls (and opens) under the data tree in the build: rank 0, busiest other rank."""
+    per: dict[Key, dict[int, tuple[int, int]]] = defaultdict(dict)
     for r in rows:
         if r.get("kind") == "fs" and r.get("fs_calls") is not None:
-            per[(r["impl"], r["nsys"], r["world"])][r["rank"]] = r["fs_calls"]
+            by_call = r.get("by_call", {})
+            opens = by_call.get("openat", 0) + by_call.get("open", 0)
+            per[(r["impl"], r["nsys"], r["world"])][r["rank"]] = (r["fs_calls"], opens)
     out = {}
     for key, ranks in per.items():
-        rest = [v for k, v in ranks.items() if k != 0]
-        out[key] = {"fs_r0": float(ranks.get(0, float("nan"))),
-                    "fs_rn": float(max(rest)) if rest else float("nan")}
+        rest = max((v for k, v in ranks.items() if k != 0), default=None)
+        nan = (float("nan"), float("nan"))
+        r0 = ranks.get(0, nan)
+        rn = rest or nan
+        out[key] = {"fs_r0": float(r0[0]), "fs_rn": float(rn[0]),
+                    "fs_open_r0": float(r0[1]), "fs_open_rn": float(rn[1])}
     return out
 
 

@@ -27,6 +27,14 @@ def _f(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
+def _fs(calls: float | None, opens: float | None) -> str:
+    """File-system calls with the opens among them in brackets (``openat`` is what a remote
+    file system pays a metadata round trip for)."""
+    if calls is None or math.isnan(calls):
+        return "–"
+    return _f(calls) + ("" if opens is None or math.isnan(opens) else f" ({_f(opens)})")
+
+
 def _ratio(num: float | None, den: float | None) -> str:
     if num is None or den is None or den == 0 or math.isnan(num) or math.isnan(den):
         return "–" if not (den == 0 and num) else "∞"
@@ -59,8 +67,8 @@ def setup_table(med: dict) -> list[str]:
 def cost_table(med: dict) -> list[str]:
     lines = ["| systems | W | bytes broadcast (md / dp) | B per system (md / dp) | "
              "DeePMD ÷ mdloader | RSS growth MiB rank 0 (md / dp) | other ranks (md / dp) | "
-             "DeePMD ÷ mdloader (rank 0) | FS calls rank 0 (md / dp) | FS calls other ranks "
-             "(md / dp) |", "|---:|---:|---|---|---:|---|---|---:|---|---|"]
+             "DeePMD ÷ mdloader (rank 0) | FS calls (opens) rank 0 (md / dp) | FS calls (opens) "
+             "other ranks (md / dp) |", "|---:|---:|---|---|---:|---|---|---:|---|---|"]
     for n, w in _configs(med):
         g = lambda i, k: _get(med, i, n, w, k)  # noqa: E731
         lines.append(
@@ -70,8 +78,10 @@ def cost_table(med: dict) -> list[str]:
             f"{_f(g(MD, 'rss_growth_r0_mib'))} / {_f(g(DP, 'rss_growth_r0_mib'))} | "
             f"{_f(g(MD, 'rss_growth_rn_mib'))} / {_f(g(DP, 'rss_growth_rn_mib'))} | "
             f"{_ratio(g(DP, 'rss_growth_r0_mib'), g(MD, 'rss_growth_r0_mib'))} | "
-            f"{_f(g(MD, 'fs_r0'))} / {_f(g(DP, 'fs_r0'))} | "
-            f"{_f(g(MD, 'fs_rn'))} / {_f(g(DP, 'fs_rn'))} |")
+            f"{_fs(g(MD, 'fs_r0'), g(MD, 'fs_open_r0'))} / "
+            f"{_fs(g(DP, 'fs_r0'), g(DP, 'fs_open_r0'))} | "
+            f"{_fs(g(MD, 'fs_rn'), g(MD, 'fs_open_rn'))} / "
+            f"{_fs(g(DP, 'fs_rn'), g(DP, 'fs_open_rn'))} |")
     return lines
 
 

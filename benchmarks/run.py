@@ -53,6 +53,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                                            "/work/venv-peer/bin/python"))
     p.add_argument("--data-base", default=DEFAULT_BASE)
     p.add_argument("--no-strace", action="store_true")
+    p.add_argument("--timeout", type=float, help="seconds per launch (default: the mode's, "
+                   "raised to 10 ms per system so that 100 000 systems get 1000 s)")
     p.add_argument("--out", help="JSON-lines output (default benchmarks/results/<mode>.jsonl)")
     p.add_argument("--no-report", action="store_true", help="do not rewrite docs/benchmarks.md")
     p.add_argument("--merge", nargs="*", help="earlier results files to report together with "
@@ -168,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         for nsys in cfg["nsys"]:
             root = ensure_dataset(nsys, base=args.data_base)
             reps = cfg.get("reps_at", {}).get(nsys, cfg["reps"]) if not args.reps else args.reps
+            cfg["timeout"] = args.timeout or max(MODES[args.mode]["timeout"], 0.01 * nsys)
             for world in cfg["worlds"]:
                 timed_runs(fh, pythons, root, nsys, world, reps, args, cfg)
                 if (strace_ok and world in cfg["strace_worlds"]
