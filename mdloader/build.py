@@ -29,15 +29,23 @@ The pool gets :data:`CHUNK` systems per task. Whole build (discovery + build, on
 warm cache): 100 000 systems 53-66 s before, 20-23 s now; 10 000: 5.2-8.2 s -> 2.2 s.
 Disabling the garbage collector during the build was tried and not kept: no difference above
 the noise (100 000 systems: 23 vs 18 s and 30 vs 34 s, off vs on).
+
+Processes for large CPU-bound builds: past :data:`PROCESS_MIN` systems on a fast disk the rest
+is described by up to ``num_workers`` *spawned* processes (one per core at most; never forked
+from a rank that holds a process group), in chunks, in order. 100 000 systems on a quiet
+moment of this machine: build 13.5 s serially, 9.1 s with 2 processes (whole build 10.7 s).
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import os
 import pickle
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -55,6 +63,7 @@ DEFAULT_WORKERS = 8
 CHUNK = 512  # systems per pool task
 PROBE = 32  # systems timed in the calling thread to decide on the pool
 IO_BOUND = 3.0  # wall / CPU time of the probe above which the pool is used
+PROCESS_MIN = 20_000  # CPU-bound builds at least this large use processes (all cores)
 CONTEXT = "discovering and building the systems"
 
 
@@ -220,6 +229,10 @@ def _build_all(addresses: list[str], type_map: Sequence[str] | None,
               PROBE, wall, cpu, threads, len(rest))
     size = _chunk_size(len(rest), threads)
     chunks = [rest[i:i + size] for i in range(0, len(rest), size)]
+    processes = min(workers, os.cpu_count() or 1)
+    if threads == 1 and len(rest) >= PROCESS_MIN and processes > 1:
+        yield from _in_processes(rest, type_map, processes, stop)
+        return
     if threads == 1:
         yield from _in_order(_build_chunk(0, c, type_map, stop) for c in chunks)
         return
@@ -230,6 +243,37 @@ def _build_all(addresses: list[str], type_map: Sequence[str] | None,
         finally:  # a failure, or the consumer stopped: do not build what nobody will read
             stop.after(-1)
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _in_processes(addresses: list[str], type_map: Sequence[str] | None, processes: int,
+                  stop: "_Stop") -> Iterator[SystemMeta]:
+    """A large CPU-bound build on every core: spawned processes (never forked from a rank that
+    holds a process group), chunks in order. Measured here on 2 cores, 50 000 systems: 8.1 s
+    serially, 4.4 s with 2 processes. If the pool itself breaks (e.g. an unguarded ``__main__``
+    that cannot be re-imported), the build falls back to this process."""
+    chunks = [addresses[i:i + CHUNK] for i in range(0, len(addresses), CHUNK)]
+    done = 0
+    try:
+        with ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as pool:
+            for chunk in pool.map(_process_chunk, chunks, [type_map] * len(chunks)):
+                yield from _in_order(iter([chunk]))
+                done += 1
+        return
+    except BrokenProcessPool as exc:
+        log.warning("the build's process pool failed (%s); building in this process", exc)
+    yield from _in_order(_build_chunk(0, c, type_map, stop) for c in chunks[done:])
+
+
+def _process_chunk(addresses: list[str], type_map: Sequence[str] | None) -> "_Chunk":
+    """Runs in a pool process: a chunk whose failure, if any, can travel back by pickle."""
+    chunk = _build_chunk(0, addresses, type_map, _Stop())
+    if chunk.failed is not None:
+        address, exc = chunk.failed
+        try:
+            pickle.dumps(exc)
+        except Exception:  # noqa: BLE001 - send what can be sent
+            chunk.failed = (address, RuntimeError(f"{type(exc).__name__}: {exc}"))
+    return chunk
 
 
 def _chunk_size(count: int, workers: int) -> int:

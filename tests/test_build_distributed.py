@@ -19,6 +19,7 @@ from distributed_utils import RankError, errors, run_ranks, values
 from mdloader import build
 from mdloader.errors import (CollectiveTimeoutError, ConfigError, DistributedError,
                              MissingDataError, RemoteError)
+from mdloader.discovery import discover_systems
 from mdloader.system import build_system_meta
 from mdloader.testing import make_system
 
@@ -344,3 +345,21 @@ def test_slow_rank0_times_out_with_a_clear_message(tmp_path: Path) -> None:
                                                      r"from rank 0 \(timeout 1.5 s\): rank 0 may "
                                                      r"still be discovering and building the systems"):
         raise err.exception
+
+
+@pytest.mark.timeout(120)
+def test_large_cpu_bound_builds_use_processes_in_order(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past PROCESS_MIN systems the build runs in spawned processes: same order, same entries,
+    and the first broken system (in order) is the one named."""
+    for i in range(60):
+        make_system(tmp_path, f"sys.{i:02d}", natoms=3 + i % 4, nframes=2, seed=i)
+    monkeypatch.setattr(build, "PROCESS_MIN", 10)
+    serial = [build_system_meta(a) for a in discover_systems(str(tmp_path))]
+    datasets = build.build_systems(str(tmp_path), num_workers=2)
+    assert [d.meta for d in datasets] == serial
+    make_system(tmp_path, "sys.45b", broken="no_coord")
+    make_system(tmp_path, "sys.50b", broken="no_sets")
+    with pytest.raises(MissingDataError, match=r"the set has no coord\.npy") as info:
+        build.build_systems(str(tmp_path), num_workers=2)
+    assert info.value.system.endswith("sys.45b")
