@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import os
 
 from benchmarks.aggregate import Key
@@ -37,17 +39,7 @@ def _plot_vs_nsys(med: dict, name: str, ylabel: str, title: str, path: str,
     if not drawn:
         plt.close(fig)
         return None
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("number of systems")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, ax, path, ylabel, title)
 
 
 def _plot_throughput(med: dict, path: str, world: int = 2) -> str | None:
@@ -71,11 +63,17 @@ def _plot_throughput(med: dict, path: str, world: int = 2) -> str | None:
     if not drawn:
         plt.close(fig)
         return None
+    return _finish(plt, fig, ax, path, "batches/s per rank",
+                   f"Outer DataLoader throughput, W={world}")
+
+
+def _finish(plt: Any, fig: Any, ax: Any, path: str, ylabel: str, title: str) -> str:
+    """Log-log axes against the number of systems, labels, legend; save and close."""
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("number of systems")
-    ax.set_ylabel("batches/s per rank")
-    ax.set_title(f"Outer DataLoader throughput, W={world}")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

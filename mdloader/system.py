@@ -8,6 +8,7 @@ already been made on rank 0, so nothing is left to fail hours into training insi
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -87,8 +88,9 @@ class SystemMeta:
             return len(self.type_map)
         return int(self.atom_types.max()) + 1
 
-    @property
+    @functools.cached_property
     def location(self) -> Location:
+        """The parsed address, computed once (every frame read needs it)."""
         return parse_address(self.address)
 
     @property
