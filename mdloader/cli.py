@@ -187,8 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Everything after `dp` belongs to DeePMD-kit (``--pt`` included): no parsing here.
         plugin = _load_plugin(PLUGIN_COMMANDS[argv[0]])
         if plugin is None:
-            print(f"mdloader: error: `{argv[0]}` needs DeePMD-kit (pip install "
-                  f"'mdloader[deepmd]')", file=sys.stderr)
+            _tell(f"mdloader: error: `{argv[0]}` needs DeePMD-kit (pip install "
+                  f"'mdloader[deepmd]')")
             return 2
         return _guarded(lambda: plugin.run_dp(argv[1:]), debug="--debug" in argv)
     parser = build_parser()
@@ -201,16 +201,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _guarded(lambda: runner(args), debug=args.debug)
 
 
+def _tell(line: str) -> None:
+    """One line on stderr in a single write: under torchrun every rank shares the stream, and
+    ``print`` writes the text and its newline separately when Python runs unbuffered
+    (``PYTHONUNBUFFERED``), so two ranks' lines could interleave."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def _guarded(job: Callable[[], int], *, debug: bool) -> int:
     """Run ``job``; user errors become one line on stderr and an exit code."""
     try:
         return job()
     except KeyboardInterrupt:
-        print("mdloader: interrupted", file=sys.stderr)
+        _tell("mdloader: interrupted")
         return 130
     except MdloaderError as exc:
         if debug:
             traceback.print_exc()
         text = str(exc) if debug else getattr(exc, "summary", str(exc))
-        print(f"mdloader: error: {text}", file=sys.stderr)
+        _tell(f"mdloader: error: {text}")
         return 2 if isinstance(exc, ConfigError) else 1
