@@ -298,6 +298,35 @@ def test_rank0_failure_prints_one_line_without_debug(
     assert "Traceback (most recent call last):\n  boom" in capsys.readouterr().err
 
 
+def test_error_line_is_one_write(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Ranks share stderr under torchrun: text and newline must leave in one write, or two
+    ranks' lines interleave (``print`` writes them apart when Python runs unbuffered)."""
+    import io
+
+    import mdloader.cli as cli
+    from mdloader.errors import MissingDataError
+
+    class Recorder(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+    def fail(args: object) -> int:
+        raise MissingDataError("a required key is missing: force", system="/d/s",
+                               file="/d/s/set.000/force.npy")
+
+    monkeypatch.setitem(cli.RUNNERS, "check", fail)
+    stderr = Recorder()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert main(["check", str(tmp_path / "input.json")]) == 1
+    lines = [w for w in stderr.writes if w.startswith("mdloader: error:")]
+    assert len(lines) == 1 and lines[0].endswith("/d/s/set.000/force.npy\n"), stderr.writes
+
+
 def test_dp_passes_every_argument_through(monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`mdloader dp --pt train input.json`: DeePMD-kit's flags are not parsed by mdloader."""
