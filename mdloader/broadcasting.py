@@ -126,6 +126,8 @@ class BroadcastingDataLoader:
         Seconds the other ranks wait for one batch.
 
     No mesh, axes of size 1, or no process group: iterating is iterating ``source``.
+    Drop the mesh and this loader before ``destroy_process_group()``: with torch 2.13 and gloo a
+    mesh that outlives its groups can abort the process at exit (docs/distributed.md).
     """
 
     def __init__(self, source: Iterable[Any] | None, device_mesh: Any = None,
