@@ -78,7 +78,7 @@ class MdloaderAdapter(Adapter):
     def load(self) -> None:
         import mdloader.build as build
         import mdloader.loader as loader
-        from mdloader.schema import DataRequirementItem
+        from mdloader.data.schema import DataRequirementItem
 
         self._loader, self._item = loader, DataRequirementItem
         original = build.build_systems_with_report

@@ -13,24 +13,26 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "DeepmdDataSetForLoader": "mdloader.dataset",
-    "DataRequirementItem": "mdloader.schema",
-    "SystemMeta": "mdloader.system",
-    "build_system_meta": "mdloader.system",
-    "discover_systems": "mdloader.discovery",
-    "collate_batch": "mdloader.collate",
+    "DeepmdDataSetForLoader": "mdloader.data.dataset",
+    "DataRequirementItem": "mdloader.data.schema",
+    "SystemMeta": "mdloader.data.system",
+    "build_system_meta": "mdloader.data.system",
+    "discover_systems": "mdloader.data.discovery",
+    "collate_batch": "mdloader.data.collate",
     "World": "mdloader.world",
     "DpLoaderSet": "mdloader.loader",
     "get_weighted_sampler": "mdloader.loader",
     "get_sampler_from_params": "mdloader.loader",
-    "WeightedSystemSampler": "mdloader.samplers",
-    "StatefulLoader": "mdloader.samplers",
-    "BatchKey": "mdloader.samplers",
+    "WeightedSystemSampler": "mdloader.sampling.samplers",
+    "StatefulLoader": "mdloader.sampling.stateful_loader",
+    "Stateful": "mdloader.sampling.state",
+    "gather_to_main": "mdloader.distributed.collectives",
+    "BatchKey": "mdloader.sampling.samplers",
     "build_systems": "mdloader.build",
     "build_systems_with_report": "mdloader.build",
-    "BroadcastingDataLoader": "mdloader.broadcasting",
-    "is_source_rank": "mdloader.broadcasting",
-    "broadcast_batch": "mdloader.broadcasting",
+    "BroadcastingDataLoader": "mdloader.distributed.broadcasting",
+    "is_source_rank": "mdloader.distributed.broadcasting",
+    "broadcast_batch": "mdloader.distributed.broadcasting",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -49,17 +49,17 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from . import comm
-from .dataset import DeepmdDataSetForLoader
-from .discovery import discover_systems
-from .errors import DataError
-from .settings import setting
-from .system import SystemMeta, build_system_meta
+from mdloader.distributed.channel import world_channel
+from mdloader.distributed.group import current_world
+from mdloader.distributed.packets import Packet, data_packet, digest, error_packet, open_packet
+from mdloader.data.dataset import DeepmdDataSetForLoader
+from mdloader.data.discovery import discover_systems
+from mdloader.errors import DataError
+from mdloader.settings import resolve
+from mdloader.data.system import SystemMeta, build_system_meta
 
-log = logging.getLogger("mdloader.build")
+log = logging.getLogger(__name__)
 
-WORKERS_ENV = "MDLOADER_BUILD_WORKERS"
-DEFAULT_WORKERS = 8
 CHUNK = 512  # systems per pool task
 PROBE = 32  # systems timed in the calling thread to decide on the pool
 IO_BOUND = 3.0  # wall / CPU time of the probe above which the pool is used
@@ -90,10 +90,8 @@ class BuildReport:
 
 
 def resolve_workers(num_workers: int | None = None) -> int:
-    """The argument, else ``$MDLOADER_BUILD_WORKERS``, else :data:`DEFAULT_WORKERS`."""
-    return setting(num_workers, argument="num_workers", env=WORKERS_ENV,
-                   default=DEFAULT_WORKERS, parse=int, minimum=1,
-                   expected="a whole number of threads", floor="at least 1 thread")
+    """The argument, else ``$MDLOADER_BUILD_WORKERS``, else 8."""
+    return int(resolve("build_workers", num_workers, argument="num_workers"))
 
 
 def build_systems(systems: str | Sequence[str], type_map: Sequence[str] | None = None, *,
@@ -136,7 +134,7 @@ def build_systems_with_report(
     DistributedError, CollectiveTimeoutError
         Verification failed on some rank, or rank 0 did not answer in time.
     """
-    world = comm.current_world()
+    world = current_world()
     if not world.distributed:
         workers = resolve_workers(num_workers)
         try:
@@ -147,7 +145,7 @@ def build_systems_with_report(
         report = _report(metas, times + (0.0, 0.0), 0, workers, 1)
         log.info(report.summary())
         return [DeepmdDataSetForLoader.from_meta(m) for m in metas], report
-    channel = comm.world_channel(timeout, activity=CONTEXT)
+    channel = world_channel(timeout=timeout, setting="build_timeout", activity=CONTEXT)
     times, workers, packet = (0.0, 0.0), 0, None
     if world.is_main:
         times, workers, packet = _packet_on_rank0(systems, type_map, rglob_patterns,
@@ -155,9 +153,9 @@ def build_systems_with_report(
     start = time.monotonic()
     packet = channel.broadcast(packet)
     received = time.monotonic()
-    metas = comm.open_packet(packet)  # every rank raises RemoteError here if rank 0 failed
+    metas = open_packet(packet, rank=world.rank)  # every rank raises RemoteError here if rank 0 failed
     datasets, problem = _verify(metas, packet.count)
-    channel.agree(comm.digest(packet.payload), problem)
+    channel.agree(digest(packet.payload), problem)
     report = _report(metas, times + (received - start, time.monotonic() - received),
                      len(packet.payload), workers, world.world_size)
     if world.is_main:
@@ -167,17 +165,17 @@ def build_systems_with_report(
 
 def _packet_on_rank0(systems: Any, type_map: Sequence[str] | None,
                      rglob_patterns: Sequence[str] | None, num_workers: int | None,
-                     progress: bool | None) -> tuple[tuple[float, float], int, comm.Packet]:
+                     progress: bool | None) -> tuple[tuple[float, float], int, Packet]:
     """Rank 0's outcome as one packet: the list of descriptions, or the first failure."""
     try:
         workers = resolve_workers(num_workers)
         metas, times = _discover_and_build(systems, type_map, rglob_patterns, workers, progress)
     except _SystemFailed as failed:
-        return (0.0, 0.0), 0, comm.error_packet(failed.__cause__, context=CONTEXT,
-                                                system=failed.address)
+        return (0.0, 0.0), 0, error_packet(failed.__cause__, rank=0, context=CONTEXT,
+                                           system=failed.address)
     except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
-        return (0.0, 0.0), 0, comm.error_packet(exc, context=CONTEXT)
-    packet = comm.data_packet(metas, count=len(metas),
+        return (0.0, 0.0), 0, error_packet(exc, rank=0, context=CONTEXT)
+    packet = data_packet(metas, rank=0, count=len(metas),
                               context="serializing the system descriptions",
                               describe=lambda exc: {"system": _unpicklable(metas)})
     return times, workers, packet

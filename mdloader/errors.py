@@ -3,7 +3,7 @@
 Every error raised because of bad *input* (a data system, a file, a config key) is an
 :class:`MdloaderError`. The data errors carry the system and the file concerned plus what was
 expected and what was found, so that the same facts can travel from rank 0 to every other rank
-(see :mod:`mdloader.comm`) and be printed by the command line without a traceback.
+(see :mod:`mdloader.distributed.packets`) and be printed by the command line without a traceback.
 """
 
 from __future__ import annotations
@@ -12,7 +12,23 @@ from typing import Any
 
 
 class MdloaderError(Exception):
-    """Base class of every error mdloader raises on purpose."""
+    """Base class of every error mdloader raises on purpose.
+
+    Subclasses with keyword-only constructor arguments list them in :meth:`_arguments`, so that
+    pickle rebuilds the same error in another process (DataLoader workers, other ranks).
+    """
+
+    def _arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return self.args, {}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        args, kwargs = self._arguments()
+        return (_rebuild, (type(self), args, kwargs))
+
+
+def _rebuild(cls: type[MdloaderError], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> MdloaderError:
+    return cls(*args, **kwargs)
 
 
 class DataError(MdloaderError, ValueError):
@@ -58,16 +74,9 @@ class DataError(MdloaderError, ValueError):
             parts.append(f"found: {self.found}")
         return "; ".join(parts)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Keyword-only constructor arguments: teach pickle to rebuild the same error in
-        # another process (DataLoader workers, other ranks).
-        return (_rebuild_data_error, (type(self), self.message, self.system, self.file,
-                                      self.expected, self.found))
-
-
-def _rebuild_data_error(cls: type[DataError], message: str, system: str | None,
-                        file: str | None, expected: Any, found: Any) -> DataError:
-    return cls(message, system=system, file=file, expected=expected, found=found)
+    def _arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (self.message,), {"system": self.system, "file": self.file,
+                                 "expected": self.expected, "found": self.found}
 
 
 class MissingDataError(DataError, FileNotFoundError):
@@ -101,12 +110,8 @@ class ConfigError(MdloaderError, ValueError):
         self.path = path
         super().__init__(f"{path}: {message}" if path else message)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_config_error, (type(self), self.message, self.path))
-
-
-def _rebuild_config_error(cls: type[ConfigError], message: str, path: str | None) -> ConfigError:
-    return cls(message, path=path)
+    def _arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (self.message,), {"path": self.path}
 
 
 class DistributedError(MdloaderError, RuntimeError):
@@ -152,16 +157,11 @@ class RemoteError(DistributedError):
             head += "\n--- traceback on rank %d ---\n%s" % (origin_rank, traceback_text.rstrip())
         super().__init__(head)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_remote_error, (self.__dict__.copy(),))
+    FIELDS = ("origin_rank", "exc_type", "exc_message", "context", "system", "file",
+              "traceback_text")
 
-
-def _rebuild_remote_error(state: dict[str, Any]) -> RemoteError:
-    return RemoteError(
-        origin_rank=state["origin_rank"], exc_type=state["exc_type"],
-        exc_message=state["exc_message"], context=state["context"], system=state["system"],
-        file=state["file"], traceback_text=state["traceback_text"],
-    )
+    def _arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (), {name: getattr(self, name) for name in self.FIELDS}
 
 
 class CollectiveTimeoutError(DistributedError, TimeoutError):

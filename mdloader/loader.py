@@ -28,21 +28,24 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset, get_worker_info
 
-from . import comm
-from .batching import batches_per_rank, resolve_batch_sizes
-from .build import build_systems
-from .dataset import DeepmdDataSetForLoader
-from .errors import ConfigError, StateDictError
-from .probability import select_prob_source, system_probabilities
-from .schema import as_requirement
-from .samplers import (
-    STATE_VERSION, BatchKey, FrameOrder, TransportBatch, WeightedSystemSampler,
-)
-from .sampling import normalize_seed
-from .system import SystemMeta
-from .world import World
+from mdloader.distributed.collectives import broadcast_from_main
+from mdloader.distributed.group import current_world
+from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
+from mdloader.build import build_systems
+from mdloader.data.dataset import DeepmdDataSetForLoader
+from mdloader.errors import ConfigError, StateDictError
+from mdloader.sampling.probability import select_prob_source, system_probabilities
+from mdloader.data.schema import as_requirement
+from mdloader.sampling.order import FrameOrder, normalize_seed
+from mdloader.sampling.samplers import BatchKey, WeightedSystemSampler
+from mdloader.sampling.state import check_keys, check_same
+from mdloader.transport import TransportBatch
+from mdloader.data.system import SystemMeta
+from mdloader.world import World
 
-log = logging.getLogger("mdloader.loader")
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 2
 
 
 def default_num_workers() -> int:
@@ -73,7 +76,7 @@ def _agree_seed(seed: int | None, world: World) -> int:
     fresh = int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
     if world.world_size == 1:
         return fresh
-    return int(comm.broadcast_from_main(fresh, context="choosing the loader seed"))
+    return int(broadcast_from_main(fresh, context="choosing the loader seed"))
 
 
 class SystemBatches:
@@ -147,7 +150,6 @@ class DpLoaderSet(Dataset):
         if modifier is not None:
             raise ConfigError("data modifiers are not supported by mdloader", path="modifier")
         if world is None:
-            from .comm import current_world
             world = current_world()
         self.world = world
         user_seed = normalize_seed(seed, world.rank)
@@ -246,31 +248,25 @@ class DpLoaderSet(Dataset):
                                     nsys_original=self._nsys_original, key=key)
 
     def state_dict(self) -> dict[str, Any]:
-        """Integers only: the attached sampler's state and any ``ls[int]`` cursors in use."""
+        """The seed and the ``ls[int]`` cursors in use (the sampler saves its own state)."""
         used = np.flatnonzero(self._cursor)
-        return {"version": STATE_VERSION,
-                "sampler": None if self.sampler is None else self.sampler.state_dict(),
-                "cursor_sids": used.tolist(), "cursor_counts": self._cursor[used].tolist()}
+        return {"version": STATE_VERSION, "seed": self.seed, "cursor_sids": used.tolist(),
+                "cursor_counts": self._cursor[used].tolist()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        expected = {"version", "sampler", "cursor_sids", "cursor_counts"}
-        if set(state) != expected or state["version"] != STATE_VERSION:
-            raise StateDictError(f"loader state must be version {STATE_VERSION} with keys "
-                                 f"{sorted(expected)}, got {sorted(state)}")
-        if (state["sampler"] is None) != (self.sampler is None):
-            raise StateDictError("the saved state and this loader disagree on having a sampler "
-                                 "(call get_weighted_sampler before load_state_dict)")
+        check_keys(state, kind="DpLoaderSet", version=STATE_VERSION,
+                   keys=("seed", "cursor_sids", "cursor_counts"))
         sids = np.asarray(state["cursor_sids"], dtype=np.int64)
         if len(sids) and (sids.min() < 0 or sids.max() >= len(self.systems)):
             raise StateDictError(f"cursor system index out of range for {len(self.systems)} "
                                  "systems")
-        if self.sampler is not None:
-            self.sampler.load_state_dict(state["sampler"])
-            if self.sampler.order.seed != self.seed:     # seed=None adopts the saved seed
-                self.seed = self.sampler.order.seed
-                self._order = FrameOrder(self.nframes, self.batch_sizes, seed=self.seed,
-                                         rank=self.world.rank,
-                                         world_size=self.world.world_size, shuffle=self.shuffle)
+        if self.seed_given:
+            check_same("DpLoaderSet", "seed", int(state["seed"]), self.seed)
+        elif int(state["seed"]) != self.seed:  # seed=None adopts the saved seed
+            self.seed = int(state["seed"])
+            self._order = FrameOrder(self.nframes, self.batch_sizes, seed=self.seed,
+                                     rank=self.world.rank, world_size=self.world.world_size,
+                                     shuffle=self.shuffle)
         self._cursor[:] = 0
         self._cursor[sids] = np.asarray(state["cursor_counts"], dtype=np.int64)
 

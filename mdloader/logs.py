@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from .world import World
+from mdloader.world import World
 
 LEVELS: dict[str, int] = {"DEBUG": logging.DEBUG, "INFO": logging.INFO,
                           "WARNING": logging.WARNING, "ERROR": logging.ERROR}

@@ -1,34 +1,93 @@
-"""Tunable settings: an argument, else an environment variable, else a default.
+"""Every tunable setting in one table: an argument, else an environment variable, else a default.
 
-One reader for every ``MDLOADER_*`` variable, so that each is parsed and validated the same way
-and a bad value is a :class:`~mdloader.errors.ConfigError` naming the argument or the variable.
+Each setting is declared once (:data:`SETTINGS`) with the variable that sets it, its default and
+one sentence on what it controls; :func:`resolve` parses and validates it the same way
+everywhere, and a bad value is a :class:`~mdloader.errors.ConfigError` naming the argument or
+the variable. ``docs/hpc.md`` documents every variable (a test checks it).
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Callable, TypeVar
+from dataclasses import dataclass
+from typing import Callable
 
-from .errors import ConfigError
-
-T = TypeVar("T", int, float)
+from mdloader.errors import ConfigError
 
 
-def setting(value: T | str | None, *, argument: str, env: str, default: T,
-            parse: Callable[[str], T], minimum: T, expected: str, floor: str) -> T:
-    """``value`` if given, else ``$env`` if set and not empty, else ``default``.
+@dataclass(frozen=True)
+class Setting:
+    """One tunable: ``env`` overrides ``default`` unless an explicit argument is given."""
 
-    ``parse`` converts (``int`` or ``float``) and the result must be at least ``minimum``;
-    ``expected`` and ``floor`` word the two errors ("a whole number of threads",
-    "at least 1 thread").
-    """
-    where, raw = (argument, value) if value is not None else (env, os.environ.get(env))
-    if raw is None or raw == "":
-        return default
+    env: str
+    default: Callable[[], float]
+    parse: Callable[[str], float]
+    minimum: float
+    unit: str
+    meaning: str
+
+
+def _open_file_share() -> int:
+    """1/16 of the soft ``ulimit -n`` (16..1024): room for workers and everything else."""
     try:
-        parsed = parse(raw)  # type: ignore[arg-type]
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 256
+    return 1024 if soft == resource.RLIM_INFINITY else max(16, min(1024, soft // 16))
+
+
+SETTINGS: dict[str, Setting] = {
+    "build_timeout": Setting(
+        "MDLOADER_BUILD_TIMEOUT", lambda: 1800.0, float, 1e-3, "second",
+        "How long the other ranks wait for rank 0 to discover and describe the systems."),
+    "collective_timeout": Setting(
+        "MDLOADER_COLLECTIVE_TIMEOUT", lambda: 300.0, float, 1e-3, "second",
+        "How long a rank waits in any other collective of mdloader: a batch of "
+        "BroadcastingDataLoader, a gather of loader states for a checkpoint, the statistics "
+        "and validation exchanges of `mdloader train`."),
+    "build_workers": Setting(
+        "MDLOADER_BUILD_WORKERS", lambda: 8, int, 1, "thread",
+        "Most threads (or processes) rank 0 uses to describe systems; used only when the "
+        "build measures that they help."),
+    "max_open_files": Setting(
+        "MDLOADER_MAX_OPEN_FILES", _open_file_share, int, 1, "file",
+        "Memory-mapped npy files one process keeps open (each holds a file descriptor)."),
+    "max_open_h5": Setting(
+        "MDLOADER_MAX_OPEN_H5", lambda: 32, int, 1, "file",
+        "HDF5 files one process keeps open."),
+}
+
+
+def resolve(name: str, value: float | str | None = None, *, argument: str | None = None) -> float:
+    """``value`` if given, else ``$ENV`` if set and not empty, else the default of ``name``.
+
+    ``argument`` names the explicit value in errors (default: the setting's name).
+    """
+    spec = SETTINGS[name]
+    where, raw = (argument or name, value) if value is not None else (spec.env,
+                                                                       os.environ.get(spec.env))
+    if raw is None or raw == "":
+        return spec.default()
+    try:
+        parsed = spec.parse(raw)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise ConfigError(f"expected {expected}, found {raw!r}", path=where) from None
-    if not parsed >= minimum:
-        raise ConfigError(f"expected {floor}, found {raw!r}", path=where)
+        kind = "a whole number" if spec.parse is int else "a number"
+        raise ConfigError(f"expected {kind} of {spec.unit}s, found {raw!r}", path=where) from None
+    if not parsed >= spec.minimum:
+        unit = spec.unit if spec.minimum == 1 else spec.unit + "s"
+        raise ConfigError(f"expected at least {spec.minimum:g} {unit}, found {raw!r}",
+                          path=where)
     return parsed
+
+
+@functools.lru_cache(maxsize=None)
+def _cached(name: str, raw: str | None) -> float:
+    return resolve(name)
+
+
+def cached(name: str) -> float:
+    """:func:`resolve` without an argument, re-read only when the variable changes (hot paths)."""
+    return _cached(name, os.environ.get(SETTINGS[name].env))

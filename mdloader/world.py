@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from mdloader.errors import ConfigError
 
 
 @dataclass(frozen=True)

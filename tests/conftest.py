@@ -18,7 +18,7 @@ def shared_data() -> Path:
 
 @pytest.fixture(autouse=True)
 def _restore_mdloader_logger():
-    """``mdloader.cli.main`` configures the ``mdloader`` logger for a process (handlers on
+    """``mdloader.cli.main.main`` configures the ``mdloader`` logger for a process (handlers on
     stderr, no propagation); undo it after each test so caplog and later tests see the default."""
     import logging
 

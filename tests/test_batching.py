@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from mdloader.batching import batches_per_rank, parse_rule, resolve_batch_sizes
+from mdloader.sampling.batching import batches_per_rank, parse_rule, resolve_batch_sizes
 from mdloader.errors import ConfigError
 
 # DeePMD-kit's test_dploaderset.py on the 192-atom water system.

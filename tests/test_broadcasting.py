@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from distributed_utils import run_ranks, values
-from mdloader import broadcasting as bc
-from mdloader import comm
+from mdloader.distributed import broadcasting as bc
+from mdloader.distributed.packets import Kind, Packet, data_packet, error_packet
+from mdloader.world import World
 from mdloader.errors import ConfigError, DistributedError, RemoteError
 from mdloader.testing import make_system
 
@@ -43,16 +44,16 @@ class FakeMesh:
 class FakeChannel:
     """Records what the source sends; receivers get ``inbox`` packets."""
 
-    sent: list[comm.Packet] = []
-    inbox: list[comm.Packet] = []
+    sent: list[Packet] = []
+    inbox: list[Packet] = []
     made: list[Any] = []
 
     def __init__(self, group: Any, *, timeout: float, activity: str = "", remedy: str = "",
                  source: bool = True) -> None:
         FakeChannel.made.append(group)
-        self.group, self.is_source, self.src_global = group, source, 0
+        self.group, self.is_source, self.src_global, self.global_rank = group, source, 0, 0
 
-    def broadcast(self, packet: comm.Packet | None) -> comm.Packet:
+    def broadcast(self, packet: Packet | None) -> Packet:
         if packet is not None:
             FakeChannel.sent.append(packet)
             return packet
@@ -62,9 +63,9 @@ class FakeChannel:
 @pytest.fixture
 def fake_dist(monkeypatch: pytest.MonkeyPatch) -> type[FakeChannel]:
     FakeChannel.sent, FakeChannel.inbox, FakeChannel.made = [], [], []
-    monkeypatch.setattr(comm, "is_distributed", lambda: True)
-    monkeypatch.setattr(comm, "Channel", FakeChannel)
-    monkeypatch.setattr(comm, "subgroup", lambda ranks: ("subgroup", tuple(ranks)))
+    monkeypatch.setattr(bc, "current_world", lambda: World(rank=0, world_size=2))
+    monkeypatch.setattr(bc, "Channel", FakeChannel)
+    monkeypatch.setattr(bc, "subgroup", lambda ranks: ("subgroup", tuple(ranks)))
     return FakeChannel
 
 
@@ -132,14 +133,14 @@ def test_iterator_creation_failure_sends_exactly_one_error_packet(
                                           r"OSError: cannot open shard list") as info:
         list(loader)
     assert isinstance(info.value.__cause__, OSError)
-    assert [p.kind for p in fake_dist.sent] == [comm.Kind.ERROR]
+    assert [p.kind for p in fake_dist.sent] == [Kind.ERROR]
 
 
 def test_source_sends_each_batch_then_stop(fake_dist: type[FakeChannel]) -> None:
     loader = bc.BroadcastingDataLoader(Source(["a", "b"]), FakeMesh(("tp",), (2,), 0))
     assert list(loader) == ["a", "b"]
     assert [(p.kind, p.count) for p in fake_dist.sent] == [
-        (comm.Kind.DATA, 0), (comm.Kind.DATA, 1), (comm.Kind.STOP, 2)]
+        (Kind.DATA, 0), (Kind.DATA, 1), (Kind.STOP, 2)]
 
 
 def test_unpicklable_batch_becomes_an_error_packet(fake_dist: type[FakeChannel]) -> None:
@@ -148,12 +149,12 @@ def test_unpicklable_batch_becomes_an_error_packet(fake_dist: type[FakeChannel])
     assert next(it) == 1
     with pytest.raises(RemoteError, match=r"\(batch serialization failed\): TypeError: cannot pickle"):
         next(it)
-    assert [p.kind for p in fake_dist.sent] == [comm.Kind.DATA, comm.Kind.ERROR]
+    assert [p.kind for p in fake_dist.sent] == [Kind.DATA, Kind.ERROR]
 
 
 def test_receiver_checks_the_step(fake_dist: type[FakeChannel], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(comm, "Channel", lambda group, **k: FakeChannel(group, source=False, **k))
-    fake_dist.inbox = [comm.data_packet("x", count=0), comm.data_packet("y", count=5)]
+    monkeypatch.setattr(bc, "Channel", lambda group, **k: FakeChannel(group, source=False, **k))
+    fake_dist.inbox = [data_packet("x", rank=0, count=0), data_packet("y", rank=0, count=5)]
     loader = bc.BroadcastingDataLoader(None, FakeMesh(("tp",), (2,), 1), length=7)
     it = iter(loader)
     assert next(it) == "x" and len(loader) == 7 and loader.state_dict() == {}
@@ -208,7 +209,7 @@ def _real_source(root: str, mesh: Any, num_samples: int = 8) -> Any:
     """Every rank builds (a collective); sources make the loader of their data-parallel rank."""
     from mdloader.build import build_systems
     from mdloader.loader import DpLoaderSet, get_weighted_sampler
-    from mdloader.samplers import StatefulLoader
+    from mdloader.sampling.stateful_loader import StatefulLoader
     from mdloader.world import World
 
     datasets = build_systems(root, TYPE_MAP)

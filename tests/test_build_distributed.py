@@ -19,8 +19,8 @@ from distributed_utils import RankError, errors, run_ranks, values
 from mdloader import build
 from mdloader.errors import (CollectiveTimeoutError, ConfigError, DistributedError,
                              MissingDataError, RemoteError)
-from mdloader.discovery import discover_systems
-from mdloader.system import build_system_meta
+from mdloader.data.discovery import discover_systems
+from mdloader.data.system import build_system_meta
 from mdloader.testing import make_system
 
 # ----------------------------------------------------------------------------- helpers
@@ -127,11 +127,11 @@ def test_progress_bar_goes_to_stderr(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_resolve_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(build.WORKERS_ENV, raising=False)
-    assert build.resolve_workers() == build.DEFAULT_WORKERS
-    monkeypatch.setenv(build.WORKERS_ENV, "3")
+    monkeypatch.delenv("MDLOADER_BUILD_WORKERS", raising=False)
+    assert build.resolve_workers() == 8
+    monkeypatch.setenv("MDLOADER_BUILD_WORKERS", "3")
     assert (build.resolve_workers(), build.resolve_workers(5)) == (3, 5)
-    monkeypatch.setenv(build.WORKERS_ENV, "many")
+    monkeypatch.setenv("MDLOADER_BUILD_WORKERS", "many")
     with pytest.raises(ConfigError, match="MDLOADER_BUILD_WORKERS: expected a whole number of "
                                           "threads, found 'many'"):
         build.resolve_workers()

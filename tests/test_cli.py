@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from mdloader.cli import main
+from mdloader.cli.main import main
 from mdloader.logs import setup_logging
 from mdloader.testing import make_system
 from mdloader.world import World
@@ -167,7 +167,7 @@ def test_train_in_process_and_log_file(tmp_path: Path) -> None:
                  "--num-workers", "0", "--log-path", str(log_path), "-v", "debug"]) == 0
     assert len((tmp_path / "out" / "lcurve.out").read_text().splitlines()) == 1 + 3
     text = log_path.read_text()
-    assert "INFO    mdloader.train: saved checkpoint" in text and "DEBUG" in text
+    assert "INFO    mdloader.train.job: saved checkpoint" in text and "DEBUG" in text
 
 
 def test_other_ranks_only_warn(tmp_path: Path) -> None:
@@ -281,7 +281,7 @@ def test_rank0_failure_prints_one_line_without_debug(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A RemoteError carries rank 0's traceback; users see it only with --debug."""
-    import mdloader.cli as cli
+    import mdloader.cli.main as cli
     from mdloader.errors import RemoteError
 
     def fail(args: object) -> int:
@@ -303,7 +303,7 @@ def test_error_line_is_one_write(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     ranks' lines interleave (``print`` writes them apart when Python runs unbuffered)."""
     import io
 
-    import mdloader.cli as cli
+    import mdloader.cli.main as cli
     from mdloader.errors import MissingDataError
 
     class Recorder(io.StringIO):
@@ -330,15 +330,17 @@ def test_error_line_is_one_write(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 def test_dp_passes_every_argument_through(monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`mdloader dp --pt train input.json`: DeePMD-kit's flags are not parsed by mdloader."""
-    import types
-
-    import mdloader.cli as cli
+    import mdloader.integrations.deepmd as integration
 
     seen: list[list[str]] = []
-    fake = types.SimpleNamespace(run_dp=lambda argv: seen.append(argv) or 0)
-    monkeypatch.setattr(cli, "_load_plugin", lambda module: fake)
+    monkeypatch.setattr(integration, "run_dp", lambda argv: seen.append(argv) or 0)
     assert main(["dp", "--pt", "train", "input.json", "--skip-neighbor-stat"]) == 0
     assert seen == [["--pt", "train", "input.json", "--skip-neighbor-stat"]]
-    monkeypatch.setattr(cli, "_load_plugin", lambda module: None)
+
+
+def test_dp_without_deepmd_kit_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "deepmd", None)  # as if DeePMD-kit were not installed
     assert main(["dp", "--pt", "train", "input.json"]) == 2
-    assert "needs DeePMD-kit" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'mdloader[deepmd]'" in err

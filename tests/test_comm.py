@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from distributed_utils import RankError, errors, run_ranks, values
-from mdloader import comm
+from mdloader.distributed import channel, collectives, group
+from mdloader.distributed import packets as pk
+from mdloader.settings import SETTINGS, resolve
 from mdloader.errors import (CollectiveTimeoutError, ConfigError, DistributedError,
                              MissingDataError, RemoteError)
 from mdloader.world import World
@@ -19,30 +21,30 @@ from mdloader.world import World
 
 
 def test_data_packet_round_trip() -> None:
-    packet = comm.data_packet({"a": [1, 2]}, count=7)
-    assert packet.kind is comm.Kind.DATA and packet.count == 7
-    assert comm.open_packet(packet) == {"a": [1, 2]}
-    assert comm.open_packet(comm.STOP_PACKET) is comm.Stop
+    packet = pk.data_packet({"a": [1, 2]}, rank=0, count=7)
+    assert packet.kind is pk.Kind.DATA and packet.count == 7
+    assert pk.open_packet(packet, rank=0) == {"a": [1, 2]}
+    assert pk.open_packet(pk.STOP_PACKET, rank=0) is pk.Stop
 
 
 def test_unpicklable_object_becomes_error_packet() -> None:
-    packet = comm.data_packet([threading.Lock()], context="batch serialization failed",
+    packet = pk.data_packet([threading.Lock()], rank=0, context="batch serialization failed",
                               describe=lambda exc: {"system": "/d/sys"})
-    assert packet.kind is comm.Kind.ERROR
+    assert packet.kind is pk.Kind.ERROR
     with pytest.raises(RemoteError, match=r"rank 0 failed \(batch serialization failed\): "
                                           r"TypeError: cannot pickle.*\[system: /d/sys\]") as info:
-        comm.open_packet(packet)
+        pk.open_packet(packet, rank=0)
     assert isinstance(info.value.__cause__, TypeError)
     assert "Traceback" in info.value.traceback_text
 
 
 def test_error_packet_carries_data_error_system_and_file() -> None:
     exc = MissingDataError("no coord.npy", system="/d/sys", file="/d/sys/set.000/coord.npy")
-    packet = comm.error_packet(exc, context="build", system="ignored")
-    received = comm.Packet(packet.kind, packet.payload)  # as another rank sees it: no cause
+    packet = pk.error_packet(exc, rank=0, context="build", system="ignored")
+    received = pk.Packet(packet.kind, packet.payload)  # as another rank sees it: no cause
     with pytest.raises(RemoteError, match="MissingDataError: no coord.npy; system: /d/sys; "
                                           "file: /d/sys/set.000/coord.npy") as info:
-        comm.open_packet(received)
+        pk.open_packet(received, rank=0)
     err = info.value
     assert (err.origin_rank, err.exc_type, err.system, err.file, err.context) == (
         0, "MissingDataError", "/d/sys", "/d/sys/set.000/coord.npy", "build")
@@ -51,29 +53,34 @@ def test_error_packet_carries_data_error_system_and_file() -> None:
 
 
 def test_error_packet_takes_file_from_os_error() -> None:
-    packet = comm.error_packet(PermissionError(13, "Permission denied", "/d/sys/type.raw"),
+    packet = pk.error_packet(PermissionError(13, "Permission denied", "/d/sys/type.raw"), rank=0,
                                context="build", system="/d/sys")
     with pytest.raises(RemoteError, match=r"PermissionError.*\[system: /d/sys; file: /d/sys/type.raw\]"):
-        comm.open_packet(packet)
+        pk.open_packet(packet, rank=0)
 
 
 def test_unreadable_data_packet_is_a_distributed_error() -> None:
     with pytest.raises(DistributedError, match="could not unpickle a 3-byte packet"):
-        comm.open_packet(comm.Packet(comm.Kind.DATA, b"xyz"))
+        pk.open_packet(pk.Packet(pk.Kind.DATA, b"xyz"), rank=0)
 
 
-def test_resolve_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(comm.TIMEOUT_ENV, raising=False)
-    assert comm.resolve_timeout() == comm.DEFAULT_TIMEOUT
-    monkeypatch.setenv(comm.TIMEOUT_ENV, "12.5")
-    assert comm.resolve_timeout() == 12.5
-    assert comm.resolve_timeout(3) == 3.0
-    monkeypatch.setenv(comm.TIMEOUT_ENV, "soon")
-    with pytest.raises(ConfigError, match="MDLOADER_BUILD_TIMEOUT: expected a number of seconds, "
-                                          "found 'soon'"):
-        comm.resolve_timeout()
-    with pytest.raises(ConfigError, match="timeout: expected a positive number of seconds, found 0"):
-        comm.resolve_timeout(0)
+@pytest.mark.parametrize("name, env, default", [
+    ("build_timeout", "MDLOADER_BUILD_TIMEOUT", 1800.0),
+    ("collective_timeout", "MDLOADER_COLLECTIVE_TIMEOUT", 300.0),
+])
+def test_resolve_timeout(monkeypatch: pytest.MonkeyPatch, name: str, env: str,
+                         default: float) -> None:
+    assert SETTINGS[name].env == env
+    monkeypatch.delenv(env, raising=False)
+    assert resolve(name) == default
+    monkeypatch.setenv(env, "12.5")
+    assert resolve(name) == 12.5
+    assert resolve(name, 3, argument="timeout") == 3.0
+    monkeypatch.setenv(env, "soon")
+    with pytest.raises(ConfigError, match=f"{env}: expected a number of seconds, found 'soon'"):
+        resolve(name)
+    with pytest.raises(ConfigError, match="timeout: expected at least 0.001 seconds, found 0"):
+        resolve(name, 0, argument="timeout")
 
 
 @pytest.mark.parametrize("backend, device", [
@@ -81,22 +88,22 @@ def test_resolve_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     ("NCCL", "cuda:3"), ("ucc", "cpu"),
 ])
 def test_transport_device(backend: str, device: str) -> None:
-    assert comm.transport_device(backend, 3) == torch.device(device)
+    assert group.transport_device(backend, 3) == torch.device(device)
 
 
 def test_current_world_without_process_group() -> None:
-    assert comm.current_world() == World()
+    assert group.current_world() == World()
 
 
 # ----------------------------------------------------------------------------- real ranks
 
 
 def _broadcast_object(rank: int, world: int, obj: object) -> tuple[object, int, World]:
-    channel = comm.world_channel(20, activity="testing")
-    packet = comm.data_packet(obj, count=len(obj)) if rank == 0 else None
-    got = channel.broadcast(packet)
-    channel.agree(comm.digest(got.payload), None)
-    return comm.open_packet(got), got.count, comm.current_world()
+    chan = channel.world_channel(timeout=20, activity="testing")
+    packet = pk.data_packet(obj, rank=0, count=len(obj)) if rank == 0 else None
+    got = chan.broadcast(packet)
+    chan.agree(pk.digest(got.payload), None)
+    return pk.open_packet(got, rank=rank), got.count, group.current_world()
 
 
 @pytest.mark.distributed
@@ -113,17 +120,17 @@ def test_broadcast_reaches_every_rank(world: int, size: int) -> None:
 
 
 def _broadcast_failure(rank: int, world: int, mode: str) -> None:
-    channel = comm.world_channel(20)
+    chan = channel.world_channel(timeout=20, activity="testing")
     packet = None
     if rank == 0:
         if mode == "error":
             try:
                 raise MissingDataError("no coord.npy", system="/d/s", file="/d/s/set.000/coord.npy")
             except MissingDataError as exc:
-                packet = comm.error_packet(exc, context="building systems")
+                packet = pk.error_packet(exc, rank=0, context="building systems")
         else:
-            packet = comm.data_packet(lambda: 0, context="list serialization failed")
-    comm.open_packet(channel.broadcast(packet))
+            packet = pk.data_packet(lambda: 0, rank=0, context="list serialization failed")
+    pk.open_packet(chan.broadcast(packet), rank=rank)
 
 
 @pytest.mark.distributed
@@ -144,12 +151,13 @@ def test_error_packet_is_raised_on_every_rank(mode: str, pattern: str) -> None:
 
 
 def _slow_source(rank: int, world: int) -> None:
-    channel = comm.world_channel(1.0, activity="building the systems")
+    chan = channel.world_channel(timeout=1.0, setting="build_timeout",
+                                 activity="building the systems")
     if rank == 0:
         time.sleep(3)
-        channel.broadcast(comm.data_packet([1]))
+        chan.broadcast(pk.data_packet([1], rank=0))
     else:
-        channel.broadcast(None)
+        chan.broadcast(None)
 
 
 @pytest.mark.distributed
@@ -168,13 +176,13 @@ def test_receiver_timeout_says_rank0_may_still_be_building() -> None:
 def _bad_header(rank: int, world: int, field: int) -> None:
     import torch.distributed as dist
 
-    channel = comm.world_channel(20)
+    chan = channel.world_channel(timeout=20, activity="testing")
     if rank == 0:
-        header = comm.header_tensor(comm.Packet(comm.Kind.DATA, b""))
+        header = pk.header_tensor(pk.Packet(pk.Kind.DATA, b""))
         header[field] = 99
-        dist.broadcast(header, src=0, group=channel.group)
+        dist.broadcast(header, src=0, group=chan.group)
     else:
-        channel.broadcast(None)
+        chan.broadcast(None)
 
 
 @pytest.mark.distributed
@@ -192,14 +200,14 @@ def test_receiver_validates_header(field: int, pattern: str) -> None:
 
 
 def _agree(rank: int, world: int, case: str) -> None:
-    channel = comm.world_channel(20)
+    chan = channel.world_channel(timeout=20, activity="testing")
     payload = b"same"
     problem = None
     if case == "digest" and rank in (1, 3):
         payload = b"other"
     if case == "problem" and rank == 2:
         problem = "entries [4, 7] are None"
-    channel.agree(comm.digest(payload), problem)
+    chan.agree(pk.digest(payload), problem)
 
 
 @pytest.mark.distributed
@@ -230,18 +238,19 @@ def _group_cache(rank: int, world: int, port: int) -> tuple[bool, bool, bool]:
 
     import torch.distributed as dist
 
-    first = comm.cpu_group(5.0)
-    other = comm.cpu_group(6.0)
-    same = comm.cpu_group(5.0) is first and comm.cpu_group(6.0) is other
+    first = group.cpu_group(5.0)
+    other = group.cpu_group(6.0)
+    same = group.cpu_group(5.0) is first and group.cpu_group(6.0) is other
     other_timeout = other is not first
     dist.barrier()
     dist.destroy_process_group()
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=20))
-    fresh = comm.cpu_group(6.0)
-    channel = comm.Channel(fresh, timeout=5)
-    got = comm.open_packet(channel.broadcast(comm.data_packet("hi") if rank == 0 else None))
+    fresh = group.cpu_group(6.0)
+    chan = channel.Channel(fresh, timeout=5)
+    got = pk.open_packet(chan.broadcast(pk.data_packet("hi", rank=0) if rank == 0 else None),
+                         rank=rank)
     return same, other_timeout, fresh is not first and got == "hi"
 
 
@@ -254,8 +263,8 @@ def test_cpu_group_is_reused_until_the_default_group_changes() -> None:
 
 
 def test_header_tensor() -> None:
-    header = comm.header_tensor(comm.Packet(comm.Kind.STOP, b"", 4))
-    assert header.tolist() == [comm.MAGIC, comm.PROTOCOL_VERSION, int(comm.Kind.STOP), 0, 4]
+    header = pk.header_tensor(pk.Packet(pk.Kind.STOP, b"", 4))
+    assert header.tolist() == [pk.MAGIC, pk.PROTOCOL_VERSION, int(pk.Kind.STOP), 0, 4]
 
 
 # ---------------------------------------------------- gather / broadcast helpers of the jobs
@@ -263,8 +272,8 @@ def test_header_tensor() -> None:
 
 def _gather(rank: int, world: int, poison: bool) -> object:
     obj = threading.Lock() if (poison and rank == world - 1) else {"rank": rank, "x": [rank] * 3}
-    main = comm.broadcast_from_main({"seed": 7} if rank == 0 else None)
-    return main, comm.gather_to_main(obj, context="gathering loader states")
+    main = collectives.broadcast_from_main({"seed": 7} if rank == 0 else None)
+    return main, collectives.gather_to_main(obj, context="gathering loader states")
 
 
 @pytest.mark.distributed

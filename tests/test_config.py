@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mdloader.argcheck import schema_markdown
-from mdloader.config import Config, load_config, parse_config
+from mdloader.config.argcheck import schema_markdown
+from mdloader.config.input_json import Config, load_config, parse_config
 from mdloader.errors import ConfigError
 
 # DeePMD-kit's examples/water/se_e2_a/input.json, abridged only in its comments.

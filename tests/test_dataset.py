@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from mdloader.collate import collate_batch
-from mdloader.dataset import DeepmdDataSetForLoader
-from mdloader.formats import npy as npy_backend
-from mdloader.schema import DataRequirementItem as Req
+from mdloader.data.collate import collate_batch
+from mdloader.data.dataset import DeepmdDataSetForLoader
+from mdloader.data.formats import npy as npy_backend
+from mdloader.data.schema import DataRequirementItem as Req
 from mdloader.testing import make_system
 
 BACKENDS = ["npy", "hdf5"]

@@ -1,4 +1,4 @@
-"""DeePMD-kit's own trainer on mdloader (``mdloader.deepmd``).
+"""DeePMD-kit's own trainer on mdloader (``mdloader.integrations.deepmd``).
 
 The pure pieces run everywhere. The end-to-end runs need an interpreter that can import
 DeePMD-kit's PyTorch backend: this one, else ``$MDLOADER_PEER_PYTHON``, else the venv made by
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from mdloader.deepmd import (DeepmdDpLoaderSet, DeferredSystems, _TrainerDist, cpu_fallback_backend,
+from mdloader.integrations.deepmd import (DeepmdDpLoaderSet, DeferredSystems, _TrainerDist, cpu_fallback_backend,
                              defer_discovery)
 from mdloader.errors import ConfigError
 from mdloader.testing import make_dataset
@@ -30,7 +30,7 @@ STEPS = 6
 
 SPY = r'''
 import json, os, sys
-import mdloader.deepmd as md
+import mdloader.integrations.deepmd as md
 md.install()
 import deepmd.utils.data_system as ds
 import deepmd.pt.train.training as tr
@@ -110,7 +110,7 @@ def test_install_without_deepmd_is_a_config_error() -> None:
     try:
         import deepmd.pt.utils.dataloader  # noqa: F401
     except Exception:  # noqa: BLE001 - any failure means "not importable here"
-        from mdloader.deepmd import install
+        from mdloader.integrations.deepmd import install
         with pytest.raises(ConfigError, match="DeePMD-kit's PyTorch backend cannot be imported"):
             install()
     else:
@@ -165,8 +165,8 @@ def _run(cmd: list[str], cwd: Path, **env: str) -> None:
 def _check(job: Path, world: int) -> list[dict]:
     spies = [json.loads((job / f"spy.rank{r}.json").read_text()) for r in range(world)]
     for r, spy in enumerate(spies):
-        assert spy["dataset"] == "mdloader.deepmd.DeepmdDpLoaderSet"
-        assert spy["sampler"] == "mdloader.samplers.WeightedSystemSampler"
+        assert spy["dataset"] == "mdloader.integrations.deepmd.DeepmdDpLoaderSet"
+        assert spy["sampler"] == "mdloader.sampling.samplers.WeightedSystemSampler"
         assert (spy["rank"], spy["world"], spy["sampler_rank"]) == (r, world, r)
         assert spy["nsys"] == 6 and spy["sampler_seed"] == 7 and spy["steps"] == STEPS
         assert spy["weights_sum"] == pytest.approx(1.0)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mdloader.discovery import discover_systems
+from mdloader.data.discovery import discover_systems
 from mdloader.errors import NoSystemsFoundError
 from mdloader.testing import make_system
 
@@ -38,7 +38,7 @@ def test_glob_entries(tree):
 
 
 def test_same_order_whatever_the_hash_seed(tree):
-    code = ("import json,sys; from mdloader.discovery import discover_systems;"
+    code = ("import json,sys; from mdloader.data.discovery import discover_systems;"
             f"print(json.dumps(discover_systems({str(tree)!r}, rglob_patterns=['data_*','oth*'])))")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout

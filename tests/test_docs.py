@@ -177,14 +177,13 @@ def test_reference_page_is_up_to_date(rel: str) -> None:
 
 
 def code_env_vars() -> set[str]:
-    """Environment variables the package reads (``environ.get("X")``, ``X_ENV = "X"``,
-    ``setting(..., env="X")``)."""
-    names = set()
+    """Environment variables the package reads: its settings table and ``environ.get("X")``."""
+    from mdloader.settings import SETTINGS
+
+    names = {spec.env for spec in SETTINGS.values()}
     for path in (REPO / "mdloader").rglob("*.py"):
         text = path.read_text(encoding="utf-8")
         names |= set(re.findall(r'(?:environ|env)\.get\(\s*"([A-Z][A-Z0-9_]+)"', text))
-        names |= set(re.findall(r'^[A-Z_]*ENV\s*=\s*"([A-Z][A-Z0-9_]+)"', text, flags=re.M))
-        names |= set(re.findall(r'\benv="([A-Z][A-Z0-9_]+)"', text))  # settings.setting(env=...)
     return names
 
 
@@ -203,7 +202,7 @@ def test_every_environment_variable_is_documented() -> None:
 @pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.lang == "json"],
                          ids=lambda b: b.where)
 def test_json_blocks_are_valid(block: Block) -> None:
-    from mdloader.config import parse_config
+    from mdloader.config.input_json import parse_config
 
     data = json.loads(block.code)
     if isinstance(data, dict) and "training" in data:
@@ -211,7 +210,7 @@ def test_json_blocks_are_valid(block: Block) -> None:
 
 
 def test_example_input_json_is_accepted() -> None:
-    from mdloader.config import load_config
+    from mdloader.config.input_json import load_config
 
     cfg = load_config(REPO / "examples" / "water" / "input.json")
     assert cfg.type_map == ("O", "H") and cfg.validation_data is not None

@@ -8,12 +8,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from mdloader.collate import collate_batch
-from mdloader.dataset import DeepmdDataSetForLoader
+from mdloader.data.collate import collate_batch
+from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.loader import DpLoaderSet, get_sampler_from_params, get_weighted_sampler
-from mdloader.samplers import BatchKey, StatefulLoader
-from mdloader.schema import DataRequirementItem
+from mdloader.sampling.samplers import BatchKey
+from mdloader.sampling.stateful_loader import StatefulLoader
+from mdloader.data.schema import DataRequirementItem
 from mdloader.testing import make_system
 from mdloader.world import World
 
@@ -235,18 +236,18 @@ def test_loader_state_dict(systems):
     sampler = get_weighted_sampler(ls, "prob_uniform", num_samples=10)
     keys = [sampler.next_key() for _ in range(4)]
     ls[1], ls[1], ls[3]
-    state = ls.state_dict()
+    state, sampler_state = ls.state_dict(), sampler.state_dict()
     assert state["cursor_sids"] == [1, 3] and state["cursor_counts"] == [2, 1]
     nxt = (ls[1]["fid"], sampler.next_key())
     other = DpLoaderSet(paths, 2, TYPE_MAP, seed=2)
-    get_weighted_sampler(other, "prob_uniform", num_samples=10)
+    get_weighted_sampler(other, "prob_uniform", num_samples=10).load_state_dict(sampler_state)
     other.load_state_dict(state)
     assert (other[1]["fid"], other.sampler.next_key()) == nxt and len(keys) == 4
     with pytest.raises(StateDictError, match="keys"):
-        other.load_state_dict({"version": 1})
-    bare = DpLoaderSet(paths, 2, TYPE_MAP, seed=2)
-    with pytest.raises(StateDictError, match="call get_weighted_sampler before"):
-        bare.load_state_dict(state)
+        other.load_state_dict({"version": 2})
+    reseeded = DpLoaderSet(paths, 2, TYPE_MAP, seed=3)
+    with pytest.raises(StateDictError, match="seed 2 but this loader has 3"):
+        reseeded.load_state_dict(state)
 
 
 def _assert_same_batches(got, ref):
@@ -299,7 +300,7 @@ def test_deepmd_outer_dataloader_same_batches_with_workers(systems, tmp_path):
 
 def test_transport_batch_pickles_tensors_as_numpy(systems, monkeypatch):
     from multiprocessing.reduction import ForkingPickler
-    from mdloader.samplers import TransportBatch
+    from mdloader.transport import TransportBatch
 
     ls = DpLoaderSet(systems[0], 2, TYPE_MAP, seed=1)
     assert type(ls[BatchKey(0, (0, 1), 0)]) is dict and type(ls[0]) is dict
@@ -320,9 +321,9 @@ def test_unseeded_loader_adopts_the_saved_seed(systems):
     a = DpLoaderSet(paths, 2, TYPE_MAP)
     sa = get_weighted_sampler(a, "prob_uniform", num_samples=10)
     [sa.next_key() for _ in range(3)]
-    state = a.state_dict()
+    state, sampler_state = a.state_dict(), sa.state_dict()
     b = DpLoaderSet(paths, 2, TYPE_MAP)
-    get_weighted_sampler(b, "prob_uniform", num_samples=10)
+    get_weighted_sampler(b, "prob_uniform", num_samples=10).load_state_dict(sampler_state)
     b.load_state_dict(state)
     assert b.seed == a.seed and b.sampler.next_key() == sa.next_key()
     assert [x["fid"] for x in b.dataloaders[0]] == [x["fid"] for x in a.dataloaders[0]]

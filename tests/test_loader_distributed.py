@@ -16,7 +16,7 @@ def _rank_body(rank: int, world_size: int, roots: list[str], same: bool, seed) -
     import torch
 
     from mdloader.loader import DpLoaderSet, get_sampler_from_params
-    from mdloader.samplers import StatefulLoader
+    from mdloader.sampling.stateful_loader import StatefulLoader
 
     def loader():
         ls = DpLoaderSet(roots, 2, TYPE_MAP, seed=seed, same_system_across_ranks=same)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mdloader.errors import ConfigError
-from mdloader.probability import (
+from mdloader.sampling.probability import (
     check_sys_probs,
     parse_blocks,
     process_sys_probs,

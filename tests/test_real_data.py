@@ -13,11 +13,11 @@ import dpdata
 import numpy as np
 import pytest
 
-from mdloader.dataset import DeepmdDataSetForLoader
-from mdloader.discovery import discover_systems
+from mdloader.data.dataset import DeepmdDataSetForLoader
+from mdloader.data.discovery import discover_systems
 from mdloader.errors import ShapeError
-from mdloader.schema import DataRequirementItem as Req
-from mdloader.system import build_system_meta
+from mdloader.data.schema import DataRequirementItem as Req
+from mdloader.data.system import build_system_meta
 
 LABELS = [Req("energy", 1, high_prec=True), Req("force", 3, atomic=True),
           Req("virial", 9)]

@@ -9,7 +9,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mdloader.errors import StateDictError
-from mdloader.samplers import BatchKey, FrameOrder, StatefulLoader, WeightedSystemSampler
+from mdloader.sampling.order import FrameOrder
+from mdloader.sampling.samplers import BatchKey, WeightedSystemSampler
+from mdloader.sampling.stateful_loader import StatefulLoader
 
 NFRAMES = [80, 13, 7, 1, 40]
 BSIZES = [4, 2, 3, 1, 5]

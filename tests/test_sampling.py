@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mdloader.batching import batches_per_rank
+from mdloader.sampling.batching import batches_per_rank
 from mdloader.errors import ConfigError
-from mdloader.sampling import (
+from mdloader.sampling.order import (
     STREAM_CHUNK,
     batch_of_shard,
     frame_permutation,

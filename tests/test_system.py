@@ -11,9 +11,9 @@ import pytest
 
 from mdloader.errors import (CorruptFileError, DataError, MissingDataError, ShapeError,
                              TypeMapError)
-from mdloader.dataset import DeepmdDataSetForLoader
-from mdloader.schema import DataRequirementItem as Req
-from mdloader.system import build_system_meta
+from mdloader.data.dataset import DeepmdDataSetForLoader
+from mdloader.data.schema import DataRequirementItem as Req
+from mdloader.data.system import build_system_meta
 from mdloader.testing import make_system
 
 BACKENDS = ["npy", "hdf5"]

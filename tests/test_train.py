@@ -10,13 +10,13 @@ import pytest
 import torch
 from distributed_utils import errors, run_ranks
 
-from mdloader.config import LearningRateConfig, LossConfig, parse_config
+from mdloader.config.input_json import LearningRateConfig, LossConfig, parse_config
 from mdloader.errors import ConfigError, DataError, StateDictError
-from mdloader.model import RadialPotential, fit_energy_bias, minimum_image
-from mdloader.objective import EnergyForceLoss, ExpDecayLR
+from mdloader.train.model import RadialPotential, fit_energy_bias, minimum_image
+from mdloader.train.objective import EnergyForceLoss, ExpDecayLR
 from mdloader.testing import make_system
-from mdloader.train import ModelOptions, train
-from mdloader.trainio import Lcurve, load_checkpoint
+from mdloader.train.job import ModelOptions, train
+from mdloader.train.io import Lcurve, load_checkpoint
 
 SMALL = ModelOptions(rcut=2.5, nbasis=4, hidden=(8,))
 
@@ -212,7 +212,7 @@ def test_steps_are_required_and_epochs_convert(tmp_path: Path) -> None:
 
 
 def _train_rank0_stats_fail(rank: int, world_size: int, raw: dict, base: str, out: str) -> None:
-    from mdloader import train as train_module
+    from mdloader.train import job as train_module
 
     if rank == 0:
         def boom(self: object) -> None:

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from mdloader import DataRequirementItem, DpLoaderSet, get_sampler_from_params
-from mdloader.comm import gather_to_main
+from mdloader import gather_to_main
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = [str(HERE / "data" / f"data_{i}") for i in range(3)]

@@ -1,0 +1,112 @@
+"""``mdloader bench``: time the loader exactly as the training job uses it, per rank.
+
+Each rank builds the loader (rank 0 discovers and reads headers, the others receive metadata),
+then pulls N batches through the outer ``DataLoader`` with the stateful weighted sampler and
+the same labels the training job requests. Reported per rank: the build phases (discovery,
+build, broadcast) and the broadcast bytes from :class:`~mdloader.build.BuildReport`, the time to
+the first batch (worker start-up), batches/frames/atoms per second over the N batches, and the
+peak resident memory of the rank and of its DataLoader workers. Rows are gathered on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from typing import Any
+
+from mdloader.distributed.collectives import gather_to_main
+from mdloader.distributed.group import process_group
+from mdloader.build import build_systems_with_report
+from mdloader.config.input_json import Config
+from mdloader.loader import DpLoaderSet, default_num_workers, get_sampler_from_params
+from mdloader.sampling.stateful_loader import StatefulLoader
+from mdloader.data.schema import DataRequirementItem
+from mdloader.world import World
+
+#: Labels read as the training job reads them, but optional: bench also runs on unlabeled data.
+BENCH_LABELS = [DataRequirementItem("energy", 1, atomic=False, must=False, high_prec=True),
+                DataRequirementItem("force", 3, atomic=True, must=False)]
+
+COLUMNS = [("rank", "{:>4}", "{:>4d}"), ("nsys", "{:>6}", "{:>6d}"),
+           ("setup_s", "{:>8}", "{:>8.2f}"), ("discover_s", "{:>10}", "{:>10.3f}"),
+           ("build_s", "{:>8}", "{:>8.3f}"), ("bcast_s", "{:>8}", "{:>8.3f}"),
+           ("bcast_MB", "{:>8}", "{:>8.3f}"), ("first_s", "{:>7}", "{:>7.2f}"),
+           ("batch/s", "{:>8}", "{:>8.1f}"), ("frame/s", "{:>8}", "{:>8.1f}"),
+           ("atom/s", "{:>10}", "{:>10.0f}"), ("rss_MB", "{:>7}", "{:>7.0f}"),
+           ("wrk_rss_MB", "{:>10}", "{:>10.0f}")]
+
+
+def _peak_rss_mb(who: int) -> float:
+    """Peak resident set size in MiB (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(who).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
+
+
+def run_bench(config: Config, *, batches: int = 200, num_workers: int | None = None
+              ) -> list[dict[str, Any]] | None:
+    """Bench this rank; return every rank's row on rank 0 (``None`` on the others)."""
+    with process_group() as world:
+        row = bench_rank(config, world, batches=batches, num_workers=num_workers)
+        return gather_to_main(row)
+
+
+def bench_rank(config: Config, world: World, *, batches: int, num_workers: int | None
+               ) -> dict[str, Any]:
+    """One rank's measurements (see the module docstring)."""
+    data = config.training_data
+    type_map = list(config.type_map) if config.type_map else None
+    workers = default_num_workers() if num_workers is None else num_workers
+    t0 = time.perf_counter()
+    datasets, report = build_systems_with_report(list(data.systems), type_map,
+                                                 rglob_patterns=data.rglob_patterns)
+    ls = DpLoaderSet(datasets, data.batch_size_value(), type_map, seed=config.seed, world=world)
+    ls.add_data_requirement(BENCH_LABELS)
+    sampler = get_sampler_from_params(ls, data.sampler_params(), num_workers=workers)
+    loader = StatefulLoader(ls, sampler, num_workers=workers)
+    setup = time.perf_counter() - t0
+    first, elapsed, frames, atoms = _pull(loader, batches)
+    return {
+        "rank": world.rank, "world_size": world.world_size, "nsys": report.nsys,
+        "num_workers": workers, "batches": batches, "setup_s": setup,
+        "discover_s": report.discovery_seconds, "build_s": report.build_seconds,
+        "bcast_s": report.broadcast_seconds, "bcast_MB": report.payload_bytes / 1e6,
+        "first_s": first, "batch/s": batches / elapsed, "frame/s": frames / elapsed,
+        "atom/s": atoms / elapsed, "rss_MB": _peak_rss_mb(resource.RUSAGE_SELF),
+        "wrk_rss_MB": _peak_rss_mb(resource.RUSAGE_CHILDREN),
+    }
+
+
+def _pull(loader: StatefulLoader, batches: int) -> tuple[float, float, int, int]:
+    """Pull ``batches`` batches as the trainer does (re-``iter`` when an epoch ends)."""
+    frames = atoms = pulled = 0
+    first = 0.0
+    start = time.perf_counter()
+    while pulled < batches:
+        it = iter(loader)
+        for batch in it:
+            if pulled == 0:
+                first = time.perf_counter() - start
+            nframes = len(batch["fid"])
+            frames += nframes
+            atoms += nframes * int(batch["atype"].shape[1])
+            pulled += 1
+            if pulled == batches:
+                break
+        it.close()  # stop this epoch's workers now, so their peak RSS is counted
+    return first, time.perf_counter() - start, frames, atoms
+
+
+def format_bench_rows(rows: list[dict[str, Any]], *, as_json: bool = False) -> str:
+    """A table (one line per rank) or JSON."""
+    if as_json:
+        return json.dumps(rows, indent=2)
+    head = "  ".join(h.format(name) for name, h, _ in COLUMNS)
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        lines.append("  ".join(f.format(row[name]) for name, _, f in COLUMNS))
+    r0 = rows[0]
+    lines.append(f"({r0['world_size']} rank(s), {r0['num_workers']} DataLoader worker(s) per "
+                 f"rank, {r0['batches']} batches per rank)")
+    return "\n".join(lines)

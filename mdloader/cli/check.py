@@ -1,0 +1,228 @@
+"""``mdloader check``: validate every system of an input.json before a job is queued.
+
+DeePMD-kit notices a missing ``box.npy`` or a short label file at the first batch that touches
+it, possibly hours into training (DEEPMD-FORMAT.md §4.9). ``check`` builds every system from its
+headers (the same :func:`~mdloader.system.build_system_meta` the loader uses), collects *every*
+failure instead of stopping at the first, applies the batch-size rule and the probabilities
+exactly as training would, and with ``--deep`` reads every array to find NaN/inf frames and data
+that is shorter than its header says.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
+from mdloader.config.input_json import Config, DataConfig
+from mdloader.data.discovery import discover_systems
+from mdloader.errors import MdloaderError
+from mdloader.data.formats import backend_of, parse_address
+from mdloader.sampling.probability import select_prob_source, system_probabilities
+from mdloader.data.system import SystemMeta, build_system_meta
+
+#: Frames read at once by ``--deep`` (bounds memory on large sets).
+DEEP_CHUNK = 1024
+
+
+@dataclass
+class SystemRow:
+    """One line of the summary (``batch_size``/``batches``/``prob`` None when not computable)."""
+
+    system: str
+    natoms: int
+    nframes: int
+    pbc: bool
+    batch_size: int | None = None
+    batches: int | None = None
+    prob: float | None = None
+
+
+@dataclass
+class Problem:
+    """One thing wrong: in which section, which system (if any), what."""
+
+    section: str
+    message: str
+    system: str | None = None
+
+
+@dataclass
+class SectionReport:
+    """``training_data`` or ``validation_data``: its rows, and systems dropped by ``filter:N``."""
+
+    name: str
+    rows: list[SystemRow] = field(default_factory=list)
+    filtered: list[str] = field(default_factory=list)
+
+    def totals(self) -> dict[str, Any]:
+        probs = [r.prob for r in self.rows if r.prob is not None]
+        batches = [r.batches for r in self.rows if r.batches is not None]
+        return {"systems": len(self.rows), "frames": sum(r.nframes for r in self.rows),
+                "atoms": sum(r.nframes * r.natoms for r in self.rows),
+                "batches": sum(batches) if batches else None,
+                "prob": float(sum(probs)) if probs else None}
+
+
+@dataclass
+class CheckReport:
+    """Everything ``check`` found; ``ok`` when there is no problem."""
+
+    sections: list[SectionReport]
+    problems: list[Problem]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "ok": self.ok,
+            "sections": {s.name: {"systems": [asdict(r) for r in s.rows],
+                                  "filtered": s.filtered, "totals": s.totals()}
+                         for s in self.sections},
+            "problems": [asdict(p) for p in self.problems]}, indent=2)
+
+
+def check_input(config: Config, *, deep: bool = False, threads: int = 4) -> CheckReport:
+    """Check the training and validation data of ``config``; never stops at the first problem."""
+    sections, problems = [], []
+    for name, data in (("training_data", config.training_data),
+                       ("validation_data", config.validation_data)):
+        if data is None:
+            continue
+        section = SectionReport(name)
+        sections.append(section)
+        metas = _build_all(data, config.type_map, name, problems, threads)
+        if metas is None:
+            continue
+        section.rows = [SystemRow(m.address, m.natoms, m.nframes, m.pbc) for m in metas]
+        if len(metas) == len(section.rows) and not any(p.section == name for p in problems):
+            _plan(data, metas, section, problems)
+        if deep:
+            for meta in metas:
+                problems.extend(Problem(name, msg, meta.address) for msg in deep_check(meta))
+    return CheckReport(sections, problems)
+
+
+def _build_all(data: DataConfig, type_map: tuple[str, ...] | None, name: str,
+               problems: list[Problem], threads: int) -> list[SystemMeta] | None:
+    try:
+        addresses = discover_systems(list(data.systems), data.rglob_patterns)
+    except MdloaderError as exc:
+        problems.append(Problem(name, str(exc)))
+        return None
+
+    def build(address: str) -> SystemMeta | Problem:
+        try:
+            return build_system_meta(address, type_map)
+        except MdloaderError as exc:
+            return Problem(name, str(exc), address)
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        built = list(pool.map(build, addresses))
+    problems.extend(b for b in built if isinstance(b, Problem))
+    return [b for b in built if isinstance(b, SystemMeta)]
+
+
+def _plan(data: DataConfig, metas: list[SystemMeta], section: SectionReport,
+          problems: list[Problem]) -> None:
+    """Batch sizes, batches (one rank) and probabilities, as the training loader computes them."""
+    path = data.json_path
+    try:
+        plan = resolve_batch_sizes(data.batch_size_value(), [m.natoms for m in metas],
+                                   key=f"{path}.batch_size")
+        kept = [metas[i] for i in plan.kept]
+        nb = batches_per_rank([m.nframes for m in kept], plan.batch_sizes)
+        value, is_sys, key = select_prob_source(data.sampler_params())
+        probs = system_probabilities(nb, value, is_sys, kept=plan.kept,
+                                     nsys_original=len(metas), key=f"{path}.{key}")
+    except MdloaderError as exc:
+        problems.append(Problem(section.name, str(exc)))
+        return
+    rows = {r.system: r for r in section.rows}
+    for meta, size, nbatch, prob in zip(kept, plan.batch_sizes, nb, probs):
+        row = rows[meta.address]
+        row.batch_size, row.batches, row.prob = int(size), int(nbatch), float(prob)
+    kept_set = {m.address for m in kept}
+    section.filtered = [m.address for m in metas if m.address not in kept_set]
+
+
+def deep_check(meta: SystemMeta) -> list[str]:
+    """Read every array of every set; report NaN/inf frames and unreadable or short data."""
+    loc = parse_address(meta.address)
+    io = backend_of(loc)
+    found: list[str] = []
+    start = 0
+    for s in meta.sets:
+        for key in s.keys:
+            where = io.file_of(loc, s.name, key + ".npy")
+            try:
+                bad = _nonfinite_frames(io, loc, s.name, key, s.nframes)
+            except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file, any backend
+                found.append(f"cannot read {s.nframes} frames from {where}: "
+                             f"{type(exc).__name__}: {exc}")
+                continue
+            if len(bad):
+                shown = ", ".join(str(start + int(f)) for f in bad[:10])
+                more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
+                found.append(f"NaN/inf in {where}: {len(bad)} frame(s), system frame ids "
+                             f"{shown}{more}")
+        start += s.nframes
+    return found
+
+
+def _nonfinite_frames(io: Any, loc: Any, set_name: str, key: str, nframes: int) -> np.ndarray:
+    bad = []
+    for lo in range(0, nframes, DEEP_CHUNK):
+        rows = np.arange(lo, min(nframes, lo + DEEP_CHUNK))
+        block = io.read_rows(loc, set_name, key, rows, nframes)
+        if block.shape[0] != len(rows):
+            raise ValueError(f"got {block.shape[0]} rows, expected {len(rows)}")
+        if np.issubdtype(block.dtype, np.floating) or np.issubdtype(block.dtype,
+                                                                   np.complexfloating):
+            rows_bad = ~np.isfinite(block).all(axis=1)
+            bad.append(rows[rows_bad])
+    return np.concatenate(bad) if bad else np.empty(0, dtype=np.int64)
+
+
+def format_check_report(report: CheckReport) -> str:
+    """The human summary: one table per section, totals, then every problem."""
+    lines: list[str] = []
+    for section in report.sections:
+        lines += _table(section)
+        lines.append("")
+    if report.ok:
+        lines.append("OK: no problem found")
+    else:
+        lines.append(f"{len(report.problems)} problem(s):")
+        for p in report.problems:
+            lines.append(f"  [{p.section}] {p.message}")
+    return "\n".join(lines)
+
+
+def _fmt(value: Any, spec: str) -> str:
+    """``format`` with ``-`` (aligned like the value) for what could not be computed."""
+    return format("-", spec[:2]) if value is None else format(value, spec)
+
+
+def _table(section: SectionReport) -> list[str]:
+    width = max([len(r.system) for r in section.rows] + [len("system")])
+    head = (f"{'system':<{width}}  {'natoms':>6}  {'nframes':>7}  {'bsz':>4}  {'batches':>7}  "
+            f"{'prob':>6}  pbc")
+    lines = [f"== {section.name}: {len(section.rows)} system(s)", head, "-" * len(head)]
+    for r in section.rows:
+        lines.append(f"{r.system:<{width}}  {r.natoms:>6}  {r.nframes:>7}  "
+                     f"{_fmt(r.batch_size, '>4')}  {_fmt(r.batches, '>7')}  "
+                     f"{_fmt(r.prob, '>6.3f')}  {'T' if r.pbc else 'F'}")
+    t = section.totals()
+    lines.append("-" * len(head))
+    lines.append(f"{'total':<{width}}  {'':>6}  {t['frames']:>7}  {'':>4}  "
+                 f"{_fmt(t['batches'], '>7')}  {_fmt(t['prob'], '>6.3f')}")
+    for address in section.filtered:
+        lines.append(f"(removed by the batch-size filter: {address})")
+    return lines

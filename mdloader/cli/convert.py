@@ -1,0 +1,167 @@
+"""Convert simulation outputs to DeePMD systems through dpdata.
+
+dpdata already reads some eighty formats (VASP OUTCAR, LAMMPS dump, extxyz, ABACUS, CP2K, ...);
+mdloader only adds what a command line needs: the format name checked against what dpdata can
+read *before* anything is opened (with a suggestion for typos), dpdata's failures turned into
+one :class:`~mdloader.errors.DataError` naming the file, and a short report of what was written.
+Formats that may hold several compositions in one file go through ``dpdata.MultiSystems``, which
+writes one system per composition.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from mdloader.errors import ConfigError, DataError, MissingDataError
+
+log = logging.getLogger(__name__)
+
+#: Output formats of ``mdloader convert`` (the two layouts the loader reads).
+TARGETS: tuple[str, ...] = ("deepmd/npy", "deepmd/hdf5")
+
+
+@dataclass(frozen=True)
+class ConvertReport:
+    """What a conversion wrote: one entry per system (several for multi-composition input)."""
+
+    source: str
+    fmt: str
+    target: str
+    dest: str
+    systems: tuple[str, ...]
+    nframes: tuple[int, ...]
+    natoms: tuple[int, ...]
+    labeled: bool
+
+
+def _overrides(cls: type, name: str) -> bool:
+    from dpdata.format import Format
+
+    method = getattr(cls, name, None)
+    return method is not None and method is not getattr(Format, name, None)
+
+
+def readable_formats() -> dict[str, str]:
+    """Map each format dpdata can read to how: ``labeled``, ``system`` or ``multi``."""
+    from dpdata.format import Format
+
+    kinds: dict[str, str] = {}
+    for name, cls in Format.get_formats().items():
+        if _overrides(cls, "from_multi_systems"):
+            kinds[name] = "multi"
+        elif _overrides(cls, "from_labeled_system"):
+            kinds[name] = "labeled"
+        elif _overrides(cls, "from_system"):
+            kinds[name] = "system"
+    return dict(sorted(kinds.items()))
+
+
+def check_format(fmt: str) -> str:
+    """Return how ``fmt`` is read, or raise a ConfigError listing the known formats."""
+    kinds = readable_formats()
+    key = fmt.strip().lower()
+    if key in kinds:
+        return kinds[key]
+    close = difflib.get_close_matches(key, list(kinds), n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise ConfigError(f"unknown input format '{fmt}'{hint}; dpdata reads: "
+                      f"{', '.join(kinds)}", path="--from")
+
+
+def _load(src: str, fmt: str, kind: str, type_map: list[str] | None) -> Any:
+    """Read ``src`` with dpdata: a (Labeled)System, or a MultiSystems for ``multi`` formats."""
+    import dpdata
+
+    if kind == "multi":
+        multi = dpdata.MultiSystems.from_file(src, fmt=fmt)
+        if type_map:  # from_file ignores type_map; re-collect under the wanted order
+            multi = dpdata.MultiSystems(*multi.systems.values(), type_map=type_map)
+        return multi
+    cls = dpdata.LabeledSystem if kind == "labeled" else dpdata.System
+    return cls(src, fmt=fmt, type_map=type_map) if type_map else cls(src, fmt=fmt)
+
+
+def _load_or_fail(src: str, fmt: str, kind: str, type_map: list[str] | None) -> Any:
+    """Load; a labeled format without labels falls back to coordinates only."""
+    from dpdata.format import Format
+
+    try:
+        return _load(src, fmt, kind, type_map)
+    except MemoryError:
+        raise
+    except Exception as exc:  # dpdata raises anything from its ~80 parsers
+        first = exc
+    if kind == "labeled" and _overrides(Format.get_formats()[fmt], "from_system"):
+        try:
+            return _load(src, fmt, "system", type_map)
+        except Exception:  # report the labeled attempt's error: it is the informative one
+            pass
+    raise DataError(f"dpdata could not read the input as '{fmt}': "
+                    f"{type(first).__name__}: {first}", file=src) from first
+
+
+def _systems_of(data: Any) -> list[Any]:
+    import dpdata
+
+    if isinstance(data, dpdata.MultiSystems):
+        return list(data.systems.values())
+    return [data]
+
+
+def convert(src: str, dest: str, *, fmt: str, to: str = "deepmd/npy",
+            type_map: list[str] | None = None, set_size: int = 5000) -> ConvertReport:
+    """Read ``src`` as ``fmt`` with dpdata and write DeePMD system(s) at ``dest``.
+
+    Parameters
+    ----------
+    src, dest
+        Input file or folder; output folder (``deepmd/npy``) or HDF5 file (``deepmd/hdf5``).
+    fmt
+        A dpdata format name (``vasp/outcar``, ``lammps/dump``, ``extxyz``, ...).
+    to
+        ``deepmd/npy`` or ``deepmd/hdf5``.
+    type_map
+        Element order of the written ``type_map.raw`` (dpdata's ``type_map``).
+    set_size
+        Frames per ``set.*`` directory.
+    """
+    if to not in TARGETS:
+        raise ConfigError(f"unknown output format '{to}': expected one of {', '.join(TARGETS)}",
+                          path="--to")
+    if set_size < 1:
+        raise ConfigError(f"must be a positive integer, got {set_size}", path="--set-size")
+    kind = check_format(fmt)
+    if not os.path.exists(src):
+        raise MissingDataError("the input to convert does not exist", file=src)
+    data = _load_or_fail(src, fmt.strip().lower(), kind, type_map)
+    systems = [s for s in _systems_of(data) if s.get_nframes() > 0]
+    if not systems:
+        raise DataError(f"dpdata read no frame from the input as '{fmt}'", file=src)
+    return _write(data, systems, src=src, dest=dest, fmt=fmt, to=to, set_size=set_size)
+
+
+def _write(data: Any, systems: list[Any], *, src: str, dest: str, fmt: str, to: str,
+           set_size: int) -> ConvertReport:
+    import dpdata
+
+    multi = isinstance(data, dpdata.MultiSystems)
+    if to == "deepmd/npy":
+        data.to("deepmd/npy", dest, set_size=set_size)
+        addresses = [os.path.join(dest, s.formula) if multi else dest for s in systems]
+    else:
+        data.to("deepmd/hdf5", dest, set_size=set_size)
+        addresses = [f"{dest}#/{s.formula}" if multi else f"{dest}#/" for s in systems]
+    labeled = all(isinstance(s, dpdata.LabeledSystem) for s in systems)
+    if not labeled:
+        log.warning("%s holds no energies or forces (format '%s'): the written systems have "
+                    "coordinates only", src, fmt)
+    report = ConvertReport(
+        source=src, fmt=fmt, target=to, dest=dest, systems=tuple(addresses),
+        nframes=tuple(s.get_nframes() for s in systems),
+        natoms=tuple(s.get_natoms() for s in systems), labeled=labeled)
+    log.info("wrote %d system(s), %d frame(s) to %s", len(addresses), sum(report.nframes), dest)
+    return report

@@ -1,0 +1,277 @@
+"""Read a DeePMD-kit ``input.json`` into a small frozen configuration.
+
+The file goes through the dargs schema of :mod:`mdloader.argcheck` (aliases, defaults, types,
+value rules), then into frozen dataclasses with relative system paths resolved against the
+folder of the JSON file, as ``dp`` resolves them when run from that folder. Every problem is
+one :class:`~mdloader.errors.ConfigError` whose ``path`` is the dotted JSON path of the key
+(``training.training_data.batch_size``), whatever dargs called it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from dargs import Argument
+from dargs.dargs import ArgumentError, ArgumentKeyError, ArgumentTypeError, ArgumentValueError
+
+from mdloader.config.argcheck import STRICT_SECTIONS, input_schema, schema_markdown
+from mdloader.sampling.batching import parse_rule
+from mdloader.errors import ConfigError
+
+__all__ = ["Config", "DataConfig", "LearningRateConfig", "LossConfig", "load_config",
+           "parse_config", "schema_markdown"]
+
+_KEY_RE = re.compile(r"key `([^`]+)`")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """One of ``training.training_data`` / ``training.validation_data``, normalised."""
+
+    systems: tuple[str, ...]
+    rglob_patterns: tuple[str, ...] | None = None
+    batch_size: int | tuple[int, ...] | str = "auto"
+    auto_prob: str = "prob_sys_size"
+    sys_probs: tuple[float, ...] | None = None
+    numb_btch: int = 1
+    json_path: str = "training.training_data"
+
+    def sampler_params(self) -> dict[str, Any]:
+        """The dict DeePMD-kit's ``get_sampler_from_params`` reads (sys_probs wins)."""
+        params: dict[str, Any] = {"auto_prob": self.auto_prob}
+        if self.sys_probs is not None:
+            params["sys_probs"] = list(self.sys_probs)
+        return params
+
+    def batch_size_value(self) -> int | list[int] | str:
+        """``batch_size`` as DeePMD-kit passes it (a list, not a tuple)."""
+        return list(self.batch_size) if isinstance(self.batch_size, tuple) else self.batch_size
+
+
+@dataclass(frozen=True)
+class LearningRateConfig:
+    """DeePMD-kit's exponential decay: ``start_lr * rate ** (step // decay_steps)``."""
+
+    type: str = "exp"
+    start_lr: float = 1e-3
+    stop_lr: float = 1e-8
+    decay_steps: int = 5000
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Energy/force prefactors, interpolated with ``lr / start_lr`` as DeePMD-kit does."""
+
+    type: str = "ener"
+    start_pref_e: float = 0.02
+    limit_pref_e: float = 1.0
+    start_pref_f: float = 1000.0
+    limit_pref_f: float = 1.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """What mdloader takes from an ``input.json``; ``source`` is the file it came from."""
+
+    training_data: DataConfig
+    validation_data: DataConfig | None = None
+    type_map: tuple[str, ...] | None = None
+    seed: int | None = None
+    numb_steps: int | None = None
+    numb_epoch: float | None = None
+    disp_freq: int = 1000
+    save_freq: int = 1000
+    disp_file: str = "lcurve.out"
+    save_ckpt: str = "model.ckpt"
+    learning_rate: LearningRateConfig = field(default_factory=LearningRateConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    source: str | None = None
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read, check and normalise ``input.json``; relative systems resolve against its folder."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the input file {path}: {exc.strerror}") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                          f"column {exc.colno}") from exc
+    base = os.path.dirname(os.path.abspath(path))
+    return parse_config(data, base_dir=base, source=os.path.abspath(path))
+
+
+def parse_config(data: Any, *, base_dir: str = ".", source: str | None = None) -> Config:
+    """Check a parsed ``input.json`` (a dict) and build the frozen :class:`Config`."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"the input must be a JSON object, found {type(data).__name__}")
+    training = data.get("training")
+    if isinstance(training, dict) and "data_dict" in training:
+        raise ConfigError("multi-task inputs are not supported by mdloader",
+                          path="training.data_dict")
+    schema = input_schema()
+    _reject_alias_clashes(schema, data, "")
+    normed = _run_dargs(schema, data)
+    return _build(normed, base_dir=base_dir, source=source)
+
+
+def _run_dargs(schema: Argument, data: dict) -> dict:
+    """Normalise then check (strict only in the sections mdloader owns)."""
+    try:
+        normed = schema.normalize_value(data)
+    except ArgumentError as exc:
+        raise _to_config_error(exc, data, None) from exc
+    try:
+        schema.check_value(normed, strict=False)
+    except ArgumentError as exc:
+        raise _to_config_error(exc, normed, None) from exc
+    for dotted in STRICT_SECTIONS:
+        value = _lookup(normed, dotted)
+        if isinstance(value, dict):
+            try:
+                _sub_argument(schema, dotted).check_value(value, strict=True)
+            except ArgumentError as exc:
+                # A sub-argument's errors carry paths relative to that sub-argument.
+                raise _to_config_error(exc, normed, dotted) from exc
+    return normed
+
+
+def _sub_argument(schema: Argument, dotted: str) -> Argument:
+    arg = schema
+    for name in dotted.split("."):
+        arg = arg.sub_fields[name]
+    return arg
+
+
+def _lookup(data: Any, dotted: str) -> Any:
+    for name in dotted.split("."):
+        if not isinstance(data, dict) or name not in data:
+            return None
+        data = data[name]
+    return data
+
+
+def _to_config_error(exc: ArgumentError, data: dict, prefix: str | None) -> ConfigError:
+    """Turn a dargs error into a ConfigError with a dotted path and a plain message."""
+    parts = [p for p in exc.path.split("/") if p]
+    if prefix:
+        parts = prefix.split(".") + parts
+    match = _KEY_RE.search(exc.message or "")
+    key = match.group(1) if match else None
+    path = ".".join(parts + ([key] if key else [])) or None
+    if isinstance(exc, ArgumentKeyError):
+        if "strict mode" in (exc.message or ""):
+            hint = (exc.message or "").split("strict mode.", 1)[-1].strip()
+            hint = hint.replace("Did you mean", "did you mean")
+            return ConfigError(f"unknown key{(' (' + hint + ')') if hint else ''}", path=path)
+        return ConfigError("required key is missing", path=path)
+    value = _lookup(data, path) if path else None
+    if isinstance(exc, ArgumentTypeError):
+        expected = re.search(r"requires <([^>]*)>", exc.message or "")
+        # dargs keeps the types in a set: sort them so that the message is stable.
+        want = (" | ".join(sorted(t.replace("NoneType", "null")
+                                  for t in expected.group(1).split("|")))
+                if expected else "another type")
+        return ConfigError(f"wrong type: expected {want}, found "
+                           f"{type(value).__name__} {_short(value)}", path=path)
+    if isinstance(exc, ArgumentValueError):
+        want = (exc.message or "").split("extra checking.", 1)[-1].strip()
+        return ConfigError(f"bad value {_short(value)}: expected {want}", path=path)
+    return ConfigError(exc.message or str(exc), path=path)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if _jsonable(value) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _reject_alias_clashes(arg: Argument, data: Any, prefix: str) -> None:
+    """``numb_steps`` and ``stop_batch`` both given: dargs would silently keep one."""
+    if not isinstance(data, dict):
+        return
+    for sub in arg.sub_fields.values():
+        path = f"{prefix}.{sub.name}" if prefix else sub.name
+        given = [n for n in (sub.name, *sub.alias) if n in data]
+        if len(given) > 1:
+            raise ConfigError(f"given more than once, as {' and '.join(given)}", path=path)
+        if given:
+            _reject_alias_clashes(sub, data[given[0]], path)
+
+
+def _resolve_system(entry: str, base_dir: str) -> str:
+    """Make one system path absolute; ``file.h5#/grp`` keeps its in-file part untouched."""
+    head, sep, tail = entry.partition("#")
+    head = os.path.expanduser(head)
+    if not os.path.isabs(head):
+        head = os.path.join(base_dir, head)
+    return os.path.normpath(head) + sep + tail
+
+
+def _data_config(raw: Mapping[str, Any], base_dir: str, json_path: str) -> DataConfig:
+    systems = raw["systems"]
+    entries = [systems] if isinstance(systems, str) else list(systems)
+    batch = raw["batch_size"]
+    if isinstance(batch, str):
+        parse_rule(batch, key=f"{json_path}.batch_size")
+    patterns = raw.get("rglob_patterns")
+    probs = raw.get("sys_probs")
+    return DataConfig(
+        systems=tuple(_resolve_system(s, base_dir) for s in entries),
+        rglob_patterns=tuple(patterns) if patterns is not None else None,
+        batch_size=tuple(batch) if isinstance(batch, list) else batch,
+        auto_prob=raw["auto_prob"],
+        sys_probs=tuple(float(p) for p in probs) if probs is not None else None,
+        numb_btch=int(raw.get("numb_btch", 1)),
+        json_path=json_path,
+    )
+
+
+def _sub_config(cls: type, raw: Mapping[str, Any]) -> Any:
+    # dargs does not fill the sub-defaults of a section that was absent ({} default).
+    names = [f.name for f in dataclasses.fields(cls)]
+    return cls(**{k: raw[k] for k in names if k in raw})
+
+
+def _build(normed: dict, *, base_dir: str, source: str | None) -> Config:
+    training = normed["training"]
+    if training.get("numb_steps") is not None and training.get("numb_epoch") is not None:
+        raise ConfigError("numb_steps and numb_epoch are mutually exclusive; give one",
+                          path="training.numb_steps")
+    valid = training.get("validation_data")
+    type_map = normed.get("model", {}).get("type_map")
+    lr = normed.get("learning_rate", {})
+    loss = normed.get("loss", {})
+    return Config(
+        training_data=_data_config(training["training_data"], base_dir,
+                                   "training.training_data"),
+        validation_data=(_data_config(valid, base_dir, "training.validation_data")
+                         if valid is not None else None),
+        type_map=tuple(type_map) if type_map is not None else None,
+        seed=training.get("seed"),
+        numb_steps=training.get("numb_steps"),
+        numb_epoch=training.get("numb_epoch"),
+        disp_freq=training["disp_freq"],
+        save_freq=training["save_freq"],
+        disp_file=training["disp_file"],
+        save_ckpt=training["save_ckpt"],
+        learning_rate=_sub_config(LearningRateConfig, lr),
+        loss=_sub_config(LossConfig, loss),
+        source=source,
+    )

@@ -1,0 +1,122 @@
+"""Finding systems: the only place that walks a directory tree.
+
+Every root is walked once with ``os.walk`` (``scandir`` under the hood: no ``stat`` per entry),
+not descending into the ``set.*`` folders of a system (a directory holding ``type.raw``): they
+hold frames. The one difference this makes: a ``type.raw`` *inside* a system's ``set.*`` folder
+is no longer taken for a system (DeePMD-kit's ``rglob`` would take it; such a tree mixes a set
+and a system). Systems nested in a system's other subfolders are found. HDF5 files are listed
+once, and the result is sorted and de-duplicated, so the same input gives the same list on every
+run, file system and ``PYTHONHASHSEED`` (DeePMD-kit's does not, which silently reassigns
+positional ``sys_probs``).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from pathlib import PurePosixPath
+from typing import Iterable, Sequence
+
+from mdloader.errors import NoSystemsFoundError
+from mdloader.data.formats import parse_address
+
+log = logging.getLogger(__name__)
+
+_GLOB_CHARS = set("*?[")
+
+
+def discover_systems(
+    systems: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    rglob_patterns: Sequence[str] | None = None,
+) -> list[str]:
+    """Addresses of every system under ``systems``, sorted and unique.
+
+    Parameters
+    ----------
+    systems
+        A path or a list of paths: system directories, roots to search recursively, glob
+        patterns, HDF5 files (every group holding ``type.raw``) or ``file.h5#/group`` addresses.
+    rglob_patterns
+        Keep only systems whose path below a root matches one of these patterns (at any depth,
+        like ``pathlib.Path.rglob``), e.g. ``["data_*"]``.
+    """
+    entries = [os.fspath(systems)] if isinstance(systems, (str, os.PathLike)) else [
+        os.fspath(s) for s in systems]
+    found: dict[str, None] = {}
+    for entry in _expand_globs(entries):
+        for address in _systems_under(entry, rglob_patterns):
+            found[address] = None
+    if not found:
+        where = ", ".join(entries) or "(no path given)"
+        extra = f" matching {list(rglob_patterns)}" if rglob_patterns else ""
+        raise NoSystemsFoundError(
+            f"no DeePMD system (a directory or HDF5 group holding type.raw){extra} found under: "
+            f"{where}")
+    return sorted(found)
+
+
+def _expand_globs(entries: Iterable[str]) -> list[str]:
+    out = []
+    for entry in entries:
+        path_part = entry.split("#", 1)[0]
+        if _GLOB_CHARS & set(path_part):
+            matches = sorted(glob.glob(path_part))
+            if not matches:
+                log.warning("the pattern %s matched nothing", entry)
+            suffix = entry[len(path_part):]
+            out.extend(m + suffix for m in matches)
+        else:
+            out.append(entry)
+    return out
+
+
+def _systems_under(entry: str, patterns: Sequence[str] | None) -> list[str]:
+    loc = parse_address(entry)
+    if "#" in entry or (loc.backend == "hdf5" and os.path.isfile(loc.path)):
+        return _hdf5_systems(loc.path, loc.group, patterns)
+    if os.path.isfile(entry):
+        return _hdf5_systems(entry, "/", patterns)  # DeePMD-kit: any existing file is HDF5
+    root = os.path.abspath(entry)
+    if not os.path.isdir(root):
+        log.warning("%s does not exist or is not a directory", entry)
+        return []
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        if "type.raw" not in filenames:
+            continue
+        # A system's set.* folders hold frames, not systems: not descending into them is most
+        # of the walk at 100 000 systems (7.8-14.6 s -> 3.5-4.0 s). Other subfolders of a
+        # system are still searched, so systems nested there are found as before.
+        dirnames[:] = [d for d in dirnames if not d.startswith("set.")]
+        if not patterns or _matches(os.path.relpath(dirpath, root), patterns):
+            out.append(os.path.normpath(dirpath))
+    return out
+
+
+def _matches(relpath: str, patterns: Sequence[str] | None) -> bool:
+    if not patterns:
+        return True
+    rel = PurePosixPath(relpath.replace(os.sep, "/"))
+    return any(rel.match(p) for p in patterns)
+
+
+def _hdf5_systems(path: str, group: str, patterns: Sequence[str] | None) -> list[str]:
+    from mdloader.data.formats.hdf5 import open_file
+
+    path = os.path.abspath(path)
+    handle = open_file(path, f"{path}#{group}")
+    top = handle[group] if group != "/" else handle
+    out = []
+    if "type.raw" in top and _matches(".", patterns):
+        out.append(f"{path}#{group}")
+    prefix = group.rstrip("/")
+
+    def visit(name: str, obj: object) -> None:
+        if name.endswith("/type.raw") or name == "type.raw":
+            grp = name[: -len("type.raw")].rstrip("/")
+            if grp and _matches(grp, patterns):
+                out.append(f"{path}#{prefix}/{grp}")
+
+    top.visititems(visit)
+    return sorted(set(out))

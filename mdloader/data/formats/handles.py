@@ -1,0 +1,72 @@
+"""One bounded, fork-aware cache of open handles (memory maps, HDF5 files, LMDB environments).
+
+Every open handle holds a file descriptor, so each process keeps at most a few, closing the
+least recently used first. A forked DataLoader worker inherits its parent's handles but must not
+use them (HDF5 and LMDB handles are not fork-safe; maps would be shared), so the cache empties
+itself the first time it is used under a new process id.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Any, Callable, Generic, TypeVar
+
+H = TypeVar("H")
+
+
+class HandleCache(Generic[H]):
+    """Handles by key, at most ``limit()`` of them in this process.
+
+    Parameters
+    ----------
+    limit
+        Called on every insertion, so a changed setting takes effect at once.
+    close
+        Releases an evicted handle (``None``: dropping the reference is enough).
+    valid
+        Tells whether a cached handle can still be used (closed elsewhere: reopen it).
+    """
+
+    def __init__(self, limit: Callable[[], int], close: Callable[[H], Any] | None = None,
+                 valid: Callable[[H], bool] | None = None) -> None:
+        self._limit, self._close, self._valid = limit, close, valid
+        self._handles: OrderedDict[str, H] = OrderedDict()
+        self._pid = os.getpid()
+
+    def get(self, key: str, open_handle: Callable[[], H]) -> H:
+        """The cached handle of ``key``, else ``open_handle()`` cached (may evict the oldest)."""
+        self._check_pid()
+        handle = self._handles.get(key)
+        if handle is not None and (self._valid is None or self._valid(handle)):
+            self._handles.move_to_end(key)
+            return handle
+        handle = open_handle()
+        self._handles[key] = handle
+        while len(self._handles) > max(1, self._limit()):
+            self._release(self._handles.popitem(last=False)[1])
+        return handle
+
+    def discard(self, key: str) -> None:
+        """Close and forget ``key``'s handle (after a read error, so the next read reopens)."""
+        self._check_pid()
+        handle = self._handles.pop(key, None)
+        if handle is not None:
+            self._release(handle)
+
+    def clear(self) -> None:
+        self._check_pid()
+        while self._handles:
+            self._release(self._handles.popitem(last=False)[1])
+
+    def __len__(self) -> int:
+        return len(self._handles) if self._pid == os.getpid() else 0
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():  # inherited from the parent: never touch, never close
+            self._handles = OrderedDict()
+            self._pid = os.getpid()
+
+    def _release(self, handle: H) -> None:
+        if self._close is not None:
+            self._close(handle)

@@ -1,0 +1,104 @@
+"""The HDF5 backend: the npy layout as groups and datasets inside one file.
+
+``/<grp>/type.raw``, ``/<grp>/type_map.raw`` (byte strings), ``/<grp>/nopbc`` (presence only),
+``/<grp>/set.000/coord.npy`` ... Files are opened on first use and cached per process (bounded);
+nothing here is ever pickled, and a forked worker reopens its own handles, because HDF5 handles
+are not fork-safe. Frame reads fetch only the requested rows (DeePMD-kit reads the whole dataset
+for every frame).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mdloader.errors import CorruptFileError, MissingDataError
+from mdloader.settings import cached
+from mdloader.data.formats import Location
+from mdloader.data.formats.handles import HandleCache
+from mdloader.data.formats.npy import as_rows
+
+_FILES: HandleCache[Any] = HandleCache(lambda: int(cached("max_open_h5")),
+                                      close=lambda handle: handle.close(),
+                                      valid=lambda handle: bool(handle.id.valid))
+
+
+def open_file(path: str, address: str | None = None) -> Any:
+    """An open read-only ``h5py.File``, from the per-process cache."""
+    return _FILES.get(path, lambda: _open(path, address))
+
+
+def _open(path: str, address: str | None) -> Any:
+    import h5py
+
+    try:
+        return h5py.File(path, "r")
+    except FileNotFoundError as exc:
+        raise MissingDataError("the HDF5 file does not exist", system=address or path,
+                               file=path) from exc
+    except OSError as exc:
+        raise CorruptFileError("cannot open the file as HDF5", system=address or path, file=path,
+                               found=str(exc)) from exc
+
+
+def file_of(loc: Location, set_name: str | None, name: str) -> str:
+    inner = "/".join(p for p in (loc.group.strip("/"), set_name or "", name) if p)
+    return f"{loc.path}#/{inner}"
+
+
+def _group(loc: Location) -> Any:
+    handle = open_file(loc.path, loc.address)
+    try:
+        grp = handle[loc.group]
+    except KeyError as exc:
+        raise MissingDataError("no such group in the HDF5 file", system=loc.address,
+                               file=loc.path, found=f"groups: {sorted(handle.keys())[:10]}") from exc
+    if not hasattr(grp, "keys"):
+        raise MissingDataError("the HDF5 path is a dataset, not a group", system=loc.address,
+                               file=loc.address)
+    return grp
+
+
+def read_type_raw(loc: Location) -> np.ndarray:
+    grp = _group(loc)
+    if "type.raw" not in grp:
+        raise MissingDataError("the system has no type.raw", system=loc.address,
+                               file=file_of(loc, None, "type.raw"))
+    try:
+        return np.asarray(grp["type.raw"][()], dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise CorruptFileError("type.raw must hold integers", system=loc.address,
+                               file=file_of(loc, None, "type.raw"), found=str(exc)) from exc
+
+
+def read_type_map(loc: Location) -> list[str] | None:
+    grp = _group(loc)
+    if "type_map.raw" not in grp:
+        return None
+    raw = np.asarray(grp["type_map.raw"][()]).reshape(-1)
+    return [v.decode() if isinstance(v, bytes) else str(v) for v in raw.tolist()]
+
+
+def scan_system(loc: Location) -> tuple[bool, list[str]]:
+    grp = _group(loc)
+    names = list(grp.keys())
+    sets = sorted(n for n in names if n.startswith("set.") and hasattr(grp[n], "keys"))
+    return "nopbc" not in names, sets
+
+
+def set_shapes(loc: Location, set_name: str) -> dict[str, tuple[int, ...]]:
+    grp = _group(loc)[set_name]
+    return {name[:-4]: tuple(int(s) for s in grp[name].shape)
+            for name in sorted(grp.keys()) if name.endswith(".npy")}
+
+
+def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray,
+              set_nframes: int) -> np.ndarray:
+    dset = _group(loc)[set_name][stem + ".npy"]
+    if set_nframes == 1 and dset.ndim <= 1:
+        return as_rows(np.asarray(dset[()]), rows, set_nframes)
+    # h5py wants increasing, unique indices: read those, then put them back in order.
+    uniq, inverse = np.unique(rows, return_inverse=True)
+    block = dset[uniq[0]:uniq[0] + 1] if len(uniq) == 1 else dset[uniq.tolist()]
+    return np.asarray(block)[inverse].reshape(len(rows), -1)

@@ -1,0 +1,264 @@
+"""The compact description of one system, built from headers only.
+
+:class:`SystemMeta` is what rank 0 broadcasts: an address, the atom types, the type map and,
+per set, the frame count and the keys present with their per-frame widths. No frame data. With
+it every rank can read any frame later, and every check that does not need frame values has
+already been made on rank 0, so nothing is left to fail hours into training inside a worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from mdloader.errors import DataError, MissingDataError, ShapeError, TypeMapError
+from mdloader.data.formats import Location, backend_of, parse_address
+from mdloader.data.schema import KNOWN_WIDTHS
+
+
+_SHARED: dict[Any, Any] = {}
+_SHARED_LIMIT = 1 << 20
+
+
+def shared(value: Any) -> Any:
+    """One instance per distinct value (set names, key tuples, type maps, whole sets).
+
+    100 000 systems of a data set mostly repeat the same few ``SetMeta`` values: sharing them
+    cuts the memory of the descriptions, and pickle writes a shared object once per broadcast.
+    """
+    found = _SHARED.get(value)
+    if found is None:
+        if len(_SHARED) >= _SHARED_LIMIT:
+            _SHARED.clear()
+        found = _SHARED[value] = value
+    return found
+
+
+@dataclass(frozen=True)
+class SetMeta:
+    """One ``set.*``: its name, frame count, and the arrays present with per-frame widths."""
+
+    name: str
+    nframes: int
+    keys: tuple[str, ...]
+    widths: tuple[int, ...]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore_set, (self.name, self.nframes, self.keys, self.widths))
+
+    def width(self, key: str) -> int | None:
+        try:
+            return self.widths[self.keys.index(key)]
+        except ValueError:
+            return None
+
+
+@dataclass(frozen=True, eq=False)
+class SystemMeta:
+    """Everything needed to read a system's frames later, and nothing heavy.
+
+    ``atom_types`` are model type ids in ``type.raw`` order (after remapping to the model
+    ``type_map``). ``mixed_idx_map`` maps a mixed-type system's own type ids to model ids, with a
+    trailing ``-1`` so that virtual atoms stay ``-1``.
+    """
+
+    address: str
+    atom_types: np.ndarray
+    type_map: tuple[str, ...] | None
+    pbc: bool
+    mixed_type: bool
+    sets: tuple[SetMeta, ...]
+    mixed_idx_map: tuple[int, ...] | None = None
+
+    @property
+    def natoms(self) -> int:
+        return int(self.atom_types.shape[0])
+
+    @property
+    def nframes(self) -> int:
+        return sum(s.nframes for s in self.sets)
+
+    @property
+    def ntypes(self) -> int:
+        if self.type_map is not None:
+            return len(self.type_map)
+        return int(self.atom_types.max()) + 1
+
+    @functools.cached_property
+    def location(self) -> Location:
+        """The parsed address, computed once (every frame read needs it)."""
+        return parse_address(self.address)
+
+    @property
+    def backend(self) -> str:
+        return self.location.backend
+
+    def natoms_vec(self) -> np.ndarray:
+        """``[N, N, count of type 0, ..., count of type T-1]`` as DeePMD-kit's ``natoms``."""
+        counts = np.bincount(self.atom_types, minlength=self.ntypes)[: self.ntypes]
+        return np.concatenate([[self.natoms, self.natoms], counts]).astype(np.int32)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SystemMeta) and self.__reduce__()[1] == other.__reduce__()[1]
+
+    def __hash__(self) -> int:
+        return hash(self.address)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Builtins plus shared sets: ~1 byte per atom plus the address, because the set
+        # descriptions and the type map are shared objects that pickle writes once per stream.
+        small = self.atom_types.max(initial=0) < 127
+        types = self.atom_types.astype(np.int8 if small else np.int16).tobytes()
+        flags = int(self.pbc) | int(self.mixed_type) << 1 | int(not small) << 2
+        folder, sep, name = self.address.rpartition("/")  # the folder is shared by siblings
+        return (_restore, (shared(folder + sep), name, types, self.type_map, flags, self.sets,
+                           self.mixed_idx_map))
+
+
+def _restore_set(name: str, nframes: int, keys: tuple[str, ...],
+                 widths: tuple[int, ...]) -> SetMeta:
+    return shared(SetMeta(shared(name), nframes, shared(keys), shared(widths)))
+
+
+def _restore(folder: str, name: str, types: bytes, tmap: tuple[str, ...] | None, flags: int,
+             sets: tuple[SetMeta, ...], mixed_idx_map: tuple[int, ...] | None) -> SystemMeta:
+    atom_types = np.frombuffer(types, dtype=np.int16 if flags & 4 else np.int8).astype(np.int32)
+    atom_types.flags.writeable = False
+    return SystemMeta(
+        address=folder + name, atom_types=atom_types, type_map=shared(tmap),
+        pbc=bool(flags & 1), mixed_type=bool(flags & 2), sets=shared(tuple(sets)),
+        mixed_idx_map=mixed_idx_map,
+    )
+
+
+def build_system_meta(address: str, type_map: Sequence[str] | None = None) -> SystemMeta:
+    """Describe the system at ``address``, reading ``type.raw``, ``type_map.raw`` and headers.
+
+    Raises a :class:`~mdloader.errors.DataError` subclass naming the system and the file for
+    every problem that can be seen without reading frames.
+    """
+    loc = parse_address(address)
+    io = backend_of(loc)
+    pbc, set_names = io.scan_system(loc)
+    types = io.read_type_raw(loc)
+    if types.size == 0:
+        raise DataError("the system has no atoms (type.raw is empty)", system=loc.address,
+                        file=io.file_of(loc, None, "type.raw"))
+    if not set_names:
+        raise MissingDataError("no set.* is found in the system", system=loc.address,
+                               file=io.file_of(loc, None, "set.*"))
+    sets = tuple(_describe_set(loc, io, name, len(types), pbc) for name in set_names)
+    mixed = _mixed_flag(loc, io, sets)
+    if sum(s.nframes for s in sets) == 0:
+        raise DataError("the system has no frames", system=loc.address,
+                        file=io.file_of(loc, sets[0].name, "coord.npy"), expected=">= 1 frame",
+                        found="0 frames")
+    sys_map = io.read_type_map(loc)
+    atom_types, final_map, idx_map = _resolve_types(loc, io, types, sys_map, type_map, mixed)
+    atom_types = atom_types.astype(np.int32)
+    atom_types.flags.writeable = False
+    return SystemMeta(address=loc.address, atom_types=atom_types, type_map=shared(final_map),
+                      pbc=pbc, mixed_type=mixed, sets=shared(sets), mixed_idx_map=idx_map)
+
+
+def _frames_and_width(shape: tuple[int, ...], set_frames: int | None) -> tuple[int, int]:
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        # a 1-D array is one frame of a one-frame set, or F frames of a width-1 quantity
+        if set_frames == 1 or set_frames is None:
+            return 1, shape[0]
+        return shape[0], 1
+    return shape[0], math.prod(shape[1:])
+
+
+def _describe_set(loc: Location, io: Any, name: str, natoms: int, pbc: bool) -> SetMeta:
+    shapes = io.set_shapes(loc, name)
+    if "coord" not in shapes:
+        raise MissingDataError("the set has no coord.npy", system=loc.address,
+                               file=io.file_of(loc, name, "coord.npy"))
+    if pbc and "box" not in shapes:
+        raise MissingDataError(
+            "a periodic system needs box.npy in every set (add an empty 'nopbc' file "
+            "to the system if it is not periodic)",
+            system=loc.address, file=io.file_of(loc, name, "box.npy"))
+    nframes, _ = _frames_and_width(shapes["coord"], None)
+    widths = {}
+    for key, shape in shapes.items():
+        frames, width = _frames_and_width(shape, nframes)
+        if frames != nframes:
+            raise ShapeError(
+                f"frame counts disagree within {name}: coord.npy has {nframes} frames",
+                system=loc.address, file=io.file_of(loc, name, key + ".npy"),
+                expected=f"{nframes} frames", found=f"{frames} frames (shape {shape})")
+        _check_known_width(loc, io, name, key, width, natoms, shape)
+        widths[key] = width
+    return _restore_set(name, nframes, tuple(widths), tuple(widths.values()))
+
+
+def _check_known_width(loc: Location, io: Any, set_name: str, key: str, width: int,
+                       natoms: int, shape: tuple[int, ...]) -> None:
+    if key == "hessian":
+        kind, per = "abs", 9 * natoms * natoms
+    elif key in KNOWN_WIDTHS:
+        kind, per = KNOWN_WIDTHS[key]
+        per = per * natoms if kind == "atoms" else per
+    else:
+        return
+    if width != per:
+        what = f"{per // natoms} x {natoms} atoms of type.raw" if kind == "atoms" else str(per)
+        raise ShapeError(f"per-frame width of {key}.npy does not match the system",
+                         system=loc.address, file=io.file_of(loc, set_name, key + ".npy"),
+                         expected=f"{per} values per frame ({what})",
+                         found=f"{width} (shape {shape})")
+
+
+def _mixed_flag(loc: Location, io: Any, sets: tuple[SetMeta, ...]) -> bool:
+    flags = {s.name: "real_atom_types" in s.keys for s in sets}
+    if len(set(flags.values())) > 1:
+        mixed = sorted(n for n, f in flags.items() if f)
+        plain = sorted(n for n, f in flags.items() if not f)
+        raise DataError("either every set of a system is mixed type (real_atom_types.npy) "
+                        "or none is", system=loc.address,
+                        file=io.file_of(loc, plain[0], "real_atom_types.npy"),
+                        found=f"mixed: {mixed}; not mixed: {plain}")
+    return next(iter(flags.values()))
+
+
+def _resolve_types(
+    loc: Location, io: Any, types: np.ndarray, sys_map: list[str] | None,
+    model_map: Sequence[str] | None, mixed: bool,
+) -> tuple[np.ndarray, tuple[str, ...] | None, tuple[int, ...] | None]:
+    """DeePMD-kit's type-map rules (``DeepmdData.__init__``), with errors instead of asserts."""
+    type_file = io.file_of(loc, None, "type.raw")
+    if types.min() < 0:
+        raise TypeMapError("type.raw holds a negative type id", system=loc.address,
+                           file=type_file, expected="ids >= 0", found=int(types.min()))
+    if sys_map is not None and types.max() >= len(sys_map):
+        raise TypeMapError("type.raw holds a type id outside type_map.raw", system=loc.address,
+                           file=type_file, expected=f"ids < {len(sys_map)} ({' '.join(sys_map)})",
+                           found=f"id {int(types.max())}")
+    model = list(model_map) if model_map is not None else None
+    if model and sys_map is not None:
+        missing = [e for e in sys_map if e not in model]
+        if missing:
+            raise TypeMapError(f"Elements {missing} are not present in the provided type_map.",
+                               system=loc.address, file=io.file_of(loc, None, "type_map.raw"),
+                               expected=f"elements within {model}", found=sys_map)
+        order = [model.index(name) for name in sys_map]
+        if mixed:
+            return types, tuple(model), tuple(order) + (-1,)
+        return np.asarray(order, dtype=np.int64)[types], tuple(model), None
+    if mixed and model is None and sys_map is None:
+        raise DataError("a mixed-type system needs type_map.raw or a model type_map",
+                        system=loc.address, file=io.file_of(loc, None, "type_map.raw"))
+    if model and sys_map is None and not mixed and types.max() >= len(model):
+        raise TypeMapError("type.raw holds a type id outside the model type_map",
+                           system=loc.address, file=type_file,
+                           expected=f"ids < {len(model)} ({' '.join(model)})",
+                           found=f"id {int(types.max())}")
+    return types, None if sys_map is None else tuple(sys_map), None

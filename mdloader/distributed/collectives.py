@@ -1,0 +1,58 @@
+"""Small collectives of a job: one object gathered to rank 0 or broadcast from it, a mean.
+
+Every object travels as one framed packet (:mod:`mdloader.distributed.packets`), so a rank that
+cannot pickle its object fails every rank with its error instead of leaving them waiting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mdloader.distributed.channel import world_channel
+from mdloader.distributed.group import current_world
+from mdloader.distributed.packets import Kind, data_packet, open_packet
+
+
+def all_reduce_mean(values: np.ndarray | list[float],
+                    device: torch.device | None = None) -> np.ndarray:
+    """Mean over ranks of a small float vector (identity in a single process)."""
+    arr = np.asarray(values, dtype=np.float64)
+    if not current_world().distributed:
+        return arr
+    tensor = torch.as_tensor(arr, device=device or torch.device("cpu"))
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.cpu().numpy() / dist.get_world_size()
+
+
+def gather_to_main(obj: Any, *, timeout: float | None = None,
+                   context: str = "gathering to rank 0") -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (rank order), ``None`` elsewhere; framed like a broadcast.
+
+    ``timeout`` overrides ``$MDLOADER_COLLECTIVE_TIMEOUT``.
+
+    A rank whose object cannot be pickled sends an error packet, and every rank raises it.
+    """
+    world = current_world()
+    if not world.distributed:
+        return [obj]
+    channel = world_channel(timeout=timeout, activity=context)
+    received = channel.gather(data_packet(obj, rank=world.rank, context=context))
+    for packet in received:
+        if packet.kind is Kind.ERROR:
+            open_packet(packet, rank=world.rank)  # raises the same RemoteError on every rank
+    return [open_packet(p, rank=world.rank) for p in received] if world.is_main else None
+
+
+def broadcast_from_main(obj: Any = None, *, timeout: float | None = None,
+                        context: str = "broadcasting from rank 0") -> Any:
+    """Rank 0's ``obj`` on every rank, as one framed packet (its failure fails every rank)."""
+    world = current_world()
+    if not world.distributed:
+        return obj
+    channel = world_channel(timeout=timeout, activity=context)
+    mine = data_packet(obj, rank=world.rank, context=context) if channel.is_source else None
+    return open_packet(channel.broadcast(mine), rank=world.rank)

@@ -1,0 +1,139 @@
+"""The job's process group: started from the launcher's environment, torn down safely.
+
+DeePMD-kit keys on ``LOCAL_RANK`` and silently runs W serial trainings under a launcher that
+does not set it; here the world size decides.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from mdloader.world import World
+
+
+def current_world() -> World:
+    """Rank and size from the initialised default group, else a single-process :class:`World`."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return World()
+    env = World.from_env()
+    return World(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                 local_rank=env.local_rank, local_world_size=env.local_world_size)
+
+
+def group_rank(group: Any) -> int:
+    """This rank's position in ``group``."""
+    return dist.get_group_rank(group, dist.get_rank())
+
+
+def group_size(group: Any) -> int:
+    return dist.get_world_size(group)
+
+
+def transport_device(backend: str, local_rank: int) -> torch.device:
+    """Where packet tensors must live for ``backend``: CPU unless the group is NCCL only.
+
+    ``"cpu:gloo,cuda:nccl"`` style groups take CPU tensors over gloo, so only a pure NCCL (or
+    other device-only) backend needs the bytes on ``cuda:<local_rank>``.
+    """
+    backend = str(backend).lower()
+    if "gloo" in backend or "mpi" in backend or "cpu:" in backend:
+        return torch.device("cpu")
+    if "nccl" in backend:
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+_cpu_groups: tuple[Any, dict[float, Any]] | None = None  # (parent WORLD, timeout -> gloo group)
+
+
+def cpu_group(timeout: float) -> Any:
+    """A gloo group over all ranks whose collectives time out after ``timeout`` seconds.
+
+    Created once per (default group, timeout) -- a collective, so every rank must ask for the
+    same timeouts in the same order (they come from the same argument or environment). The cache
+    holds a strong reference to the parent and compares identity: after destroy/re-init a new
+    group is made, where caching by ``id()`` could hand a dead group to a new parent that reuses
+    the address. The group's own timeout equals ``timeout`` so that a receiver that gives up
+    leaves no collective pending for longer than it waited.
+    """
+    global _cpu_groups
+    parent = dist.group.WORLD
+    if _cpu_groups is None or _cpu_groups[0] is not parent:
+        _cpu_groups = (parent, {})
+    groups = _cpu_groups[1]
+    if timeout not in groups:
+        groups[timeout] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+    return groups[timeout]
+
+
+def subgroup(ranks: list[int]) -> Any:
+    """A group of ``ranks`` (default backend); only its members call this."""
+    return dist.new_group(sorted(ranks), use_local_synchronization=True)
+
+
+def init_from_env() -> World:
+    """Start the default group when ``WORLD_SIZE`` > 1 and none runs; return this rank's world.
+
+    NCCL when CUDA is available, else gloo. DeePMD-kit keys on ``LOCAL_RANK`` and silently runs
+    W serial trainings under a launcher that does not set it; here the world size decides.
+    """
+    world = World.from_env()
+    if world.world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(world.local_rank)
+        dist.init_process_group(backend=backend)
+    return current_world() if dist.is_initialized() else world
+
+
+def device_of(world: World) -> torch.device:
+    """``cuda:<local_rank>`` when CUDA is available, else the CPU."""
+    return torch.device("cuda", world.local_rank) if torch.cuda.is_available() else \
+        torch.device("cpu")
+
+
+@contextmanager
+def process_group() -> Iterator[World]:
+    """Run a job inside the default group, started here if needed and torn down after.
+
+    Every rank passes a barrier before ``destroy_process_group``: torch 2.13 + gloo aborts a
+    rank ("terminate called without an active exception") that tears down while another is
+    still inside the group. On success that is a plain barrier. On failure the ranks usually
+    failed together (a framed error reaches all of them), so they meet at a monitored barrier
+    that gives up after :data:`SETTLE_SECONDS` instead of hanging on a rank that did not fail.
+    """
+    started = not dist.is_initialized() and World.from_env().world_size > 1
+    world = init_from_env()
+    ok = False
+    try:
+        yield world
+        ok = True
+    finally:
+        if started and dist.is_initialized():
+            if ok:
+                dist.barrier()
+            else:
+                _settle_after_failure()
+            dist.destroy_process_group()
+
+
+SETTLE_SECONDS = 30.0
+
+
+def _settle_after_failure() -> None:
+    group = None
+    if _cpu_groups is not None and _cpu_groups[0] is dist.group.WORLD and _cpu_groups[1]:
+        group = next(iter(_cpu_groups[1].values()))
+    if group is None and dist.get_backend() == "gloo":
+        group = dist.group.WORLD
+    if group is None:
+        return  # NCCL only: no barrier that can time out; tear down as we are
+    try:
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=SETTLE_SECONDS))
+    except RuntimeError:
+        pass  # a peer did not fail with us: nothing to wait for

@@ -1,0 +1,258 @@
+"""Run DeePMD-kit's own trainer (``dp --pt train input.json``) on mdloader.
+
+Most users never write a training loop, so the loader must slot *under* DeePMD-kit's trainer.
+:func:`install` rebinds the names that DeePMD-kit's PyTorch backend looks up, in the modules
+that bound them at import time:
+
+====================================  =======================================================
+``deepmd.pt.utils.dataloader``        ``DpLoaderSet``, ``get_weighted_sampler``,
+                                      ``get_sampler_from_params``
+``deepmd.pt.entrypoints.main``        ``DpLoaderSet``; ``process_systems`` (deferred: only
+                                      rank 0 walks the data tree, inside the build);
+                                      ``dist`` (see below); ``set_log_handles`` (mdloader's
+                                      log records go to DeePMD-kit's handlers)
+``deepmd.pt.train.training``          ``DpLoaderSet``, ``get_sampler_from_params``
+====================================  =======================================================
+
+The trainer then builds systems on rank 0 and broadcasts compact metadata, draws batches from
+mdloader's stateful sampler (``sampler.weights`` is there for its summary and epoch arithmetic)
+and computes statistics from ``DpLoaderSet.dataloaders`` -- lazy per-system batch iterables, no
+per-system torch ``DataLoader``. DeePMD-kit's ``[rank, seed]`` becomes the job seed, so frame
+permutations agree across ranks.
+
+``dist``: under ``torchrun`` DeePMD-kit calls ``init_process_group("cuda:nccl,cpu:gloo")``, which
+fails on a CPU-only torch ("Distributed package doesn't have NCCL built in"). The trainer's view
+of ``torch.distributed`` is wrapped so that the NCCL half is dropped when NCCL or CUDA is missing,
+and a barrier precedes ``destroy_process_group`` (gloo may otherwise abort a rank at exit).
+The wrapper holds DeePMD-kit's own reference to the module; mdloader itself does not import it.
+
+Not covered: DeePMD-kit's neighbour statistics (``dp train`` without ``--skip-neighbor-stat``)
+still read every system on every rank through DeePMD-kit's own code before the process group
+exists; data modifiers (``model.modifier``) are rejected; LMDB datasets keep DeePMD-kit's loader.
+
+DeePMD-kit is an optional dependency: importing this module does not import it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import types
+from typing import Any, Callable, Sequence
+
+from mdloader.errors import ConfigError
+from mdloader.loader import DpLoaderSet, get_sampler_from_params, get_weighted_sampler
+
+log = logging.getLogger(__name__)
+
+_DATALOADER = "deepmd.pt.utils.dataloader"
+_MAIN = "deepmd.pt.entrypoints.main"
+_TRAINING = "deepmd.pt.train.training"
+_saved: dict[tuple[str, str], Any] = {}
+
+
+class DeferredSystems(list):
+    """The user's ``systems`` entries, not yet discovered, plus the ``rglob_patterns``.
+
+    Returned in place of DeePMD-kit's ``process_systems`` result so that no rank walks the tree
+    before the build; :class:`DeepmdDpLoaderSet` hands both to mdloader's rank-0 discovery.
+    """
+
+    def __init__(self, entries: Sequence[str], patterns: Sequence[str] | None = None) -> None:
+        super().__init__(entries)
+        self.patterns = list(patterns) if patterns else None
+
+
+def defer_discovery(systems: str | Sequence[str],
+                    patterns: Sequence[str] | None = None) -> DeferredSystems:
+    """Replacement for ``deepmd.utils.data_system.process_systems``: no file-system access."""
+    if isinstance(systems, str):
+        return DeferredSystems([systems], patterns)
+    if isinstance(systems, (list, tuple)):
+        return DeferredSystems(list(systems), patterns)
+    raise ConfigError(f"systems must be a path or a list of paths, got {type(systems).__name__}",
+                      path="training.training_data.systems")
+
+
+class DeepmdDpLoaderSet(DpLoaderSet):
+    """mdloader's ``DpLoaderSet`` with DeePMD-kit's positional signature.
+
+    Accepts a :class:`DeferredSystems` (from :func:`defer_discovery`) and forwards its
+    ``rglob_patterns``; DeePMD-kit's ``[rank, seed]`` convention is understood by the base class.
+    """
+
+    def __init__(self, systems: Any, batch_size: Any, type_map: Sequence[str] | None,
+                 seed: int | Sequence[int] | None = None, shuffle: bool = True,
+                 modifier: Any = None) -> None:
+        patterns = getattr(systems, "patterns", None)
+        if isinstance(systems, DeferredSystems):
+            systems = list(systems)
+        super().__init__(systems, batch_size, type_map, seed, shuffle, modifier,
+                         rglob_patterns=patterns)
+
+
+class _TrainerDist(types.ModuleType):
+    """DeePMD-kit's ``torch.distributed`` reference, with a CPU fallback for its NCCL backend."""
+
+    def __init__(self, real: types.ModuleType) -> None:
+        super().__init__(real.__name__, real.__doc__)
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def init_process_group(self, backend: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return self._real.init_process_group(cpu_fallback_backend(backend, self._real),
+                                             *args, **kwargs)
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        real = self._real
+        if group is None and real.is_initialized() and real.get_world_size() > 1:
+            real.barrier()
+        real.destroy_process_group(group)
+
+
+class _TrainerTorch(types.ModuleType):
+    """The trainer's ``torch`` without CUDA: ``torch.cuda.set_device`` becomes a no-op."""
+
+    def __init__(self, real: types.ModuleType) -> None:
+        super().__init__(real.__name__, real.__doc__)
+        self._real = real
+        self.cuda = _NoCuda(real.cuda)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class _NoCuda(types.ModuleType):
+    def __init__(self, real: types.ModuleType) -> None:
+        super().__init__(real.__name__, real.__doc__)
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def set_device(self, device: Any) -> None:
+        """Nothing to select on a CPU-only machine (DeePMD-kit calls it for every DDP run)."""
+
+
+def _cpu_ddp(real_ddp: type) -> type:
+    """DDP that ignores ``device_ids``/``output_device``, which must be None for CPU modules."""
+
+    class CpuDistributedDataParallel(real_ddp):  # type: ignore[misc, valid-type]
+        def __init__(self, module: Any, *args: Any, device_ids: Any = None,
+                     output_device: Any = None, **kwargs: Any) -> None:
+            super().__init__(module, *args, **kwargs)
+
+    return CpuDistributedDataParallel
+
+
+def cpu_fallback_backend(backend: Any, dist_module: Any) -> Any:
+    """``backend`` with its NCCL part dropped when NCCL or CUDA is unavailable."""
+    if not isinstance(backend, str) or "nccl" not in backend:
+        return backend
+    import torch
+
+    if dist_module.is_nccl_available() and torch.cuda.is_available():
+        return backend
+    log.info("NCCL/CUDA unavailable: process-group backend %r -> 'gloo'", backend)
+    return "gloo"
+
+
+def _forward_logs(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap DeePMD-kit's ``set_log_handles`` so that mdloader's records share its handlers."""
+
+    def set_log_handles(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        source, target = logging.getLogger("deepmd"), logging.getLogger("mdloader")
+        for handler in source.handlers:
+            if handler not in target.handlers:
+                target.addHandler(handler)
+        target.setLevel(source.level)
+        target.propagate = False
+        return out
+
+    return set_log_handles
+
+
+def _import_deepmd() -> dict[str, types.ModuleType]:
+    try:
+        return {name: importlib.import_module(name) for name in (_DATALOADER, _MAIN, _TRAINING)}
+    except (ImportError, RuntimeError, OSError) as exc:
+        raise ConfigError(
+            f"DeePMD-kit's PyTorch backend cannot be imported ({type(exc).__name__}: {exc}); "
+            "install it next to your torch with pip install 'mdloader[deepmd]' "
+            "(docs/migrating.md: keeping your torch, and DeePMD-kit's compiled ops)") from exc
+
+
+def _patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
+    main = mods[_MAIN]
+    real_dist = _saved.get((_MAIN, "dist"), main.dist)
+    real_logs = _saved.get((_MAIN, "set_log_handles"), main.set_log_handles)
+    return {
+        (_DATALOADER, "DpLoaderSet"): DeepmdDpLoaderSet,
+        (_DATALOADER, "get_weighted_sampler"): get_weighted_sampler,
+        (_DATALOADER, "get_sampler_from_params"): get_sampler_from_params,
+        (_MAIN, "DpLoaderSet"): DeepmdDpLoaderSet,
+        (_MAIN, "process_systems"): defer_discovery,
+        (_MAIN, "dist"): _TrainerDist(real_dist),
+        (_MAIN, "set_log_handles"): _forward_logs(real_logs),
+        (_TRAINING, "DpLoaderSet"): DeepmdDpLoaderSet,
+        (_TRAINING, "get_sampler_from_params"): get_sampler_from_params,
+    }
+
+
+def _cpu_patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
+    """Only without CUDA: DeePMD-kit's DDP set-up assumes a GPU per rank and would crash."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {}
+    training = mods[_TRAINING]
+    return {(_TRAINING, "torch"): _TrainerTorch(_saved.get((_TRAINING, "torch"), training.torch)),
+            (_TRAINING, "DDP"): _cpu_ddp(_saved.get((_TRAINING, "DDP"), training.DDP))}
+
+
+def install() -> None:
+    """Make DeePMD-kit's PyTorch trainer load its data through mdloader (idempotent).
+
+    Raises
+    ------
+    ConfigError
+        DeePMD-kit's PyTorch backend is not importable.
+    """
+    mods = _import_deepmd()
+    for (module, name), value in {**_patches(mods), **_cpu_patches(mods)}.items():
+        if (module, name) not in _saved:
+            _saved[(module, name)] = getattr(mods[module], name)
+        setattr(mods[module], name, value)
+    log.debug("DeePMD-kit's trainer now loads data through mdloader")
+
+
+def uninstall() -> None:
+    """Restore DeePMD-kit's own names (for tests and interactive sessions)."""
+    for (module, name), value in list(_saved.items()):
+        setattr(sys.modules[module], name, value)
+        del _saved[(module, name)]
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return bool(_saved)
+
+
+def run_dp(argv: Sequence[str] | None = None) -> int:
+    """``dp`` with mdloader underneath: ``run_dp(["--pt", "train", "input.json"])``.
+
+    Works under ``torchrun`` like ``dp`` itself. Returns the exit code (argparse exits of
+    DeePMD-kit's parser become return values; other exceptions propagate).
+    """
+    install()
+    from deepmd.main import main as dp_main
+
+    try:
+        dp_main(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0

@@ -1,0 +1,239 @@
+"""Frame permutations, sharding across ranks and the per-rank system stream (pure).
+
+Everything here is a function of integers (seed, system index, pass, rank, world size, sizes)
+returning numpy arrays, so a whole rank grid is a one-process unit test and a resumed run
+recomputes the order from a handful of integers instead of saving it.
+
+Seeding. Every random array is drawn from its own ``numpy.random.Generator`` built from
+``SeedSequence(seed, spawn_key=(TAG, ...))``. ``SeedSequence`` hashes all the words together, so
+neighbouring seeds, systems, passes or ranks give unrelated streams (unlike ``seed + rank``), and
+two systems of the same size never share a permutation (DeePMD-kit's ``DistributedSampler`` with
+the default ``seed=0`` gives them the same one, and the same again on every pass).
+
+Frames of one system. Pass ``p`` through system ``sid`` uses the permutation
+:func:`frame_permutation` ``(seed, sid, p)``, identical on every rank. Like
+``torch.utils.data.DistributedSampler``, the permutation is padded by wrapping around to
+``ceil(F / W) * W`` frames and rank ``r`` takes positions ``r, r + W, r + 2W, ...``
+(:func:`shard_frames`). Across ranks, pass ``p`` therefore covers every frame once, plus
+``ceil(F/W)*W - F`` repeated frames (the first ones of the permutation) when W does not divide F;
+with F < W some ranks repeat frames of the pass. Batches are consecutive slices of B of the shard;
+the last may be short (``drop_last=False``). A rank has ``nb = ceil(ceil(F/W)/B)`` batches per pass.
+
+System stream. Step ``k`` of rank ``r`` draws a system index with probabilities ``p`` by
+inverse CDF from uniforms of chunk ``k // STREAM_CHUNK``, seeded from ``(seed, r, chunk)``; in
+``same_system_across_ranks`` mode the rank is left out so that all ranks draw the same system at
+each step (and still read disjoint frames, because their per-system counters agree).
+"""
+
+from __future__ import annotations
+
+import numbers
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from mdloader.errors import ConfigError
+from mdloader.sampling.batching import batches_per_rank
+
+TAG_FRAMES = 0x4652414D   # "FRAM": per-system frame permutations
+TAG_STREAM = 0x5354524D   # "STRM": per-rank system stream
+TAG_SHARED = 0x53484152   # "SHAR": system stream shared by all ranks
+STREAM_CHUNK = 4096
+"""Draws per stream chunk: each chunk has its own generator, so draw k is random access."""
+SEED_MOD = 2**64
+
+
+def normalize_seed(seed: int | Sequence[int] | None, rank: int = 0) -> int | None:
+    """Reduce a user seed to one non-negative int shared by all ranks (or None).
+
+    DeePMD-kit's ``main`` passes ``[rank, seed % 2**32]`` to ``DpLoaderSet``; frame permutations
+    must be identical on every rank, so a two-element list whose first element is this rank is read
+    as that convention and its second element is the job seed. Any other list is hashed into one
+    int with ``SeedSequence`` (it must then be the same on every rank).
+    """
+    if seed is None:
+        return None
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
+        return int(seed) % SEED_MOD
+    if isinstance(seed, (list, tuple, np.ndarray)) and all(
+            isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in seed) and seed:
+        words = [int(s) % SEED_MOD for s in seed]
+        if len(words) == 2 and words[0] == rank:
+            return words[1]
+        return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0])
+    raise ConfigError(f"seed must be an int, a list of ints or None, got {seed!r}", path="seed")
+
+
+def _generator(seed: int, *key: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=key)))
+
+
+def frame_permutation(seed: int, sid: int, pass_: int, nframes: int,
+                      shuffle: bool = True) -> np.ndarray:
+    """The order of the frames of system ``sid`` in pass ``pass_`` (same on every rank)."""
+    if not shuffle:
+        return np.arange(nframes, dtype=np.int64)
+    return _generator(seed, TAG_FRAMES, sid, pass_).permutation(nframes).astype(np.int64)
+
+
+def shard_frames(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """Rank ``rank``'s part of ``order``, padded by wrapping like ``DistributedSampler``.
+
+    Every rank gets ``ceil(len(order) / world_size)`` entries.
+    """
+    n = len(order)
+    per_rank = -(-n // world_size)
+    total = per_rank * world_size
+    if total > n:
+        order = np.resize(order, total)   # repeats from the start: DistributedSampler's padding
+    return order[rank:total:world_size]
+
+
+def rank_frames(seed: int, sid: int, pass_: int, nframes: int, rank: int, world_size: int,
+                shuffle: bool = True) -> np.ndarray:
+    """The frames rank ``rank`` reads from system ``sid`` during pass ``pass_``, in order."""
+    return shard_frames(frame_permutation(seed, sid, pass_, nframes, shuffle), rank, world_size)
+
+
+def batch_of_shard(shard: np.ndarray, batch_index: int, batch_size: int) -> np.ndarray:
+    """Batch ``batch_index`` of a shard: a slice of ``batch_size`` (the last may be short)."""
+    return shard[batch_index * batch_size:(batch_index + 1) * batch_size]
+
+
+def occurrence_to_batch(occurrence: int, nbatches: int) -> tuple[int, int]:
+    """The ``occurrence``-th draw of a system reads batch ``j`` of pass ``p``: (p, j)."""
+    return divmod(int(occurrence), int(nbatches))
+
+
+def weights_to_cdf(probs: np.ndarray) -> np.ndarray:
+    """Cumulative distribution for inverse-CDF draws; zero-probability systems are never drawn.
+
+    Entries from the last positive probability on are set to exactly 1.0, so rounding in the
+    cumulative sum cannot make a trailing zero-probability system reachable.
+    """
+    p = np.asarray(probs, dtype=np.float64)
+    if len(p) == 0 or not np.all(np.isfinite(p)) or np.any(p < 0) or p.sum() <= 0:
+        raise ConfigError(f"system probabilities must be finite, >= 0 and not all 0, got {p}")
+    cdf = np.cumsum(p)
+    last = int(np.flatnonzero(p > 0)[-1])
+    cdf /= cdf[last]
+    cdf[last:] = 1.0
+    return cdf
+
+
+def stream_chunk(seed: int, rank: int, chunk: int, cdf: np.ndarray,
+                 same_system_across_ranks: bool = False) -> np.ndarray:
+    """System indices drawn at steps ``[chunk * STREAM_CHUNK, (chunk + 1) * STREAM_CHUNK)``."""
+    key = (TAG_SHARED, chunk) if same_system_across_ranks else (TAG_STREAM, rank, chunk)
+    u = _generator(seed, *key).random(STREAM_CHUNK)
+    return np.searchsorted(cdf, u, side="right").astype(np.int64)
+
+
+def stream_draws(seed: int, rank: int, start: int, stop: int, cdf: np.ndarray,
+                 same_system_across_ranks: bool = False) -> np.ndarray:
+    """System indices of steps ``[start, stop)`` of rank ``rank``'s stream."""
+    if stop <= start:
+        return np.empty(0, dtype=np.int64)
+    first, last = start // STREAM_CHUNK, (stop - 1) // STREAM_CHUNK
+    parts = [stream_chunk(seed, rank, c, cdf, same_system_across_ranks)
+             for c in range(first, last + 1)]
+    joined = np.concatenate(parts)
+    offset = first * STREAM_CHUNK
+    return joined[start - offset:stop - offset]
+
+
+def stream_counts(seed: int, rank: int, start: int, stop: int, cdf: np.ndarray,
+                  same_system_across_ranks: bool = False) -> np.ndarray:
+    """How often each system is drawn in steps ``[start, stop)``: the per-system cursors.
+
+    Computed chunk by chunk, so replaying a million steps costs a few hundred small arrays.
+    """
+    counts = np.zeros(len(cdf), dtype=np.int64)
+    pos = start
+    while pos < stop:
+        end = min(stop, (pos // STREAM_CHUNK + 1) * STREAM_CHUNK)
+        draws = stream_draws(seed, rank, pos, end, cdf, same_system_across_ranks)
+        counts += np.bincount(draws, minlength=len(cdf))
+        pos = end
+    return counts
+
+
+def sizes_digest(*arrays: np.ndarray | Sequence[int] | Sequence[float]) -> int:
+    """A 32-bit CRC of integer/float arrays: detects a different system list on resume."""
+    crc = 0
+    for arr in arrays:
+        a = np.ascontiguousarray(arr)
+        a = a.astype(np.float64 if a.dtype.kind == "f" else np.int64)
+        crc = zlib.crc32(np.int64(len(a)).tobytes(), crc)
+        crc = zlib.crc32(a.tobytes(), crc)
+    return int(crc)
+
+
+class FrameOrder:
+    """Which frames the n-th batch of system ``sid`` holds on this rank.
+
+    The n-th draw of a system reads batch ``n % nb`` of pass ``n // nb``; a pass is a fresh
+    permutation shared by all ranks and sharded across them. Shards of recently used
+    (system, pass) pairs are kept in a small LRU cache bounded by ``cache_frames`` frame ids and
+    ``cache_entries`` shards, so memory does not grow with the number of systems; a miss costs
+    one permutation (about 30 us for 100 frames).
+    """
+
+    def __init__(self, nframes: Sequence[int] | np.ndarray, batch_sizes: Sequence[int] | np.ndarray,
+                 *, seed: int, rank: int = 0, world_size: int = 1, shuffle: bool = True,
+                 cache_frames: int = 1 << 20, cache_entries: int = 4096) -> None:
+        self.nframes = np.asarray(nframes, dtype=np.int64)
+        self.batch_sizes = np.asarray(batch_sizes, dtype=np.int64)
+        if len(self.nframes) != len(self.batch_sizes):
+            raise ConfigError(f"{len(self.batch_sizes)} batch sizes for {len(self.nframes)} systems")
+        self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank must be in [0, world_size), got rank {self.rank} of "
+                              f"{self.world_size}")
+        self.shuffle = bool(shuffle)
+        self.nbatches = batches_per_rank(self.nframes, self.batch_sizes, self.world_size)
+        self._cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._cached = 0
+        self._budget = int(cache_frames)
+        self._max_entries = max(1, int(cache_entries))
+
+    def shard(self, sid: int, pass_: int) -> np.ndarray:
+        """This rank's frames of system ``sid`` for pass ``pass_`` (cached)."""
+        k = (sid, pass_)
+        hit = self._cache.get(k)
+        if hit is not None:
+            self._cache.move_to_end(k)
+            return hit
+        shard = rank_frames(self.seed, sid, pass_, int(self.nframes[sid]), self.rank,
+                            self.world_size, self.shuffle)
+        self._cache[k] = shard
+        self._cached += len(shard)
+        while len(self._cache) > 1 and (self._cached > self._budget
+                                        or len(self._cache) > self._max_entries):
+            _, old = self._cache.popitem(last=False)
+            self._cached -= len(old)
+        return shard
+
+    def fids(self, sid: int, occurrence: int) -> tuple[int, ...]:
+        """Frame ids of the ``occurrence``-th batch drawn from system ``sid``."""
+        pass_, j = occurrence_to_batch(occurrence, int(self.nbatches[sid]))
+        return tuple(batch_of_shard(self.shard(sid, pass_), j, int(self.batch_sizes[sid])).tolist())
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_cache"], state["_cached"] = OrderedDict(), 0
+        return state
+
+    def clear(self) -> None:
+        self._cache.clear()
+        self._cached = 0
+
+
+__all__ = [
+    "STREAM_CHUNK", "FrameOrder", "normalize_seed", "frame_permutation", "shard_frames", "rank_frames",
+    "batch_of_shard", "occurrence_to_batch", "weights_to_cdf", "stream_chunk", "stream_draws",
+    "stream_counts", "sizes_digest",
+]

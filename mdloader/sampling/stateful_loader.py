@@ -1,0 +1,67 @@
+"""``StatefulLoader``: a ``DataLoader`` over sampler keys that knows how many batches it yielded.
+
+A DataLoader with workers pulls keys ahead of what the training loop consumed, so the sampler's
+own position runs ahead. DataLoader delivers batches in sampler order, so counting what was
+yielded gives the exact resume position whatever ``num_workers`` and ``prefetch_factor`` are
+(torchdata's approach). ``torchdata.stateful_dataloader.StatefulDataLoader`` also works: it saves
+the state of the sampler's epoch iterator at each delivered batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from mdloader.sampling.samplers import WeightedSystemSampler
+from mdloader.sampling.state import check_keys
+from mdloader.transport import NumpyTransport, identity
+
+STATE_VERSION = 1
+
+
+class StatefulLoader:
+    """``DataLoader(dataset, sampler=sampler, batch_size=None, ...)`` with an exact state.
+
+    ``state_dict()`` saves the number of batches delivered; a new ``iter()`` rewinds the sampler
+    to it, so keys a previous iterator prefetched but never delivered are read again rather than
+    skipped. With workers, batches cross the process boundary as numpy arrays
+    (:class:`~mdloader.transport.NumpyTransport`, ``numpy_transport=True``); the yielded batches
+    are the same.
+    """
+
+    def __init__(self, dataset: Any, sampler: WeightedSystemSampler, *, num_workers: int = 0,
+                 numpy_transport: bool = True, **dataloader_kwargs: Any) -> None:
+        collate_fn = dataloader_kwargs.pop("collate_fn", identity)
+        if num_workers > 0 and numpy_transport:
+            collate_fn = NumpyTransport(collate_fn)
+        dataloader_kwargs["collate_fn"] = collate_fn
+        self.sampler = sampler
+        self.dataloader = DataLoader(dataset, sampler=sampler, batch_size=None,
+                                     num_workers=num_workers, **dataloader_kwargs)
+        self._consumed = sampler.position
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.sampler.position != self._consumed:
+            self.sampler.seek(self._consumed)
+        for batch in self.dataloader:
+            self._consumed += 1
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    @property
+    def consumed(self) -> int:
+        """Batches delivered since the stream start (the resume position)."""
+        return self._consumed
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION,
+                "sampler": self.sampler.state_dict(consumed=self._consumed)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_keys(state, kind="loader", version=STATE_VERSION, keys=("sampler",))
+        self.sampler.load_state_dict(state["sampler"])
+        self._consumed = self.sampler.position

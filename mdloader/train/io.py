@@ -1,0 +1,114 @@
+"""What the reference training job writes: ``lcurve.out`` and checkpoints.
+
+``lcurve.out`` keeps DeePMD-kit's columns and number format, so existing plotting scripts work:
+``step``, then ``rmse``, ``rmse_e`` (per atom) and ``rmse_f`` as ``_val``/``_trn`` pairs, then
+``lr``. Checkpoints are ``<save_ckpt>-<step>.pt`` with a ``<save_ckpt>.pt`` link to the latest
+(DeePMD-kit's naming); they hold the model, the optimizer, and the loader state of *every* rank
+(each rank resumes its own stream), in plain tensors and integers so that they load with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import IO, Any
+
+import torch
+
+from mdloader.errors import StateDictError
+
+KEYS = ("rmse", "rmse_e", "rmse_f")
+CKPT_FORMAT = "mdloader-train"
+CKPT_VERSION = 1
+MAX_KEEP = 5
+
+
+class Lcurve:
+    """Append-only writer of DeePMD-kit's learning curve (rank 0 only)."""
+
+    def __init__(self, path: str, *, with_validation: bool, append: bool) -> None:
+        self.path = path
+        self.with_validation = with_validation
+        fresh = not (append and os.path.exists(path))
+        self._fh: IO[str] = open(path, "a" if not fresh else "w", encoding="utf-8")
+        if fresh:
+            self._fh.write(self.header())
+            self._fh.flush()
+
+    def header(self) -> str:
+        text = "# {:5s}".format("step")
+        for key in KEYS:
+            if self.with_validation:
+                text += "   {:11s} {:11s}".format(key + "_val", key + "_trn")
+            else:
+                text += "   {:11s}".format(key + "_trn")
+        return text + "   {:8s}\n".format("lr")
+
+    def write(self, step: int, lr: float, train: dict[str, float],
+              valid: dict[str, float] | None) -> str:
+        line = f"{step:7d}"
+        for key in KEYS:
+            if self.with_validation and valid is not None:
+                line += "   {:11.2e} {:11.2e}".format(valid[key], train[key])
+            else:
+                line += "   {:11.2e}".format(train[key])
+        line += f"   {lr:8.1e}\n"
+        self._fh.write(line)
+        self._fh.flush()
+        return line
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def checkpoint_path(output: str, prefix: str, step: int) -> str:
+    return os.path.join(output, f"{prefix}-{step}.pt")
+
+
+def save_checkpoint(output: str, prefix: str, step: int, state: dict[str, Any]) -> str:
+    """Write atomically (tmp + rename), point ``<prefix>.pt`` at it, keep the last few."""
+    path = checkpoint_path(output, prefix, step)
+    tmp = path + ".tmp"
+    torch.save({"format": CKPT_FORMAT, "version": CKPT_VERSION, "step": step, **state}, tmp)
+    os.replace(tmp, path)
+    latest = os.path.join(output, f"{prefix}.pt")
+    link_tmp = latest + ".tmp"
+    if os.path.lexists(link_tmp):
+        os.remove(link_tmp)
+    os.symlink(os.path.basename(path), link_tmp)
+    os.replace(link_tmp, latest)
+    with open(os.path.join(output, "checkpoint"), "w", encoding="utf-8") as fh:
+        fh.write(os.path.basename(path) + "\n")
+    _prune(output, prefix)
+    return path
+
+
+def _prune(output: str, prefix: str) -> None:
+    steps = []
+    for name in os.listdir(output):
+        stem = name[len(prefix) + 1:-3] if name.startswith(prefix + "-") and \
+            name.endswith(".pt") else ""
+        if stem.isdigit():
+            steps.append(int(stem))
+    for step in sorted(steps)[:-MAX_KEEP]:
+        os.remove(checkpoint_path(output, prefix, step))
+
+
+def load_checkpoint(path: str, *, world_size: int) -> dict[str, Any]:
+    """Read and check a checkpoint written by :func:`save_checkpoint`."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise StateDictError(f"checkpoint not found: {path}") from None
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file
+        raise StateDictError(f"cannot read checkpoint {path}: {type(exc).__name__}: "
+                             f"{exc}") from exc
+    if not isinstance(state, dict) or state.get("format") != CKPT_FORMAT:
+        raise StateDictError(f"{path} is not an mdloader training checkpoint")
+    if state.get("version") != CKPT_VERSION:
+        raise StateDictError(f"checkpoint {path} has version {state.get('version')}, this "
+                             f"mdloader reads version {CKPT_VERSION}")
+    if state["world_size"] != world_size:
+        raise StateDictError(f"checkpoint {path} was written by {state['world_size']} rank(s) "
+                             f"but this job has {world_size}: the loader streams are per rank")
+    return state

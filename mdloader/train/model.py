@@ -1,0 +1,151 @@
+"""A small but real interatomic potential for the reference training job.
+
+The point of ``mdloader train`` is to exercise the loader the way DeePMD-kit's trainer does
+(batches of frames, energies and forces, DDP, restart), not to compete with DeePMD models. So
+the model is deliberately plain:
+
+* a per-type energy bias fitted by least squares on the training energies (what DeePMD-kit's
+  output statistics do), so that the network only learns a small residual;
+* a smooth atomic correction ``E_i = MLP([G_i, onehot(t_i)])`` where ``G_i`` are Gaussian radial
+  functions of the distances to the neighbours of each type inside ``rcut``, multiplied by a
+  cosine cutoff, so that the energy and its derivatives go to zero smoothly at ``rcut``;
+* forces ``F = -dE/dR`` by autograd.
+
+Periodic boxes use the minimum image convention, valid while ``rcut`` is at most half of the
+smallest box height (checked); ``box=None`` (``nopbc`` systems) uses plain distances. Atoms with
+a negative type (virtual atoms of mixed-type systems) are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from mdloader.errors import DataError
+
+
+def minimum_image(coord: torch.Tensor, box: torch.Tensor | None, rcut: float) -> torch.Tensor:
+    """Pair vectors ``r_j - r_i`` [B, N, N, 3], wrapped to the nearest image when periodic."""
+    diff = coord.unsqueeze(1) - coord.unsqueeze(2)
+    if box is None:
+        return diff
+    cell = box.reshape(-1, 3, 3)
+    _check_box(cell, rcut)
+    frac = torch.einsum("bijx,byx->bijy", diff, torch.linalg.inv(cell).transpose(1, 2))
+    frac = frac - torch.round(frac)
+    return torch.einsum("bijy,byx->bijx", frac, cell)
+
+
+def _check_box(cell: torch.Tensor, rcut: float) -> None:
+    """Minimum image is exact only while ``rcut`` <= half the smallest box height."""
+    with torch.no_grad():
+        volume = torch.linalg.det(cell).abs()
+        cross = torch.stack([torch.linalg.cross(cell[:, 1], cell[:, 2]),
+                             torch.linalg.cross(cell[:, 2], cell[:, 0]),
+                             torch.linalg.cross(cell[:, 0], cell[:, 1])], dim=1)
+        heights = volume.unsqueeze(1) / cross.norm(dim=-1)
+        smallest = float(heights.min())
+    if not smallest >= 2 * rcut:
+        raise DataError("the box is too small for the model cutoff (minimum image needs "
+                        "rcut <= half the smallest box height)",
+                        expected=f"height >= {2 * rcut:g} A", found=f"{smallest:.4g} A")
+
+
+class RadialPotential(nn.Module):
+    """Energy = per-type bias + MLP of smooth radial features; forces by autograd.
+
+    Parameters
+    ----------
+    ntypes
+        Number of atom types of the model ``type_map``.
+    rcut
+        Cutoff radius in Angstrom.
+    nbasis
+        Gaussian radial functions per neighbour type.
+    hidden
+        Widths of the hidden layers of the atomic network.
+    """
+
+    def __init__(self, ntypes: int, *, rcut: float = 4.0, nbasis: int = 16,
+                 hidden: Sequence[int] = (32, 32)) -> None:
+        super().__init__()
+        if ntypes < 1 or rcut <= 0 or nbasis < 1:
+            raise ValueError(f"bad model size: ntypes={ntypes}, rcut={rcut}, nbasis={nbasis}")
+        self.ntypes, self.rcut, self.nbasis = ntypes, float(rcut), nbasis
+        self.register_buffer("centers", torch.linspace(0.5, rcut, nbasis, dtype=torch.float64))
+        self.width = (rcut - 0.5) / max(nbasis - 1, 1)
+        nfeat = ntypes * nbasis
+        self.register_buffer("energy_bias", torch.zeros(ntypes, dtype=torch.float64))
+        self.register_buffer("feat_mean", torch.zeros(nfeat, dtype=torch.float64))
+        self.register_buffer("feat_std", torch.ones(nfeat, dtype=torch.float64))
+        layers: list[nn.Module] = []
+        width = nfeat + ntypes
+        for size in hidden:
+            layers += [nn.Linear(width, size), nn.Tanh()]
+            width = size
+        layers.append(nn.Linear(width, 1))
+        self.net = nn.Sequential(*layers).double()
+        with torch.no_grad():  # start from the bias alone: a small last layer
+            self.net[-1].weight.mul_(0.01)
+            self.net[-1].bias.zero_()
+
+    def features(self, coord: torch.Tensor, atype: torch.Tensor,
+                 box: torch.Tensor | None) -> torch.Tensor:
+        """Radial features ``G`` [B, N, T * nbasis] (not normalised)."""
+        nframes, natoms = atype.shape
+        diff = minimum_image(coord, box, self.rcut)
+        eye = torch.eye(natoms, dtype=torch.bool, device=coord.device)
+        dist2 = (diff * diff).sum(-1) + eye  # self pairs get 1, masked below
+        r = torch.sqrt(dist2)
+        real = atype >= 0
+        pair = (~eye) & real.unsqueeze(1) & real.unsqueeze(2) & (r < self.rcut)
+        fc = torch.where(pair, 0.5 * (torch.cos(math.pi * r / self.rcut) + 1.0),
+                         torch.zeros_like(r))
+        gauss = torch.exp(-(((r.unsqueeze(-1) - self.centers) / self.width) ** 2))
+        radial = gauss * fc.unsqueeze(-1)  # [B, N, N, K]
+        onehot = nn.functional.one_hot(atype.clamp(min=0), self.ntypes).to(coord.dtype)
+        onehot = onehot * real.unsqueeze(-1)
+        feats = torch.einsum("bijk,bjt->bitk", radial, onehot)
+        return feats.reshape(nframes, natoms, self.ntypes * self.nbasis)
+
+    def forward(self, coord: torch.Tensor, atype: torch.Tensor, box: torch.Tensor | None,
+                *, create_graph: bool = True) -> dict[str, torch.Tensor]:
+        """Energy [B, 1] and force [B, N, 3] of frames with coordinates [B, N, 3]."""
+        coord = coord.detach().to(torch.float64).requires_grad_(True)
+        box = None if box is None else box.to(torch.float64)
+        atype = atype.long()
+        real = atype >= 0
+        feats = (self.features(coord, atype, box) - self.feat_mean) / self.feat_std
+        onehot = nn.functional.one_hot(atype.clamp(min=0), self.ntypes).to(torch.float64)
+        atom = self.net(torch.cat([feats, onehot], dim=-1)).squeeze(-1)
+        atom = (atom + self.energy_bias[atype.clamp(min=0)]) * real
+        energy = atom.sum(-1, keepdim=True)
+        (grad,) = torch.autograd.grad(energy.sum(), coord, create_graph=create_graph)
+        return {"energy": energy, "force": -grad, "atom_energy": atom}
+
+    @torch.no_grad()
+    def set_statistics(self, bias: np.ndarray, feats: torch.Tensor) -> None:
+        """Store the energy bias and the mean/std of features [M, F] for normalisation."""
+        self.energy_bias.copy_(torch.as_tensor(bias, dtype=torch.float64))
+        self.feat_mean.copy_(feats.mean(0))
+        self.feat_std.copy_(feats.std(0).clamp(min=1e-3))
+
+
+def fit_energy_bias(type_counts: np.ndarray, energies: np.ndarray,
+                    rcond: float | None = None) -> np.ndarray:
+    """Per-type energies ``b`` minimising ``|counts @ b - E|`` (minimum norm when degenerate).
+
+    Water frames all have twice as many H as O, so the system is rank-deficient; the minimum
+    norm solution still reproduces every frame's mean energy, which is all the bias is for.
+    """
+    counts = np.asarray(type_counts, dtype=np.float64)
+    target = np.asarray(energies, dtype=np.float64).reshape(-1)
+    if counts.ndim != 2 or counts.shape[0] != target.shape[0] or counts.shape[0] == 0:
+        raise ValueError(f"need [F, T] type counts and F energies, got {counts.shape} and "
+                         f"{target.shape}")
+    bias, *_ = np.linalg.lstsq(counts, target, rcond=rcond)
+    return bias

@@ -1,0 +1,66 @@
+"""How batches cross process boundaries: CPU tensors travel as numpy arrays.
+
+Pickling a tensor through numpy is far cheaper than torch's per-tensor storage pickling and
+shared memory, and a DeePMD batch is many small tensors (``docs/benchmarks.md`` has the figures).
+Used by the packets of :mod:`mdloader.distributed` and by DataLoader workers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def tensor_as_numpy(value: Any) -> Any:
+    """A CPU tensor's numpy view (zero copy), or None when numpy cannot hold it."""
+    if (type(value) is not torch.Tensor or value.requires_grad or value.device.type != "cpu"
+            or value.layout is not torch.strided):
+        return None
+    try:
+        return value.numpy()
+    except (TypeError, RuntimeError):  # bfloat16, conjugate views ...
+        return None
+
+
+def identity(batch: Any) -> Any:
+    """The collate function of a DataLoader whose dataset already returns whole batches."""
+    return batch
+
+
+def _rebuild_batch(batch: dict, tensor_keys: tuple[Any, ...]) -> dict:
+    """Unpickling side of :class:`TransportBatch`: a plain ``dict``, arrays back to tensors."""
+    for k in tensor_keys:
+        batch[k] = torch.from_numpy(batch[k])
+    return batch
+
+
+class TransportBatch(dict):
+    """A batch ``dict`` that leaves a DataLoader worker with its tensors as numpy arrays.
+
+    Unpickling in the main process rebuilds a plain ``dict`` with ``torch.from_numpy`` (zero
+    copy), so the training loop sees the same keys, dtypes, shapes and values as without workers.
+    Only top-level CPU tensors are converted; anything else is pickled as usual.
+    """
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Any, tuple[dict, tuple[Any, ...]]]:
+        plain, keys = dict(self), []
+        for k, v in plain.items():
+            array = tensor_as_numpy(v)
+            if array is not None:
+                plain[k] = array
+                keys.append(k)
+        return _rebuild_batch, (plain, tuple(keys))
+
+
+class NumpyTransport:
+    """Worker side: wrap ``collate_fn``; a plain dict result becomes a :class:`TransportBatch`."""
+
+    def __init__(self, collate_fn: Any = identity) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, batch: Any) -> Any:
+        out = self.collate_fn(batch)
+        return TransportBatch(out) if type(out) is dict else out
