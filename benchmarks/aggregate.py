@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 Key = tuple[str, int, int]  # (impl, nsys, world)
 
@@ -128,7 +129,8 @@ def medians(rows: list[dict[str, Any]]) -> dict[Key, dict[str, float]]:
 
 
 def fs_counts(rows: Iterable[dict[str, Any]]) -> dict[Key, dict[str, float]]:
-    """File-system calls (and opens) under the data tree in the build: rank 0, busiest other rank."""
+    """File-system calls (and opens) under the data tree in the build: rank 0, the busiest other
+    rank."""
     per: dict[Key, dict[int, tuple[int, int]]] = defaultdict(dict)
     for r in rows:
         if r.get("kind") == "fs" and r.get("fs_calls") is not None:

@@ -71,7 +71,8 @@ def _under(args: str, root: str, bare_root: str) -> bool:
     """Whether the call's arguments name a path inside the tree (cwd annotations excluded)."""
     head = args.split(") = ")[0].split("<unfinished")[0]
     head = _CWD.sub("AT_FDCWD", head)
-    return root in head or f'"{bare_root.rstrip("/")}"' in head or f"<{bare_root.rstrip('/')}>" in head
+    bare = bare_root.rstrip("/")
+    return root in head or f'"{bare}"' in head or f"<{bare}>" in head
 
 
 def _owner_map(parent: dict[int, int], roots: set[int]) -> Any:

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 MARKER_DIR = "/.mdloader-bench-marker"
 _COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor",

@@ -154,7 +154,7 @@ class RemoteError(DistributedError):
         self.summary = head
         """The message without rank 0's traceback (what the command line prints by default)."""
         if traceback_text:
-            head += "\n--- traceback on rank %d ---\n%s" % (origin_rank, traceback_text.rstrip())
+            head += f"\n--- traceback on rank {origin_rank} ---\n{traceback_text.rstrip()}"
         super().__init__(head)
 
     FIELDS = ("origin_rank", "exc_type", "exc_message", "context", "system", "file",

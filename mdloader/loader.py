@@ -1,13 +1,14 @@
 """``DpLoaderSet``, ``get_weighted_sampler``, ``get_sampler_from_params``: DeePMD-kit's names.
 
-What changes under the same names (DEEPMD-FORMAT.md §2.3-2.6, §4.4, §4.8):
+What changes under the same names (``docs/migrating.md`` lists every difference):
 
 - Systems come from :func:`mdloader.build.build_systems` (rank 0 discovers and reads headers,
   every rank receives small metadata); the set-up keeps a few integers per system and no
-  per-system ``DataLoader``/iterator, so 100 000 systems cost megabytes, not gigabytes.
-- The sampler (:class:`~mdloader.samplers.WeightedSystemSampler`) yields batch *keys*; the outer
-  ``DataLoader(loader_set, sampler=..., batch_size=None, num_workers=K, collate_fn=lambda b: b)``
-  calls ``loader_set[key]``, which only reads. Workers therefore never repeat a batch.
+  per-system ``DataLoader`` or iterator.
+- The sampler (:class:`~mdloader.sampling.samplers.WeightedSystemSampler`) yields batch
+  *keys*; the outer ``DataLoader(loader_set, sampler=..., batch_size=None, num_workers=K,
+  collate_fn=lambda b: b)`` calls ``loader_set[key]``, which only reads. Workers therefore never
+  repeat a batch.
 - Frames are reshuffled on every pass, seeded from the user's seed; the system stream of each
   rank comes from ``(seed, rank)``. Probability and batch-size inputs are checked up front.
 - No global side effects: no global reseeding, no sharing-strategy change, no start-method change.
@@ -28,19 +29,19 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset, get_worker_info
 
-from mdloader.distributed.collectives import broadcast_from_main
-from mdloader.distributed.group import current_world
-from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
 from mdloader.build import build_systems
 from mdloader.data.dataset import DeepmdDataSetForLoader
-from mdloader.errors import ConfigError, StateDictError
-from mdloader.sampling.probability import select_prob_source, system_probabilities
 from mdloader.data.schema import as_requirement
+from mdloader.data.system import SystemMeta
+from mdloader.distributed.collectives import broadcast_from_main
+from mdloader.distributed.group import current_world
+from mdloader.errors import ConfigError, StateDictError
+from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
 from mdloader.sampling.order import FrameOrder, normalize_seed
+from mdloader.sampling.probability import select_prob_source, system_probabilities
 from mdloader.sampling.samplers import BatchKey, WeightedSystemSampler
 from mdloader.sampling.state import check_keys, check_same
 from mdloader.transport import TransportBatch
-from mdloader.data.system import SystemMeta
 from mdloader.world import World
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class SystemBatches:
     batch of the rank's shard of pass 0. No torch ``DataLoader``, no state: creating one is free.
     """
 
-    def __init__(self, owner: "DpLoaderSet", sid: int) -> None:
+    def __init__(self, owner: DpLoaderSet, sid: int) -> None:
         self._owner, self.sid = owner, sid
         self.dataset = owner.systems[sid]
         self.batch_size = int(owner.batch_sizes[sid])
@@ -102,7 +103,7 @@ class SystemBatches:
 class LazySystemBatches(Sequence):
     """``dataloaders``: one :class:`SystemBatches` per system, created when indexed."""
 
-    def __init__(self, owner: "DpLoaderSet") -> None:
+    def __init__(self, owner: DpLoaderSet) -> None:
         self._owner = owner
 
     def __len__(self) -> int:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from mdloader.errors import ConfigError
 
@@ -83,7 +83,7 @@ def resolve(name: str, value: float | str | None = None, *, argument: str | None
     return parsed
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached(name: str, raw: str | None) -> float:
     return resolve(name)
 

@@ -7,7 +7,7 @@ the loader must report, so tests state the defect by name instead of hand-editin
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -39,9 +39,9 @@ def make_system(
 ) -> str:
     """Write one system and return its address.
 
-    ``types`` (which then fixes ``natoms``) defaults to a mix of ``len(type_map)`` types; ``extra_keys`` maps a key to an
-    array of shape ``(nframes, width)`` written as is; ``nsets`` splits the frames as evenly as
-    possible. ``broken`` is one of :data:`BROKEN`.
+    ``types`` (which then fixes ``natoms``) defaults to a mix of ``len(type_map)`` types;
+    ``extra_keys`` maps a key to an array of shape ``(nframes, width)`` written as is;
+    ``nsets`` splits the frames as evenly as possible. ``broken`` is one of :data:`BROKEN`.
     """
     rng = np.random.default_rng(seed)
     ntypes = len(type_map) if type_map else 2
@@ -154,7 +154,8 @@ def _write_h5(path: str, group: str, files: dict[str, object], broken: str | Non
 
 def make_dataset(
     root: str | os.PathLike[str], nsys: int, *, natoms_range: tuple[int, int] = (3, 24),
-    nframes: int = 20, seed: int = 0, backend: str = "npy", keys: Sequence[str] = ("energy", "force"),
+    nframes: int = 20, seed: int = 0, backend: str = "npy",
+    keys: Sequence[str] = ("energy", "force"),
 ) -> list[str]:
     """``nsys`` O/H systems with natoms drawn from ``natoms_range`` (inclusive); their addresses."""
     rng = np.random.default_rng(seed)

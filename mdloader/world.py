@@ -38,8 +38,8 @@ class World:
         return self.world_size > 1
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> "World":
-        """Read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (torchrun, Slurm+torchrun)."""
+    def from_env(cls, environ: dict[str, str] | None = None) -> World:
+        """Read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (set by torchrun)."""
         env = os.environ if environ is None else environ
         try:
             return cls(

@@ -20,9 +20,10 @@ import pickle
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "numpy", "mdloader"])
@@ -68,7 +69,7 @@ def run_ranks(
     init_group: bool = True,
     group_timeout: float | None = None,
 ) -> list[RankResult | RankError]:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return one outcome per rank.
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; one outcome per rank.
 
     Parameters
     ----------

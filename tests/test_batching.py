@@ -5,8 +5,8 @@ import logging
 
 import pytest
 
-from mdloader.sampling.batching import batches_per_rank, parse_rule, resolve_batch_sizes
 from mdloader.errors import ConfigError
+from mdloader.sampling.batching import batches_per_rank, parse_rule, resolve_batch_sizes
 
 # DeePMD-kit's test_dploaderset.py on the 192-atom water system.
 DEEPMD_192 = [

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-
 from distributed_utils import run_ranks, values
+
 from mdloader.distributed import broadcasting as bc
-from mdloader.distributed.packets import Kind, Packet, data_packet, error_packet
-from mdloader.world import World
+from mdloader.distributed.packets import Kind, Packet, data_packet
 from mdloader.errors import ConfigError, DistributedError, RemoteError
 from mdloader.testing import make_system
+from mdloader.world import World
 
 # ----------------------------------------------------------------------------- fakes
 
@@ -147,18 +148,21 @@ def test_unpicklable_batch_becomes_an_error_packet(fake_dist: type[FakeChannel])
     loader = bc.BroadcastingDataLoader(Source([1, threading.Lock()]), FakeMesh(("tp",), (2,), 0))
     it = iter(loader)
     assert next(it) == 1
-    with pytest.raises(RemoteError, match=r"\(batch serialization failed\): TypeError: cannot pickle"):
+    with pytest.raises(RemoteError,
+                       match=r"\(batch serialization failed\): TypeError: cannot pickle"):
         next(it)
     assert [p.kind for p in fake_dist.sent] == [Kind.DATA, Kind.ERROR]
 
 
-def test_receiver_checks_the_step(fake_dist: type[FakeChannel], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_receiver_checks_the_step(fake_dist: type[FakeChannel],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bc, "Channel", lambda group, **k: FakeChannel(group, source=False, **k))
     fake_dist.inbox = [data_packet("x", rank=0, count=0), data_packet("y", rank=0, count=5)]
     loader = bc.BroadcastingDataLoader(None, FakeMesh(("tp",), (2,), 1), length=7)
     it = iter(loader)
     assert next(it) == "x" and len(loader) == 7 and loader.state_dict() == {}
-    with pytest.raises(DistributedError, match="expected step 1 from source rank 0, received step 5"):
+    with pytest.raises(DistributedError,
+                       match="expected step 1 from source rank 0, received step 5"):
         next(it)
     with pytest.raises(TypeError, match="pass length= on the other ranks"):
         len(bc.BroadcastingDataLoader(None, FakeMesh(("tp",), (2,), 1)))
@@ -226,7 +230,8 @@ def _fingerprint(batch: dict[str, Any]) -> str:
     for key in sorted(batch):
         value = batch[key]
         h.update(key.encode())
-        h.update(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
+        h.update(value.numpy().tobytes() if isinstance(value, torch.Tensor)
+                 else repr(value).encode())
     return h.hexdigest()[:16]
 
 

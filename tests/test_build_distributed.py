@@ -10,17 +10,24 @@ import pickle
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
-
 from distributed_utils import RankError, errors, run_ranks, values
+
 from mdloader import build
-from mdloader.errors import (CollectiveTimeoutError, ConfigError, DistributedError,
-                             MissingDataError, RemoteError)
+from mdloader.data import describe
 from mdloader.data.discovery import discover_systems
 from mdloader.data.system import build_system_meta
+from mdloader.errors import (
+    CollectiveTimeoutError,
+    ConfigError,
+    DistributedError,
+    MissingDataError,
+    RemoteError,
+)
 from mdloader.testing import make_system
 
 # ----------------------------------------------------------------------------- helpers
@@ -93,7 +100,8 @@ def test_single_process_builds_without_broadcast(tmp_path: Path,
     with caplog.at_level(logging.INFO, logger="mdloader.build"):
         datasets, report = build.build_systems_with_report(systems, ["O", "H"],
                                                            num_workers=2)
-    assert [d.meta for d in datasets] == [build_system_meta(a, ["O", "H"]) for a in sorted(addresses)]
+    assert [d.meta for d in datasets] == [build_system_meta(a, ["O", "H"])
+                                          for a in sorted(addresses)]
     assert (report.nsys, report.nframes, report.payload_bytes, report.world_size) == (
         5, 4 + 5 + 6 + 3 + 3, 0, 1)
     assert "built 5 systems (21 frames), up to 2 threads: discovery" in caplog.text
@@ -108,11 +116,11 @@ def test_single_process_raises_the_original_error(tmp_path: Path) -> None:
         build.build_systems(str(tmp_path))
 
 
-def test_single_process_names_the_system_of_a_foreign_error(tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_single_process_names_the_system_of_a_foreign_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     make_system(tmp_path, "a")
     bad = make_system(tmp_path, "b")
-    monkeypatch.setattr(build, "build_system_meta", _raising_build(bad))
+    monkeypatch.setattr(describe, "build_system_meta", _raising_build(bad))
     with pytest.raises(RuntimeError, match="disk on fire") as info:
         build.build_systems(str(tmp_path))
     assert info.value.__notes__ == [f"while building the system {bad}"]
@@ -159,10 +167,10 @@ def _recording_build(seen: list[tuple[str, str]], bad: set[str],
 def test_threads_only_when_the_first_systems_wait_on_the_disk(monkeypatch: pytest.MonkeyPatch,
                                                               delay: float, pooled: bool) -> None:
     seen: list[tuple[str, str]] = []
-    monkeypatch.setattr(build, "build_system_meta", _recording_build(seen, set(), delay))
-    monkeypatch.setattr(build, "PROBE", 8)
+    monkeypatch.setattr(describe, "build_system_meta", _recording_build(seen, set(), delay))
+    monkeypatch.setattr(describe, "PROBE", 8)
     addresses = [f"s{i:03d}" for i in range(40)]
-    assert list(build._build_all(addresses, None, 4)) == addresses
+    assert list(describe.describe_systems(addresses, None, 4)) == addresses
     threads = {name for _, name in seen[8:]}
     assert all(name.startswith("mdloader-build") for name in threads) == pooled
     assert {name for _, name in seen[:8]} == {threading.current_thread().name}
@@ -172,13 +180,13 @@ def test_pool_stops_at_the_first_failing_system_in_order(monkeypatch: pytest.Mon
     seen: list[tuple[str, str]] = []
     addresses = [f"s{i:03d}" for i in range(200)]
     fake = _recording_build(seen, {"s017", "s030"}, delay=0.001)
-    monkeypatch.setattr(build, "build_system_meta", fake)
-    monkeypatch.setattr(build, "PROBE", 2)
-    monkeypatch.setattr(build, "IO_BOUND", 0.0)  # always the pool
-    monkeypatch.setattr(build, "CHUNK", 3)
+    monkeypatch.setattr(describe, "build_system_meta", fake)
+    monkeypatch.setattr(describe, "PROBE", 2)
+    monkeypatch.setattr(describe, "IO_BOUND", 0.0)  # always the pool
+    monkeypatch.setattr(describe, "CHUNK", 3)
     got: list[str] = []
-    with pytest.raises(build._SystemFailed) as info:
-        got.extend(build._build_all(addresses, None, 4))
+    with pytest.raises(describe.SystemFailed) as info:
+        got.extend(describe.describe_systems(addresses, None, 4))
     assert info.value.address == "s017" and got == addresses[:17]
     assert str(info.value.__cause__) == "cannot read s017"
     assert len(seen) < 60 and "s199" not in {a for a, _ in seen}
@@ -214,15 +222,11 @@ def _build_rank(rank: int, world: int, root: str, systems: Any, patch: tuple | N
                 timeout: float | None = None) -> dict[str, Any]:
     if patch is not None and rank == patch[0]:
         factory, arg = patch[1], patch[2]
-        if factory == "from_meta":
-            def broken(meta: Any) -> Any:
-                raise ValueError(f"cannot wrap {meta.address}")
-            build.DeepmdDataSetForLoader.from_meta = broken  # type: ignore[method-assign]
-        elif factory == "slow":
-            real = build.build_system_meta
-            build.build_system_meta = lambda a, t=None: (time.sleep(arg), real(a, t))[1]
+        if factory == "slow":
+            real = describe.build_system_meta
+            describe.build_system_meta = lambda a, t=None: (time.sleep(arg), real(a, t))[1]
         else:
-            build.build_system_meta = factory(arg)
+            describe.build_system_meta = factory(arg)
     counts, stop = count_data_touches(root)
     try:
         datasets, report = build.build_systems_with_report(systems, ["O", "H"], num_workers=2,
@@ -322,28 +326,15 @@ def test_none_entry_is_named_on_every_rank(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
-def test_failure_on_one_receiver_fails_every_rank(tmp_path: Path) -> None:
-    make_system(tmp_path, "a")
-    errs = errors(run_ranks(_build_rank, 3, str(tmp_path), str(tmp_path), (2, "from_meta", None)))
-    with pytest.raises(DistributedError, match=rf"rank 2: entry 0 \({tmp_path}/a\) failed: "
-                                               r"ValueError: cannot wrap"):
-        raise errs[2].exception
-    for rank in (0, 1):
-        with pytest.raises(DistributedError, match=r"verification of the broadcast failed on "
-                                                   r"ranks \[2\]"):
-            raise errs[rank].exception
-
-
-@pytest.mark.distributed
-@pytest.mark.timeout(60)
 def test_slow_rank0_times_out_with_a_clear_message(tmp_path: Path) -> None:
     make_system(tmp_path, "a")
     outcomes = run_ranks(_build_rank, 2, str(tmp_path), str(tmp_path), (0, "slow", 4.0), 1.5)
     err = outcomes[1]
     assert isinstance(err, RankError)
-    with pytest.raises(CollectiveTimeoutError, match=r"rank 1 waited 1\.\d s for the packet header "
-                                                     r"from rank 0 \(timeout 1.5 s\): rank 0 may "
-                                                     r"still be discovering and building the systems"):
+    with pytest.raises(CollectiveTimeoutError,
+                       match=r"rank 1 waited 1\.\d s for the packet header from rank 0 "
+                             r"\(timeout 1.5 s\): rank 0 may still be discovering and building "
+                             r"the systems"):
         raise err.exception
 
 
@@ -354,7 +345,7 @@ def test_large_cpu_bound_builds_use_processes_in_order(tmp_path: Path,
     and the first broken system (in order) is the one named."""
     for i in range(60):
         make_system(tmp_path, f"sys.{i:02d}", natoms=3 + i % 4, nframes=2, seed=i)
-    monkeypatch.setattr(build, "PROCESS_MIN", 10)
+    monkeypatch.setattr(describe, "PROCESS_MIN", 10)
     serial = [build_system_meta(a) for a in discover_systems(str(tmp_path))]
     datasets = build.build_systems(str(tmp_path), num_workers=2)
     assert [d.meta for d in datasets] == serial

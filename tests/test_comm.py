@@ -8,13 +8,18 @@ import time
 
 import pytest
 import torch
-
 from distributed_utils import RankError, errors, run_ranks, values
+
 from mdloader.distributed import channel, collectives, group
 from mdloader.distributed import packets as pk
+from mdloader.errors import (
+    CollectiveTimeoutError,
+    ConfigError,
+    DistributedError,
+    MissingDataError,
+    RemoteError,
+)
 from mdloader.settings import SETTINGS, resolve
-from mdloader.errors import (CollectiveTimeoutError, ConfigError, DistributedError,
-                             MissingDataError, RemoteError)
 from mdloader.world import World
 
 # ----------------------------------------------------------------------------- one process
@@ -55,7 +60,8 @@ def test_error_packet_carries_data_error_system_and_file() -> None:
 def test_error_packet_takes_file_from_os_error() -> None:
     packet = pk.error_packet(PermissionError(13, "Permission denied", "/d/sys/type.raw"), rank=0,
                                context="build", system="/d/sys")
-    with pytest.raises(RemoteError, match=r"PermissionError.*\[system: /d/sys; file: /d/sys/type.raw\]"):
+    with pytest.raises(RemoteError,
+                       match=r"PermissionError.*\[system: /d/sys; file: /d/sys/type.raw\]"):
         pk.open_packet(packet, rank=0)
 
 
@@ -166,10 +172,10 @@ def test_receiver_timeout_says_rank0_may_still_be_building() -> None:
     outcomes = run_ranks(_slow_source, 2)
     err = outcomes[1]
     assert isinstance(err, RankError) and err.exc_type == "CollectiveTimeoutError"
-    with pytest.raises(CollectiveTimeoutError, match=r"rank 1 waited 1\.\d s for the packet header "
-                                                     r"from rank 0 \(timeout 1 s\): rank 0 may still "
-                                                     r"be building the systems; raise the timeout "
-                                                     r"argument or \$MDLOADER_BUILD_TIMEOUT"):
+    with pytest.raises(CollectiveTimeoutError,
+                       match=r"rank 1 waited 1\.\d s for the packet header from rank 0 "
+                             r"\(timeout 1 s\): rank 0 may still be building the systems; raise "
+                             r"the timeout argument or \$MDLOADER_BUILD_TIMEOUT"):
         raise err.exception
 
 

@@ -148,11 +148,14 @@ BAD_CASES = [
      r"training\.training_data\.batch_size: bad value \[2, 0\]"),
     ("training.training_data.batch_size", 0, r"training_data\.batch_size: bad value 0"),
     ("training.training_data.auto_prob", "prob_sys_sze",
-     r"training\.training_data\.auto_prob: bad value \"prob_sys_sze\": expected 'prob_uniform'"),
+     r"training\.training_data\.auto_prob: unknown probability style 'prob_sys_sze': expected "
+     r"'prob_uniform'"),
     ("training.training_data.auto_prob", "prob_sys_size;2:1:1",
-     r"training\.training_data\.auto_prob: bad value"),
+     r"training\.training_data\.auto_prob: block 2:1:1 in 'prob_sys_size;2:1:1' selects no "
+     r"system"),
     ("training.training_data.auto_prob", "prob_sys_size;0:1:-1",
-     r"training\.training_data\.auto_prob: bad value"),
+     r"training\.training_data\.auto_prob: block '0:1:-1' in 'prob_sys_size;0:1:-1': the "
+     r"weight must be a finite number >= 0"),
     ("training.training_data.sys_probs", ["x"],
      r"training\.training_data\.sys_probs: wrong type: expected list\[float\] \| null, "),
     ("training.training_data.sys_probs", [],

@@ -7,8 +7,8 @@ import h5py
 import numpy as np
 import pytest
 
-from mdloader.cli.main import main
 from mdloader.cli.convert import check_format, convert, readable_formats
+from mdloader.cli.main import main
 from mdloader.errors import ConfigError, DataError, MissingDataError
 
 FRAME = """3

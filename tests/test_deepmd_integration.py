@@ -19,9 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from mdloader.integrations.deepmd import (DeepmdDpLoaderSet, DeferredSystems, _TrainerDist, cpu_fallback_backend,
-                             defer_discovery)
 from mdloader.errors import ConfigError
+from mdloader.integrations.deepmd import (
+    DeepmdDpLoaderSet,
+    DeferredSystems,
+    _TrainerDist,
+    cpu_fallback_backend,
+    defer_discovery,
+)
 from mdloader.testing import make_dataset
 
 REPO = Path(__file__).resolve().parents[1]

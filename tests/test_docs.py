@@ -7,7 +7,8 @@ Conventions (also explained on the docs' home page):
   ``bash`` and ``console`` commands then run, in order, from the same folder (``console``:
   lines starting with ``$ `` are commands, the lines after them the expected output, in which
   ``...`` stands for any text and any run of whitespace matches any other). ``json`` blocks must
-  parse, and a ``json`` block with a ``training`` section must pass mdloader's ``input.json`` checker.
+  parse, and a ``json`` block with a ``training`` section must pass mdloader's ``input.json``
+  checker.
   ``text`` blocks (diagrams, outputs) are shown only.
 * An HTML comment right before a block changes how it is tested, visibly in the source:
   ``<!-- docs-test: skip (reason) -->`` (the reason is required),

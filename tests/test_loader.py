@@ -10,11 +10,11 @@ from torch.utils.data import DataLoader
 
 from mdloader.data.collate import collate_batch
 from mdloader.data.dataset import DeepmdDataSetForLoader
+from mdloader.data.schema import DataRequirementItem
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.loader import DpLoaderSet, get_sampler_from_params, get_weighted_sampler
 from mdloader.sampling.samplers import BatchKey
 from mdloader.sampling.stateful_loader import StatefulLoader
-from mdloader.data.schema import DataRequirementItem
 from mdloader.testing import make_system
 from mdloader.world import World
 
@@ -300,6 +300,7 @@ def test_deepmd_outer_dataloader_same_batches_with_workers(systems, tmp_path):
 
 def test_transport_batch_pickles_tensors_as_numpy(systems, monkeypatch):
     from multiprocessing.reduction import ForkingPickler
+
     from mdloader.transport import TransportBatch
 
     ls = DpLoaderSet(systems[0], 2, TYPE_MAP, seed=1)

@@ -1,11 +1,12 @@
-"""The whole path on 2 real gloo ranks: build on rank 0, per-rank streams, disjoint frames, resume."""
+"""The whole path on 2 real gloo ranks: build on rank 0, per-rank streams, disjoint frames,
+resume."""
 from __future__ import annotations
 
 from collections import defaultdict
 
 import pytest
-
 from distributed_utils import run_ranks, values
+
 from mdloader.testing import make_system
 
 TYPE_MAP = ["O", "H"]

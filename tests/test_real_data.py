@@ -15,9 +15,9 @@ import pytest
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.data.discovery import discover_systems
-from mdloader.errors import ShapeError
 from mdloader.data.schema import DataRequirementItem as Req
 from mdloader.data.system import build_system_meta
+from mdloader.errors import ShapeError
 
 LABELS = [Req("energy", 1, high_prec=True), Req("force", 3, atomic=True),
           Req("virial", 9)]

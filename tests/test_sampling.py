@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mdloader.sampling.batching import batches_per_rank
 from mdloader.errors import ConfigError
+from mdloader.sampling.batching import batches_per_rank
 from mdloader.sampling.order import (
     STREAM_CHUNK,
     batch_of_shard,

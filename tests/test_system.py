@@ -9,11 +9,10 @@ import pickle
 import numpy as np
 import pytest
 
-from mdloader.errors import (CorruptFileError, DataError, MissingDataError, ShapeError,
-                             TypeMapError)
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.data.schema import DataRequirementItem as Req
 from mdloader.data.system import build_system_meta
+from mdloader.errors import CorruptFileError, DataError, MissingDataError, ShapeError, TypeMapError
 from mdloader.testing import make_system
 
 BACKENDS = ["npy", "hdf5"]

@@ -12,11 +12,11 @@ from distributed_utils import errors, run_ranks
 
 from mdloader.config.input_json import LearningRateConfig, LossConfig, parse_config
 from mdloader.errors import ConfigError, DataError, StateDictError
+from mdloader.testing import make_system
+from mdloader.train.io import Lcurve, load_checkpoint
+from mdloader.train.job import ModelOptions, train
 from mdloader.train.model import RadialPotential, fit_energy_bias, minimum_image
 from mdloader.train.objective import EnergyForceLoss, ExpDecayLR
-from mdloader.testing import make_system
-from mdloader.train.job import ModelOptions, train
-from mdloader.train.io import Lcurve, load_checkpoint
 
 SMALL = ModelOptions(rcut=2.5, nbasis=4, hidden=(8,))
 

@@ -32,8 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from mdloader import DataRequirementItem, DpLoaderSet, get_sampler_from_params
-from mdloader import gather_to_main
+from mdloader import DataRequirementItem, DpLoaderSet, gather_to_main, get_sampler_from_params
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = [str(HERE / "data" / f"data_{i}") for i in range(3)]

@@ -16,13 +16,13 @@ import sys
 import time
 from typing import Any
 
+from mdloader.config.input_json import Config
+from mdloader.config.loaders import configured_loader
+from mdloader.data.schema import DataRequirementItem
 from mdloader.distributed.collectives import gather_to_main
 from mdloader.distributed.group import process_group
-from mdloader.build import build_systems_with_report
-from mdloader.config.input_json import Config
-from mdloader.loader import DpLoaderSet, default_num_workers, get_sampler_from_params
+from mdloader.loader import default_num_workers
 from mdloader.sampling.stateful_loader import StatefulLoader
-from mdloader.data.schema import DataRequirementItem
 from mdloader.world import World
 
 #: Labels read as the training job reads them, but optional: bench also runs on unlabeled data.
@@ -55,18 +55,13 @@ def run_bench(config: Config, *, batches: int = 200, num_workers: int | None = N
 def bench_rank(config: Config, world: World, *, batches: int, num_workers: int | None
                ) -> dict[str, Any]:
     """One rank's measurements (see the module docstring)."""
-    data = config.training_data
-    type_map = list(config.type_map) if config.type_map else None
     workers = default_num_workers() if num_workers is None else num_workers
     t0 = time.perf_counter()
-    datasets, report = build_systems_with_report(list(data.systems), type_map,
-                                                 rglob_patterns=data.rglob_patterns)
-    ls = DpLoaderSet(datasets, data.batch_size_value(), type_map, seed=config.seed, world=world)
-    ls.add_data_requirement(BENCH_LABELS)
-    sampler = get_sampler_from_params(ls, data.sampler_params(), num_workers=workers)
-    loader = StatefulLoader(ls, sampler, num_workers=workers)
+    built = configured_loader(config.training_data, type_map=config.type_map, seed=config.seed,
+                              world=world, labels=BENCH_LABELS, num_workers=workers)
+    report = built.report
     setup = time.perf_counter() - t0
-    first, elapsed, frames, atoms = _pull(loader, batches)
+    first, elapsed, frames, atoms = _pull(built.loader, batches)
     return {
         "rank": world.rank, "world_size": world.world_size, "nsys": report.nsys,
         "num_workers": workers, "batches": batches, "setup_s": setup,

@@ -1,8 +1,8 @@
 """``mdloader check``: validate every system of an input.json before a job is queued.
 
 DeePMD-kit notices a missing ``box.npy`` or a short label file at the first batch that touches
-it, possibly hours into training (DEEPMD-FORMAT.md §4.9). ``check`` builds every system from its
-headers (the same :func:`~mdloader.system.build_system_meta` the loader uses), collects *every*
+it, possibly hours into training. ``check`` builds every system from its headers (the same
+:func:`~mdloader.data.system.build_system_meta` the loader uses), collects *every*
 failure instead of stopping at the first, applies the batch-size rule and the probabilities
 exactly as training would, and with ``--deep`` reads every array to find NaN/inf frames and data
 that is shorter than its header says.
@@ -17,13 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
 from mdloader.config.input_json import Config, DataConfig
 from mdloader.data.discovery import discover_systems
-from mdloader.errors import MdloaderError
 from mdloader.data.formats import backend_of, parse_address
-from mdloader.sampling.probability import select_prob_source, system_probabilities
 from mdloader.data.system import SystemMeta, build_system_meta
+from mdloader.errors import MdloaderError
+from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
+from mdloader.sampling.probability import select_prob_source, system_probabilities
 
 #: Frames read at once by ``--deep`` (bounds memory on large sets).
 DEEP_CHUNK = 1024

@@ -93,12 +93,12 @@ def _load_or_fail(src: str, fmt: str, kind: str, type_map: list[str] | None) -> 
         return _load(src, fmt, kind, type_map)
     except MemoryError:
         raise
-    except Exception as exc:  # dpdata raises anything from its ~80 parsers
+    except Exception as exc:  # noqa: BLE001 - dpdata raises anything from its ~80 parsers
         first = exc
     if kind == "labeled" and _overrides(Format.get_formats()[fmt], "from_system"):
         try:
             return _load(src, fmt, "system", type_map)
-        except Exception:  # report the labeled attempt's error: it is the informative one
+        except Exception:  # noqa: BLE001 - the labeled attempt's error is the informative one
             pass
     raise DataError(f"dpdata could not read the input as '{fmt}': "
                     f"{type(first).__name__}: {first}", file=src) from first

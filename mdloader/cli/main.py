@@ -21,7 +21,7 @@ import argparse
 import logging
 import sys
 import traceback
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from mdloader import __version__
 from mdloader.errors import ConfigError, MdloaderError

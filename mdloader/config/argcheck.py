@@ -14,12 +14,10 @@ docs cannot drift from the checker.
 from __future__ import annotations
 
 import math
-import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from dargs import Argument
-
-_BLOCK_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*:\s*([0-9.eE+-]+)\s*$")
 
 
 def _is_int(value: Any) -> bool:
@@ -36,29 +34,10 @@ def _positive_number(value: Any) -> bool:
 
 
 def _check_batch_size(value: Any) -> bool:
-    # String rules are parsed by mdloader.batching.parse_rule (DeePMD-kit's messages).
+    # String rules are checked by mdloader.sampling.batching.parse_rule (config.input_json).
     if isinstance(value, list):
         return len(value) > 0 and all(_positive_int(v) for v in value)
     return isinstance(value, str) or _positive_int(value)
-
-
-def _check_auto_prob(value: str) -> bool:
-    if value in ("prob_uniform", "prob_sys_size"):
-        return True
-    head, _, rest = value.partition(";")
-    if head.strip() != "prob_sys_size" or not rest.strip():
-        return False
-    for block in rest.split(";"):
-        match = _BLOCK_RE.match(block)
-        if match is None or int(match.group(1)) >= int(match.group(2)):
-            return False
-        try:
-            weight = float(match.group(3))
-        except ValueError:
-            return False
-        if not (math.isfinite(weight) and weight >= 0):
-            return False
-    return True
 
 
 def _check_sys_probs(value: Any) -> bool:
@@ -85,8 +64,7 @@ def _nonnegative_number(value: Any) -> bool:
 
 _EXPECT_BATCH = ("a positive integer, a non-empty list of positive integers, or a rule "
                  "string 'auto', 'auto:N', 'max:N', 'filter:N' (N a positive integer)")
-_EXPECT_PROB = ("'prob_uniform', 'prob_sys_size', or 'prob_sys_size;a:b:w;...' with "
-                "blocks of systems [a, b) (a < b) and weights w >= 0")
+
 
 
 def _arg(name: str, dtype: Any, doc: str, *, optional: bool = True, default: Any = None,
@@ -117,8 +95,7 @@ def _data_args(validation: bool) -> list[Argument]:
         _arg("auto_prob", str, "How often each system is drawn: `prob_uniform`, "
              "`prob_sys_size` (proportional to its number of batches), or "
              "`prob_sys_size;a:b:w;...` (block [a, b) gets weight w).",
-             default="prob_sys_size", alias=["auto_prob_style"], check=_check_auto_prob,
-             expect=_EXPECT_PROB),
+             default="prob_sys_size", alias=["auto_prob_style"]),
         _arg("sys_probs", [list[float], None], "Probability of each system (same length "
              "as the system list); a negative entry shares the remaining mass by size. "
              "Takes priority over `auto_prob`.", alias=["sys_weights"],

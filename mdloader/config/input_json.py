@@ -13,15 +13,17 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from dargs import Argument
 from dargs.dargs import ArgumentError, ArgumentKeyError, ArgumentTypeError, ArgumentValueError
 
 from mdloader.config.argcheck import STRICT_SECTIONS, input_schema, schema_markdown
-from mdloader.sampling.batching import parse_rule
 from mdloader.errors import ConfigError
+from mdloader.sampling.batching import parse_rule
+from mdloader.sampling.probability import check_style
 
 __all__ = ["Config", "DataConfig", "LearningRateConfig", "LossConfig", "load_config",
            "parse_config", "schema_markdown"]
@@ -230,6 +232,7 @@ def _data_config(raw: Mapping[str, Any], base_dir: str, json_path: str) -> DataC
     batch = raw["batch_size"]
     if isinstance(batch, str):
         parse_rule(batch, key=f"{json_path}.batch_size")
+    check_style(raw["auto_prob"], key=f"{json_path}.auto_prob")
     patterns = raw.get("rglob_patterns")
     probs = raw.get("sys_probs")
     return DataConfig(

@@ -8,22 +8,24 @@ handles opened on first read in the reading process.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
-import torch
 from torch.utils.data import Dataset
 
-from mdloader.errors import MissingDataError, ShapeError, TypeMapError
+from mdloader.data.collate import batch_from_blocks
 from mdloader.data.formats import backend_of
 from mdloader.data.frames import AtomOrder, default_block, expected_widths, transform
-from mdloader.data.schema import DataRequirementItem, canonical_key, default_requirements, merge_requirements
-from mdloader.data.system import SetMeta, SystemMeta, build_system_meta
-
-
-def output_key(key: str) -> str:
-    """DeePMD-kit spells every ``atomic`` in output keys as ``atom``."""
-    return key.replace("atomic", "atom")
+from mdloader.data.schema import (
+    DataRequirementItem,
+    default_requirements,
+    merge_requirements,
+    output_key,
+    stem_in,
+)
+from mdloader.data.system import SystemMeta, build_system_meta
+from mdloader.errors import MissingDataError, ShapeError, TypeMapError
 
 
 class DeepmdDataSetForLoader(Dataset):
@@ -43,10 +45,6 @@ class DeepmdDataSetForLoader(Dataset):
         self._meta = meta
         self._extra: list[DataRequirementItem] = []
         self._reset()
-
-    @classmethod
-    def from_meta(cls, meta: SystemMeta) -> "DeepmdDataSetForLoader":
-        return cls(meta)
 
     def _reset(self) -> None:
         # Shared tuples and lazily computed arrays: a dataset costs little until it is read.
@@ -113,7 +111,7 @@ class DeepmdDataSetForLoader(Dataset):
         io = backend_of(self._meta.location)
         accepted = expected_widths(req, self._meta.atom_types)
         for s in self._meta.sets:
-            stem = _stem_in_set(s, req.key)
+            stem = stem_in(s.keys, req.key)
             if stem is None:
                 if req.must:
                     raise MissingDataError(f"a required key is missing: {req.key}",
@@ -155,11 +153,7 @@ class DeepmdDataSetForLoader(Dataset):
     def get_batch(self, fids: Sequence[int]) -> dict[str, Any]:
         """The collated batch of ``fids`` (the same as ``collate_batch(get_frames(fids))``)."""
         arrays, flags = self._read(fids)
-        batch: dict[str, Any] = {k: v[0] for k, v in flags.items()}
-        for key, block in arrays.items():
-            batch[key] = None if block is None else torch.from_numpy(block)
-        batch["fid"] = np.asarray(fids, dtype=np.int64).tolist()
-        return batch
+        return batch_from_blocks(arrays, flags, np.asarray(fids, dtype=np.int64).tolist())
 
     def _read(self, fids: Sequence[int]) -> tuple[dict[str, np.ndarray | None],
                                                  dict[str, list[np.float32]]]:
@@ -174,7 +168,7 @@ class DeepmdDataSetForLoader(Dataset):
         flags: dict[str, list[np.float32]] = {}
         groups = [(int(si), np.nonzero(set_idx == si)[0]) for si in np.unique(set_idx)]
         for req in self._requirements:
-            name = output_key(canonical_key(req.key))
+            name = output_key(req.key)
             out, found = self._read_key(req, groups, starts, fid_arr, order)
             arrays[name] = out
             flags["find_" + name] = [np.float32(found[j]) for j in range(k)]
@@ -196,7 +190,7 @@ class DeepmdDataSetForLoader(Dataset):
         found = np.zeros(len(fid_arr), dtype=bool)
         for si, pos in groups:
             s = meta.sets[si]
-            stem = _stem_in_set(s, req.key)
+            stem = stem_in(s.keys, req.key)
             if stem is None:
                 if req.must:
                     raise MissingDataError(f"a required key is missing: {req.key}",
@@ -250,13 +244,3 @@ class DeepmdDataSetForLoader(Dataset):
             raise IndexError(f"frame index out of range [0, {n}) in system {self.system}: "
                              f"{fid_arr.tolist()}")
         return np.where(fid_arr < 0, fid_arr + n, fid_arr)
-
-
-def _stem_in_set(s: SetMeta, key: str) -> str | None:
-    """The array stem holding ``key`` in a set: ``key`` itself or its ``atomic_`` spelling."""
-    key = canonical_key(key)
-    if key in s.keys:
-        return key
-    if key.startswith("atom_") and "atomic_" + key[5:] in s.keys:
-        return "atomic_" + key[5:]
-    return None

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mdloader.errors import ShapeError
 from mdloader.data.schema import DataRequirementItem, output_dtype
+from mdloader.errors import ShapeError
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class AtomOrder:
     idx_map: np.ndarray  # stable sort of atoms by type
 
     @classmethod
-    def of(cls, atom_types: np.ndarray) -> "AtomOrder":
+    def of(cls, atom_types: np.ndarray) -> AtomOrder:
         return cls(atom_types, np.argsort(atom_types, kind="stable"))
 
     def selection(self, type_sel: list[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -7,7 +7,8 @@ the npy and HDF5 backends cannot drift apart. Nothing here touches a file.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -126,9 +127,28 @@ class DataRequirementItem:
         return self.special_shape == "hessian" or self.key == "hessian"
 
 
+# -- key spelling: DeePMD-kit writes per-atom keys "atom_X" and accepts files "atomic_X.npy" ----
+
+
 def canonical_key(key: str) -> str:
-    """``atomic_X`` -> ``atom_X``: DeePMD-kit's one spelling of per-atom keys in its output."""
+    """``atomic_X`` -> ``atom_X``: the name a requirement is known by (DeePMD-kit's ``add``)."""
     return "atom_" + key[len("atomic_"):] if key.startswith("atomic_") else key
+
+
+def output_key(key: str) -> str:
+    """The key a frame dict uses: every ``atomic`` spelled ``atom``, as DeePMD-kit outputs it."""
+    return canonical_key(key).replace("atomic", "atom")
+
+
+def stem_in(keys: tuple[str, ...], key: str) -> str | None:
+    """The array stem holding ``key`` among ``keys`` (a set's files): ``atom_X``, else
+    ``atomic_X``; ``None`` when neither is there."""
+    key = canonical_key(key)
+    if key in keys:
+        return key
+    if key.startswith("atom_") and "atomic_" + key[5:] in keys:
+        return "atomic_" + key[5:]
+    return None
 
 
 def as_requirement(item: Any) -> DataRequirementItem:

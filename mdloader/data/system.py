@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from mdloader.errors import DataError, MissingDataError, ShapeError, TypeMapError
 from mdloader.data.formats import Location, backend_of, parse_address
 from mdloader.data.schema import KNOWN_WIDTHS
-
+from mdloader.errors import DataError, MissingDataError, ShapeError, TypeMapError
 
 _SHARED: dict[Any, Any] = {}
 _SHARED_LIMIT = 1 << 20

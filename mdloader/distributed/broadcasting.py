@@ -17,15 +17,16 @@ the others pass ``None``.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, NoReturn, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 
 from mdloader.distributed.channel import Channel
 from mdloader.distributed.group import current_world, group_rank, group_size, subgroup
 from mdloader.distributed.packets import Kind, Packet, Stop, data_packet, error_packet, open_packet
-from mdloader.settings import resolve
 from mdloader.errors import ConfigError, DistributedError
+from mdloader.settings import resolve
 
 DEFAULT_AXES = ("cp", "tp")
 
@@ -174,7 +175,7 @@ class BroadcastingDataLoader:
                                  context="batch serialization failed")
             channel.broadcast(packet)
             if packet.kind is Kind.ERROR:
-                open_packet(packet, rank=channel.global_rank)  # raises RemoteError here too, like on the others
+                open_packet(packet, rank=channel.global_rank)  # raises here as on the others
             yield batch
             step += 1
 
@@ -182,7 +183,7 @@ class BroadcastingDataLoader:
         step = 0
         while True:
             packet = channel.broadcast(None)
-            value = open_packet(packet, rank=channel.global_rank)  # raises the source's error as RemoteError
+            value = open_packet(packet, rank=channel.global_rank)  # raises the source's error
             if packet.count != step:
                 raise DistributedError(
                     f"rank {channel.global_rank} expected step {step} from source rank "

@@ -12,21 +12,28 @@ bytes move as a device tensor on ``cuda:<local_rank>`` (:func:`transport_device`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from mdloader.distributed.group import cpu_group, current_world, group_rank, group_size, transport_device
+from mdloader.distributed.group import (
+    cpu_group,
+    current_world,
+    group_rank,
+    group_size,
+    transport_device,
+)
 from mdloader.distributed.packets import MAGIC, PROTOCOL_VERSION, Kind, Packet, header_tensor
 from mdloader.errors import CollectiveTimeoutError, DistributedError
 from mdloader.settings import SETTINGS, resolve
 
 
 def world_channel(*, activity: str, timeout: float | None = None,
-                  setting: str = "collective_timeout") -> "Channel":
+                  setting: str = "collective_timeout") -> Channel:
     """Rank 0 to all ranks over CPU gloo, or over the default NCCL group if gloo is missing.
 
     ``timeout`` (seconds) overrides the setting it defaults to (``build_timeout`` while rank 0
@@ -75,9 +82,8 @@ class Channel:
     def broadcast(self, packet: Packet | None) -> Packet:
         """The source passes its packet, the others ``None``; every member gets the packet.
 
-        Two collectives: the fixed header, then the bytes (none for an empty payload). Inlining
-        small payloads into a larger first message was measured and rejected: one 16 KiB
-        message cost as much as two, and a 64 KiB one 10x more, on gloo over TCP.
+        Two collectives: the fixed header, then the bytes (none for an empty payload); a larger
+        fixed first message that could inline small payloads cost more than it saved.
         """
         if self.is_source and packet is None:
             raise DistributedError("the source rank must pass a packet to broadcast")
@@ -142,7 +148,8 @@ class Channel:
         me = dist.get_rank()
         if magic != MAGIC:
             raise DistributedError(f"rank {me} received a packet with magic {magic:#x} from rank "
-                                   f"{self.src_global}, expected {MAGIC:#x}: collectives out of step")
+                                   f"{self.src_global}, expected {MAGIC:#x}: collectives out "
+                                   "of step")
         if version != PROTOCOL_VERSION:
             raise DistributedError(f"rank {me} speaks packet protocol {PROTOCOL_VERSION}, rank "
                                    f"{self.src_global} sent {version}: mixed mdloader versions")

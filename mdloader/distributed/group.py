@@ -6,9 +6,10 @@ does not set it; here the world size decides.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

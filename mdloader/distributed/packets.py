@@ -13,8 +13,9 @@ import hashlib
 import io
 import pickle
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

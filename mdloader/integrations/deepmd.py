@@ -39,7 +39,8 @@ import importlib
 import logging
 import sys
 import types
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from mdloader.errors import ConfigError
 from mdloader.loader import DpLoaderSet, get_sampler_from_params, get_weighted_sampler

@@ -1,9 +1,9 @@
-"""System probabilities: ``prob_uniform``, ``prob_sys_size``, ``prob_sys_size;a:b:w;...``, ``sys_probs``.
+"""System probabilities: ``prob_uniform``, ``prob_sys_size``, its blocks, and ``sys_probs``.
 
-Pure functions of ``nb`` (batches of each system on this rank, :func:`mdloader.batching.
-batches_per_rank`). On valid input they give DeePMD-kit's numbers (``data_system.py:799-838``,
-``dataloader.py:266-306``); invalid input raises :class:`~mdloader.errors.ConfigError` naming the
-config key at construction time, instead of DeePMD-kit's late ``IndexError``/``invalid multinomial``:
+Pure functions of ``nb`` (batches of each system on this rank,
+:func:`mdloader.sampling.batching.batches_per_rank`). On valid input they give DeePMD-kit's
+numbers; invalid input raises :class:`~mdloader.errors.ConfigError` naming the config key at
+construction time, instead of DeePMD-kit's late ``IndexError`` or ``invalid multinomial``:
 
 - an unknown style or a typo (``"prob_sys_sze"``), a block style without blocks;
 - a malformed, empty (``a >= b`` or entirely past the last system) or overlapping block, a
@@ -93,11 +93,13 @@ def _parse_block(token: str, style: str, key: str) -> Block:
     return Block(start, end, weight)
 
 
-def parse_blocks(style: str, nsys: int, key: str = "auto_prob") -> list[Block]:
-    """Parse and check ``"prob_sys_size;a:b:w;..."`` against ``nsys`` (original) systems.
-
-    Ends past ``nsys`` are clipped; blocks that are empty after clipping or that overlap raise.
-    """
+def check_style(style: str, key: str = "auto_prob") -> list[Block]:
+    """The blocks of a style string, checked without knowing the systems (``[]`` for a plain
+    style); raises for an unknown style, a malformed or empty block, or a negative weight."""
+    if not isinstance(style, str):
+        raise ConfigError(f"the probability style must be a string, got {style!r}", path=key)
+    if style.strip() in STYLES:
+        return []
     head, *tokens = style.split(";")
     if head.strip() != BLOCK_HEAD:
         raise ConfigError(f"unknown probability style '{style}': expected 'prob_uniform', "
@@ -106,10 +108,22 @@ def parse_blocks(style: str, nsys: int, key: str = "auto_prob") -> list[Block]:
     if not blocks:
         raise ConfigError(f"probability style '{style}' has no 'start:end:weight' block",
                           path=key)
-    clipped = []
     for b in blocks:
+        if b.start < 0 or b.start >= b.end:
+            raise ConfigError(f"block {b.start}:{b.end}:{b.weight:g} in '{style}' selects no "
+                              f"system (start must be >= 0 and below end)", path=key)
+    return blocks
+
+
+def parse_blocks(style: str, nsys: int, key: str = "auto_prob") -> list[Block]:
+    """Parse and check ``"prob_sys_size;a:b:w;..."`` against ``nsys`` (original) systems.
+
+    Ends past ``nsys`` are clipped; blocks that are empty after clipping or that overlap raise.
+    """
+    clipped = []
+    for b in check_style(style, key):
         end = min(b.end, nsys)
-        if b.start < 0 or b.start >= end:
+        if b.start >= end:
             raise ConfigError(f"block {b.start}:{b.end}:{b.weight:g} in '{style}' selects no "
                               f"system (systems are 0..{nsys - 1})", path=key)
         clipped.append(Block(b.start, end, b.weight))
@@ -142,7 +156,7 @@ def remap_blocks(blocks: Sequence[Block], kept: np.ndarray) -> list[tuple[np.nda
 
 def prob_blocks(style: str, nbatch: Sequence[int] | np.ndarray, *, kept: np.ndarray | None = None,
                 nsys_original: int | None = None, key: str = "auto_prob") -> np.ndarray:
-    """DeePMD-kit's ``prob_sys_size_ext``: block weights normalised, p proportional to nb inside a block."""
+    """DeePMD-kit's ``prob_sys_size_ext``: block weights normalised, p ~ nb inside a block."""
     nb = _nb(nbatch, key)
     kept_ = np.arange(len(nb)) if kept is None else np.asarray(kept, dtype=np.int64)
     n_orig = len(nb) if nsys_original is None else int(nsys_original)
@@ -169,7 +183,8 @@ def _as_float_list(sys_probs: Sequence[float], key: str) -> np.ndarray:
 
 
 def check_sys_probs(sys_probs: Sequence[float], nsys: int, key: str = "sys_probs") -> np.ndarray:
-    """Validate ``sys_probs`` against the ``nsys`` systems it was written for (DeePMD's rules + length)."""
+    """Check ``sys_probs`` against the ``nsys`` systems it was written for (DeePMD's rules and
+    the length)."""
     p = _as_float_list(sys_probs, key)
     if len(p) != nsys:
         raise ConfigError(f"sys_probs has {len(p)} entries but there are {nsys} systems "
@@ -237,10 +252,8 @@ def system_probabilities(nbatch: Sequence[int] | np.ndarray, prob_style: str | S
         return process_sys_probs(prob_style, nbatch, kept=kept, nsys_original=nsys_original,
                                  key=key or "sys_probs")
     key = key or "auto_prob"
-    if not isinstance(prob_style, str):
-        raise ConfigError(f"the probability style must be a string, got {prob_style!r}",
-                          path=key)
-    style = prob_style.strip()
+    check_style(prob_style, key)  # type: ignore[arg-type]
+    style = prob_style.strip()  # type: ignore[union-attr]
     if style in STYLES:
         return STYLES[style](_nb(nbatch, key))
     return prob_blocks(style, nbatch, kept=kept, nsys_original=nsys_original, key=key)
@@ -257,7 +270,8 @@ def select_prob_source(params: Mapping[str, Any]) -> tuple[Any, bool, str]:
 
 
 __all__ = [
-    "Block", "STYLES", "prob_uniform", "prob_sys_size", "parse_blocks", "remap_blocks",
+    "Block", "STYLES", "prob_uniform", "prob_sys_size", "check_style", "parse_blocks",
+    "remap_blocks",
     "prob_blocks", "check_sys_probs", "process_sys_probs", "system_probabilities",
     "select_prob_source",
 ]

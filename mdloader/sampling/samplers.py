@@ -24,7 +24,12 @@ from torch.utils.data import Sampler
 
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.sampling.order import (
-    STREAM_CHUNK, FrameOrder, sizes_digest, stream_chunk, stream_counts, weights_to_cdf,
+    STREAM_CHUNK,
+    FrameOrder,
+    sizes_digest,
+    stream_chunk,
+    stream_counts,
+    weights_to_cdf,
 )
 from mdloader.sampling.state import check_keys, check_same
 
@@ -110,7 +115,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         self._step = step + 1
         return BatchKey(sid, self.order.fids(sid, occ), step)
 
-    def __iter__(self) -> "EpochIterator":
+    def __iter__(self) -> EpochIterator:
         """The rest of the current epoch: steps up to the next multiple of ``num_samples``.
 
         From a fresh or epoch-aligned position that is ``num_samples`` keys; after a resume in
@@ -154,7 +159,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict`; a state of another job is rejected, quoting both values."""
+        """Restore from :meth:`state_dict`; another job's state is rejected quoting both values."""
         mine = self.state_dict()
         check_keys(state, kind="sampler", version=STATE_VERSION, keys=mine)
         labels = {"seed": "seed", "rank": "rank", "world_size": "world size",
@@ -188,7 +193,7 @@ class EpochIterator(Iterator[BatchKey]):
         self.sampler = sampler
         self.stop = sampler.epoch_end()
 
-    def __iter__(self) -> "EpochIterator":
+    def __iter__(self) -> EpochIterator:
         return self
 
     def __next__(self) -> BatchKey:

@@ -49,9 +49,9 @@ class Lcurve:
         line = f"{step:7d}"
         for key in KEYS:
             if self.with_validation and valid is not None:
-                line += "   {:11.2e} {:11.2e}".format(valid[key], train[key])
+                line += f"   {valid[key]:11.2e} {train[key]:11.2e}"
             else:
-                line += "   {:11.2e}".format(train[key])
+                line += f"   {train[key]:11.2e}"
         line += f"   {lr:8.1e}\n"
         self._fh.write(line)
         self._fh.flush()

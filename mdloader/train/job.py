@@ -14,26 +14,28 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from mdloader.config.input_json import Config
+from mdloader.config.loaders import configured_loader
+from mdloader.data.schema import DataRequirementItem
 from mdloader.distributed.channel import world_channel
 from mdloader.distributed.collectives import all_reduce_mean, gather_to_main
 from mdloader.distributed.group import device_of, process_group
 from mdloader.distributed.packets import data_packet, error_packet, open_packet
-from mdloader.config.input_json import Config, DataConfig
 from mdloader.errors import ConfigError, StateDictError
-from mdloader.loader import DpLoaderSet, default_num_workers, get_sampler_from_params
+from mdloader.loader import default_num_workers
+from mdloader.sampling.stateful_loader import StatefulLoader
+from mdloader.train.io import Lcurve, load_checkpoint, save_checkpoint
 from mdloader.train.model import RadialPotential, fit_energy_bias
 from mdloader.train.objective import EnergyForceLoss, ExpDecayLR, resolve_numb_steps, rmse_columns
-from mdloader.sampling.stateful_loader import StatefulLoader
-from mdloader.data.schema import DataRequirementItem
-from mdloader.train.io import Lcurve, load_checkpoint, save_checkpoint
 from mdloader.world import World
 
 log = logging.getLogger(__name__)
@@ -78,14 +80,6 @@ def train(config: Config, *, output: str = ".", restart: str | None = None,
                         num_workers=num_workers, options=options).run(restart, stop_after)
 
 
-def _loader_set(data: DataConfig, config: Config, world: World, seed: int | None) -> DpLoaderSet:
-    ls = DpLoaderSet(list(data.systems), data.batch_size_value(),
-                     list(config.type_map) if config.type_map else None, seed=seed,
-                     rglob_patterns=data.rglob_patterns, world=world)
-    ls.add_data_requirement(LABELS)
-    return ls
-
-
 class _Trainer:
     """State of one training run on one rank (created by :func:`train`)."""
 
@@ -94,11 +88,10 @@ class _Trainer:
         self.config, self.world, self.output, self.options = config, world, output, options
         self.device = device_of(world)
         workers = default_num_workers() if num_workers is None else num_workers
-        self.train_set = _loader_set(config.training_data, config, world, config.seed)
-        sampler = get_sampler_from_params(self.train_set, config.training_data.sampler_params(),
-                                          num_workers=workers)
-        self.loader = StatefulLoader(self.train_set, sampler, num_workers=workers,
-                                     pin_memory=self.device.type == "cuda")
+        built = configured_loader(config.training_data, type_map=config.type_map,
+                                  seed=config.seed, world=world, labels=LABELS,
+                                  num_workers=workers, pin_memory=self.device.type == "cuda")
+        self.train_set, sampler, self.loader = built.dataset, built.sampler, built.loader
         self.numb_steps = resolve_numb_steps(config, numb_steps, self.train_set.index,
                                              sampler.weights.numpy())
         self.train_set.print_summary("training", sampler.weights.tolist())
@@ -120,10 +113,10 @@ class _Trainer:
         if data is None:
             return None
         seed = None if self.config.seed is None else self.config.seed + 1
-        vs = _loader_set(data, self.config, self.world, seed)
-        sampler = get_sampler_from_params(vs, data.sampler_params(), num_workers=0)
-        vs.print_summary("validation", sampler.weights.tolist())
-        return StatefulLoader(vs, sampler, num_workers=0)
+        built = configured_loader(data, type_map=self.config.type_map, seed=seed,
+                                  world=self.world, labels=LABELS, num_workers=0)
+        built.dataset.print_summary("validation", built.sampler.weights.tolist())
+        return built.loader
 
     def run(self, restart: str | None, stop_after: int | None) -> TrainResult:
         step = 0

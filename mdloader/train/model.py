@@ -19,7 +19,7 @@ a negative type (virtual atoms of mixed-type systems) are ignored.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -10,8 +10,8 @@ conversion from ``numb_epoch``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ class ExpDecayLR:
     decay_rate: float
 
     @classmethod
-    def from_config(cls, cfg: LearningRateConfig, numb_steps: int) -> "ExpDecayLR":
+    def from_config(cls, cfg: LearningRateConfig, numb_steps: int) -> ExpDecayLR:
         if cfg.type != "exp":
             raise ConfigError(f"mdloader train implements the 'exp' schedule only, found "
                               f"'{cfg.type}'", path="learning_rate.type")
@@ -59,7 +59,7 @@ class EnergyForceLoss:
     start_lr: float
 
     @classmethod
-    def from_config(cls, cfg: LossConfig, start_lr: float) -> "EnergyForceLoss":
+    def from_config(cls, cfg: LossConfig, start_lr: float) -> EnergyForceLoss:
         if cfg.type != "ener":
             raise ConfigError(f"mdloader train implements the 'ener' loss only, found "
                               f"'{cfg.type}'", path="loss.type")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Any, Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 H = TypeVar("H")
 

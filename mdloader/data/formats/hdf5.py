@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.errors import CorruptFileError, MissingDataError
-from mdloader.settings import cached
 from mdloader.data.formats import Location
 from mdloader.data.formats.handles import HandleCache
 from mdloader.data.formats.npy import as_rows
+from mdloader.errors import CorruptFileError, MissingDataError
+from mdloader.settings import cached
 
 _FILES: HandleCache[Any] = HandleCache(lambda: int(cached("max_open_h5")),
                                       close=lambda handle: handle.close(),
@@ -52,8 +52,9 @@ def _group(loc: Location) -> Any:
     try:
         grp = handle[loc.group]
     except KeyError as exc:
+        groups = sorted(handle.keys())[:10]
         raise MissingDataError("no such group in the HDF5 file", system=loc.address,
-                               file=loc.path, found=f"groups: {sorted(handle.keys())[:10]}") from exc
+                               file=loc.path, found=f"groups: {groups}") from exc
     if not hasattr(grp, "keys"):
         raise MissingDataError("the HDF5 path is a dataset, not a group", system=loc.address,
                                file=loc.address)

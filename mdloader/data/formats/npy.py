@@ -15,9 +15,9 @@ from typing import BinaryIO
 
 import numpy as np
 
-from mdloader.errors import CorruptFileError, MissingDataError
 from mdloader.data.formats import Location
 from mdloader.data.formats.handles import HandleCache
+from mdloader.errors import CorruptFileError, MissingDataError
 from mdloader.settings import cached
 
 _MAPS: HandleCache[np.ndarray] = HandleCache(lambda: int(cached("max_open_files")))
@@ -85,9 +85,8 @@ _DTYPES: dict[str, np.dtype] = {}
 def _header_shape(loc: Location, path: str) -> tuple[int, ...]:
     """Shape from the npy header; also checks that the file holds all the data it announces.
 
-    A small regex handles the headers numpy writes (the build reads thousands of them; numpy's
-    own parser uses ``ast.literal_eval`` and was 40 % of the build time); anything unusual falls
-    back to numpy's parser.
+    A small regex handles the headers numpy writes (numpy's own parser uses ``ast.literal_eval``,
+    slow for the thousands of headers of a build); anything unusual falls back to numpy's.
     """
     try:
         with open(path, "rb") as fh:

@@ -1,0 +1,43 @@
+"""The loader an ``input.json`` data section describes, assembled once for ``train`` and ``bench``.
+
+Build (rank 0 reads, every rank receives), batch sizes, the requested labels, the sampler from
+``sys_probs``/``auto_prob``, and the stateful outer ``DataLoader``: the same steps in the same
+order for every application, so what ``bench`` measures is what ``train`` runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mdloader.build import BuildReport, build_systems_with_report
+from mdloader.config.input_json import DataConfig
+from mdloader.loader import DpLoaderSet, get_sampler_from_params
+from mdloader.sampling.samplers import WeightedSystemSampler
+from mdloader.sampling.stateful_loader import StatefulLoader
+from mdloader.world import World
+
+
+@dataclass
+class ConfiguredLoader:
+    """The pieces of one data section's loader: dataset, sampler, loader, and the build report."""
+
+    dataset: DpLoaderSet
+    sampler: WeightedSystemSampler
+    loader: StatefulLoader
+    report: BuildReport
+
+
+def configured_loader(data: DataConfig, *, type_map: Sequence[str] | None, seed: int | None,
+                      world: World, labels: Sequence[Any], num_workers: int,
+                      **dataloader_kwargs: Any) -> ConfiguredLoader:
+    """Build the systems of ``data`` and the stateful loader over them (a collective)."""
+    tmap = list(type_map) if type_map else None
+    datasets, report = build_systems_with_report(list(data.systems), tmap,
+                                                 rglob_patterns=data.rglob_patterns)
+    dataset = DpLoaderSet(datasets, data.batch_size_value(), tmap, seed=seed, world=world)
+    dataset.add_data_requirement(labels)
+    sampler = get_sampler_from_params(dataset, data.sampler_params(), num_workers=num_workers)
+    loader = StatefulLoader(dataset, sampler, num_workers=num_workers, **dataloader_kwargs)
+    return ConfiguredLoader(dataset, sampler, loader, report)

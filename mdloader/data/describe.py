@@ -1,0 +1,164 @@
+"""Describe many systems on rank 0: in a loop, a thread pool, or spawned processes.
+
+Describing a system is a little Python and a few small reads. On a warm local disk a loop is
+fastest; where every ``open`` waits on the disk (a shared file system, a cold cache) threads
+overlap the waits; a very large CPU-bound build runs in spawned processes, one per core
+(never forked: rank 0 holds a process group). Results come back in input order, and the first
+failing system in that order stops the build. ``docs/benchmarks.md`` has the measurements
+behind the thresholds.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+
+from mdloader.data.system import SystemMeta, build_system_meta
+from mdloader.errors import DataError
+
+log = logging.getLogger(__name__)
+
+CHUNK = 512  # systems per pool task
+PROBE = 32  # systems timed in the calling thread to decide on the pool
+IO_BOUND = 3.0  # wall / CPU time of the probe above which the pool is used
+PROCESS_MIN = 20_000  # CPU-bound builds at least this large use processes (all cores)
+
+
+class SystemFailed(Exception):
+    """Building one system raised; ``__cause__`` is the error, ``address`` the system."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.address = address
+
+    def original(self) -> BaseException:
+        """The cause, with a note naming the system (for the single-process path)."""
+        exc = self.__cause__
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"while building the system {self.address}")
+        return exc
+
+
+def describe_systems(addresses: list[str], type_map: Sequence[str] | None,
+               workers: int) -> Iterator[SystemMeta]:
+    """Descriptions in input order; the first failing system (in order) stops the build.
+
+    The first :data:`PROBE` systems are described in this thread; the rest go to a pool of
+    ``workers`` threads only if that took :data:`IO_BOUND` times more wall than CPU time (the
+    opens wait on a remote or cold disk), else they are described here too. The pool gets the
+    addresses in chunks: one future per system cost more than the work.
+    """
+    stop = _Stop()
+    wall, cpu = time.monotonic(), time.thread_time()
+    probe = _build_chunk(0, addresses[:PROBE], type_map, stop)
+    wall, cpu = time.monotonic() - wall, time.thread_time() - cpu
+    yield from _in_order(iter([probe]))
+    rest = addresses[PROBE:]
+    threads = workers if rest and workers > 1 and wall > IO_BOUND * cpu else 1
+    log.debug("the first %d systems took %.3f s (%.3f s of CPU): %d thread(s) for the other %d",
+              PROBE, wall, cpu, threads, len(rest))
+    size = _chunk_size(len(rest), threads)
+    chunks = [rest[i:i + size] for i in range(0, len(rest), size)]
+    processes = min(workers, os.cpu_count() or 1)
+    if threads == 1 and len(rest) >= PROCESS_MIN and processes > 1:
+        yield from _in_processes(rest, type_map, processes, stop)
+        return
+    if threads == 1:
+        yield from _in_order(_build_chunk(0, c, type_map, stop) for c in chunks)
+        return
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mdloader-build") as pool:
+        futures = [pool.submit(_build_chunk, i, c, type_map, stop) for i, c in enumerate(chunks)]
+        try:
+            yield from _in_order(f.result() for f in futures)
+        finally:  # a failure, or the consumer stopped: do not build what nobody will read
+            stop.after(-1)
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _in_processes(addresses: list[str], type_map: Sequence[str] | None, processes: int,
+                  stop: _Stop) -> Iterator[SystemMeta]:
+    """A large CPU-bound build on every core: spawned processes, chunks in order.
+
+    If the pool itself breaks (e.g. an unguarded ``__main__`` that cannot be re-imported), the
+    build falls back to this process.
+    """
+    chunks = [addresses[i:i + CHUNK] for i in range(0, len(addresses), CHUNK)]
+    done = 0
+    try:
+        with ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as pool:
+            for chunk in pool.map(_process_chunk, chunks, [type_map] * len(chunks)):
+                yield from _in_order(iter([chunk]))
+                done += 1
+        return
+    except BrokenProcessPool as exc:
+        log.warning("the build's process pool failed (%s); building in this process", exc)
+    yield from _in_order(_build_chunk(0, c, type_map, stop) for c in chunks[done:])
+
+
+def _process_chunk(addresses: list[str], type_map: Sequence[str] | None) -> _Chunk:
+    """Runs in a pool process: a chunk whose failure, if any, can travel back by pickle."""
+    chunk = _build_chunk(0, addresses, type_map, _Stop())
+    if chunk.failed is not None:
+        address, exc = chunk.failed
+        try:
+            pickle.dumps(exc)
+        except Exception:  # noqa: BLE001 - send what can be sent
+            chunk.failed = (address, RuntimeError(f"{type(exc).__name__}: {exc}"))
+    return chunk
+
+
+def _chunk_size(count: int, workers: int) -> int:
+    """:data:`CHUNK` systems per task, smaller when that would leave threads idle."""
+    return max(1, min(CHUNK, -(-count // (4 * workers))))
+
+
+class _Stop:
+    """Chunks after the first failing one stop early; earlier chunks must finish."""
+
+    def __init__(self) -> None:
+        self.first_failed = sys.maxsize
+
+    def after(self, index: int) -> None:
+        self.first_failed = min(self.first_failed, index)  # a lost race: later stop
+
+    def stopped(self, index: int) -> bool:
+        return index > self.first_failed
+
+
+@dataclass
+class _Chunk:
+    metas: list[SystemMeta]
+    failed: tuple[str, BaseException] | None = None  # the system and its error
+
+
+def _build_chunk(index: int, addresses: list[str], type_map: Sequence[str] | None,
+                 stop: _Stop) -> _Chunk:
+    """Describe ``addresses`` in order up to the first failure."""
+    metas = []
+    for address in addresses:
+        if stop.stopped(index):
+            break
+        try:
+            metas.append(build_system_meta(address, type_map))
+        except Exception as exc:  # noqa: BLE001 - raised again, in order, by _in_order
+            stop.after(index)
+            return _Chunk(metas, (address, exc))
+    return _Chunk(metas)
+
+
+def _in_order(chunks: Iterator[_Chunk]) -> Iterator[SystemMeta]:
+    for chunk in chunks:
+        yield from chunk.metas
+        if chunk.failed is not None:
+            address, exc = chunk.failed
+            if isinstance(exc, DataError):
+                raise exc  # already names its system and file
+            raise SystemFailed(address) from exc
