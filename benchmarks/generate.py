@@ -8,7 +8,7 @@ A dataset lives in ``<base>/nsys<N>_seed<S>/``; a manifest ``<base>/nsys<N>_seed
 the tree (so reading it is not a file-system call under the tree) marks it complete. Generation
 writes into a ``.partial`` directory and renames it at the end, so an interrupted run is redone.
 
-Usage: ``python -m benchmarks.generate --nsys 100 2000 [--base /work/bench-data] [--seed 0]``
+Usage: ``python -m benchmarks.generate --nsys 100 2000 [--base DIR] [--seed 0]``
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import shutil
 import sys
 import time
 
-DEFAULT_BASE = os.environ.get("MDLOADER_BENCH_DATA", "/work/bench-data")
+DEFAULT_BASE = os.environ.get("MDLOADER_BENCH_DATA") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mdloader", "bench-data")
 NFRAMES = 20
 NATOMS_RANGE = (3, 24)
 

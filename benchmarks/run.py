@@ -10,7 +10,7 @@ every repetition) with ``torchrun --standalone --nproc_per_node=W`` and gloo; ea
 fresh set of processes. A separate, untimed pass per configuration runs the build under strace to
 count file-system calls. Raw results go to a JSON-lines file, one line per rank per run; the
 report (:mod:`benchmarks.report`) turns them into ``docs/benchmarks.md`` with medians, ratios and
-plots. The DeePMD-kit side runs with ``--peer-python`` (the venv made by ``setup_peer.sh``) and
+plots. The DeePMD-kit side runs with ``--peer-python`` (the venv of ``scripts/deepmd-env.sh``) and
 is skipped with a note when that interpreter cannot import it.
 """
 
@@ -49,8 +49,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, help="override the mode's repetitions")
     p.add_argument("--seconds", type=float, help="timed window per throughput measurement")
     p.add_argument("--impls", default="mdloader,deepmd")
-    p.add_argument("--peer-python", default=os.environ.get("MDLOADER_PEER_PYTHON",
-                                                           "/work/venv-peer/bin/python"))
+    p.add_argument("--peer-python", default=os.environ.get("MDLOADER_DEEPMD_PYTHON") or str(
+        REPO / ".venv-deepmd" / "bin" / "python"))
     p.add_argument("--data-base", default=DEFAULT_BASE)
     p.add_argument("--no-strace", action="store_true")
     p.add_argument("--timeout", type=float, help="seconds per launch (default: the mode's, "
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     pythons = {i: p for i in args.impls.split(",") if (p := _python_for(i, args))}
     skipped = sorted(set(args.impls.split(",")) - set(pythons))
     if skipped:
-        print(f"skipping {skipped}: not importable (run benchmarks/setup_peer.sh)", flush=True)
+        print(f"skipping {skipped}: not importable (run bash scripts/deepmd-env.sh)", flush=True)
     out = args.out or os.path.join(REPO, "benchmarks", "results", f"{args.mode}.jsonl")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     strace_ok = not args.no_strace and shutil.which("strace") is not None

@@ -22,8 +22,7 @@ keys instead.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,11 +35,13 @@ from mdloader.data.system import SystemMeta
 from mdloader.distributed.collectives import broadcast_from_main
 from mdloader.distributed.group import current_world
 from mdloader.errors import ConfigError, StateDictError
+from mdloader.per_system import LazySystemBatches
 from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
 from mdloader.sampling.order import FrameOrder, normalize_seed
 from mdloader.sampling.probability import select_prob_source, system_probabilities
 from mdloader.sampling.samplers import BatchKey, WeightedSystemSampler
 from mdloader.sampling.state import check_keys, check_same
+from mdloader.settings import resolve
 from mdloader.transport import TransportBatch
 from mdloader.world import World
 
@@ -51,13 +52,7 @@ STATE_VERSION = 2
 
 def default_num_workers() -> int:
     """DeePMD-kit's ``NUM_WORKERS``: the environment variable, else ``min(4, cpus)``."""
-    raw = os.environ.get("NUM_WORKERS")
-    if raw is None or raw == "":
-        return min(4, os.cpu_count() or 1)
-    try:
-        return max(0, int(raw))
-    except ValueError:
-        raise ConfigError(f"expected an integer, found {raw!r}", path="NUM_WORKERS") from None
+    return int(resolve("num_workers"))
 
 
 def _build(systems: Any, type_map: Sequence[str] | None,
@@ -78,42 +73,6 @@ def _agree_seed(seed: int | None, world: World) -> int:
     if world.world_size == 1:
         return fresh
     return int(broadcast_from_main(fresh, context="choosing the loader seed"))
-
-
-class SystemBatches:
-    """The batches of one system on this rank, for statistics: DeePMD-kit's per-system loader.
-
-    ``len()`` is the batch count the sampler uses; every ``iter()`` starts again at the first
-    batch of the rank's shard of pass 0. No torch ``DataLoader``, no state: creating one is free.
-    """
-
-    def __init__(self, owner: DpLoaderSet, sid: int) -> None:
-        self._owner, self.sid = owner, sid
-        self.dataset = owner.systems[sid]
-        self.batch_size = int(owner.batch_sizes[sid])
-
-    def __len__(self) -> int:
-        return int(self._owner.index[self.sid])
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        for j in range(len(self)):
-            yield self._owner.read(self.sid, self._owner._order.fids(self.sid, j))
-
-
-class LazySystemBatches(Sequence):
-    """``dataloaders``: one :class:`SystemBatches` per system, created when indexed."""
-
-    def __init__(self, owner: DpLoaderSet) -> None:
-        self._owner = owner
-
-    def __len__(self) -> int:
-        return len(self._owner.systems)
-
-    def __getitem__(self, sid: int) -> SystemBatches:  # type: ignore[override]
-        n = len(self)
-        if not isinstance(sid, (int, np.integer)) or not -n <= sid < n:
-            raise IndexError(f"system index {sid!r} out of range for {n} systems")
-        return SystemBatches(self._owner, int(sid) % n)
 
 
 class DpLoaderSet(Dataset):
@@ -303,5 +262,5 @@ def get_sampler_from_params(data: DpLoaderSet, params: Mapping[str, Any], **kwar
     return get_weighted_sampler(data, value, sys_prob=is_sys_probs, **kwargs)
 
 
-__all__ = ["DpLoaderSet", "SystemBatches", "LazySystemBatches", "get_weighted_sampler",
+__all__ = ["DpLoaderSet", "get_weighted_sampler",
            "get_sampler_from_params", "default_num_workers"]

@@ -55,6 +55,10 @@ SETTINGS: dict[str, Setting] = {
     "max_open_files": Setting(
         "MDLOADER_MAX_OPEN_FILES", _open_file_share, int, 1, "file",
         "Memory-mapped npy files one process keeps open (each holds a file descriptor)."),
+    "num_workers": Setting(
+        "NUM_WORKERS", lambda: min(4, os.cpu_count() or 1), int, 0, "worker",
+        "DataLoader worker processes per rank (DeePMD-kit's variable, with its default); it "
+        "also sets the outer epoch length, total_batch x max(NUM_WORKERS, 1)."),
     "max_open_h5": Setting(
         "MDLOADER_MAX_OPEN_H5", lambda: 32, int, 1, "file",
         "HDF5 files one process keeps open."),

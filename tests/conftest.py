@@ -5,15 +5,20 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def shared_data() -> Path:
-    """The real DeePMD systems beside the checkout; tests using it skip when it is absent."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip("../shared/data is not present")
-    return SHARED_DATA
+def real_data() -> Path:
+    """Real DeePMD systems shipped with the repository: ``water/`` (the example's data) and
+    ``deepmd-tests/`` (DeePMD-kit's small test fixtures; see ``tests/data/NOTICE.md``)."""
+    return REPO / "tests" / "data"
+
+
+@pytest.fixture
+def water_data() -> Path:
+    """DeePMD-kit's water example data (four 192-atom systems, ``data_1`` with two sets)."""
+    return REPO / "examples" / "water" / "data"
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ LAYERS = {
     "mdloader.data": "data", "mdloader.distributed": "distributed",
     "mdloader.sampling": "sampling",
     "mdloader.build": "assembly", "mdloader.loader": "assembly", "mdloader.index": "assembly",
+    "mdloader.per_system": "assembly",
     "mdloader.config": "config",
     "mdloader.cli": "cli", "mdloader.__main__": "cli",
     "mdloader.train": "train", "mdloader.integrations": "integrations",

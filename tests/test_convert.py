@@ -47,8 +47,8 @@ def test_extxyz_to_hdf5_with_type_map(tmp_path: Path) -> None:
         assert fh["O1H2/set.000/coord.npy"].shape == (3, 9)
 
 
-def test_npy_to_hdf5_keeps_every_frame(tmp_path: Path, shared_data: Path) -> None:
-    src = shared_data / "water" / "data_1"  # two sets of 80 frames
+def test_npy_to_hdf5_keeps_every_frame(tmp_path: Path, water_data: Path) -> None:
+    src = water_data / "data_1"  # two sets of 80 frames
     dest = tmp_path / "w.h5"
     report = convert(str(src), str(dest), fmt="deepmd/npy", to="deepmd/hdf5", set_size=100)
     assert report.systems == (f"{dest}#/",) and report.nframes == (160,)

@@ -1,8 +1,8 @@
 """DeePMD-kit's own trainer on mdloader (``mdloader.integrations.deepmd``).
 
 The pure pieces run everywhere. The end-to-end runs need an interpreter that can import
-DeePMD-kit's PyTorch backend: this one, else ``$MDLOADER_PEER_PYTHON``, else the venv made by
-``benchmarks/setup_peer.sh`` (``/work/venv-peer``); they are skipped when there is none. They run
+DeePMD-kit's PyTorch backend (:mod:`deepmd_env`: the venv of ``scripts/deepmd-env.sh``, which
+the README's test command creates). They run
 ``dp --pt train`` for a few steps on generated data, single rank and under
 ``torchrun --nproc_per_node=2``, with a spy that records which loader and sampler the trainer
 really used, how many batches mdloader read, and whether DeePMD-kit's own discovery ran.
@@ -18,6 +18,7 @@ import types
 from pathlib import Path
 
 import pytest
+from deepmd_env import require_deepmd_python
 
 from mdloader.errors import ConfigError
 from mdloader.integrations.deepmd import (
@@ -30,7 +31,6 @@ from mdloader.integrations.deepmd import (
 from mdloader.testing import make_dataset
 
 REPO = Path(__file__).resolve().parents[1]
-PEER_DEFAULT = "/work/venv-peer/bin/python"
 STEPS = 6
 
 SPY = r'''
@@ -111,35 +111,18 @@ def test_trainer_dist_barrier_before_destroy() -> None:
     assert calls == ["barrier", "destroy"] and shim.get_rank() == 1
 
 
-def test_install_without_deepmd_is_a_config_error() -> None:
-    try:
-        import deepmd.pt.utils.dataloader  # noqa: F401
-    except Exception:  # noqa: BLE001 - any failure means "not importable here"
-        from mdloader.integrations.deepmd import install
-        with pytest.raises(ConfigError, match="DeePMD-kit's PyTorch backend cannot be imported"):
-            install()
-    else:
-        pytest.skip("DeePMD-kit is importable in this interpreter")
+def test_install_without_deepmd_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mdloader.integrations.deepmd import install
+
+    monkeypatch.setitem(sys.modules, "deepmd", None)  # as if DeePMD-kit were not installed
+    with pytest.raises(ConfigError, match="DeePMD-kit's PyTorch backend cannot be imported"):
+        install()
 
 
 # -- end to end with DeePMD-kit ---------------------------------------------------------------
-def _peer_python() -> str | None:
-    for cand in (sys.executable, os.environ.get("MDLOADER_PEER_PYTHON"), PEER_DEFAULT):
-        if not cand or not os.path.exists(cand):
-            continue
-        probe = subprocess.run([cand, "-c", "import deepmd.pt.utils.dataloader"],
-                               capture_output=True, timeout=180)
-        if probe.returncode == 0:
-            return cand
-    return None
-
-
 @pytest.fixture(scope="module")
 def peer() -> str:
-    python = _peer_python()
-    if python is None:
-        pytest.skip("DeePMD-kit's PyTorch backend is not importable (benchmarks/setup_peer.sh)")
-    return python
+    return require_deepmd_python()
 
 
 def _job(tmp_path: Path) -> Path:

@@ -1,8 +1,7 @@
-"""Cross-check on the real DeePMD systems in ../shared/data against the files and dpdata.
+"""Cross-check on real DeePMD systems (tests/data, examples/water/data) against dpdata.
 
 dpdata's ``deepmd/npy`` and ``deepmd/hdf5`` readers are an independent implementation of the
 format; mdloader's frames must hold the same numbers (after DeePMD-kit's sort of atoms by type).
-Skipped when ../shared/data is absent.
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ def _compare_with_dpdata(ds: DeepmdDataSetForLoader, ref: dpdata.LabeledSystem,
         assert frame["atype"].tolist() == sorted(ref["atom_types"].tolist())
 
 
-def test_water_matches_dpdata_npy_and_hdf5(shared_data, tmp_path):
-    systems = discover_systems(str(shared_data / "water"))
+def test_water_matches_dpdata_npy_and_hdf5(water_data, tmp_path):
+    systems = discover_systems(str(water_data))
     assert [os.path.basename(s) for s in systems] == ["data_0", "data_1", "data_2", "data_3"]
     for address in systems:
         ds = DeepmdDataSetForLoader(address, type_map=["O", "H"])
@@ -54,8 +53,8 @@ def test_water_matches_dpdata_npy_and_hdf5(shared_data, tmp_path):
     _compare_with_dpdata(h5_ds, dpdata.LabeledSystem(h5, fmt="deepmd/hdf5"), [0, 85, 159])
 
 
-def test_hdf5_root_system(shared_data):
-    path = str(shared_data / "deepmd-tests" / "tf" / "test.hdf5")
+def test_hdf5_root_system(real_data):
+    path = str(real_data / "deepmd-tests" / "tf" / "test.hdf5")
     assert discover_systems(path) == [f"{path}#/"]
     ds = DeepmdDataSetForLoader(path)
     ds.add_data_requirement(LABELS[:2])
@@ -63,15 +62,15 @@ def test_hdf5_root_system(shared_data):
     _compare_with_dpdata(ds, dpdata.LabeledSystem(path, fmt="deepmd/hdf5"), [0])
 
 
-def test_one_frame_1d_arrays(shared_data):
-    ds = DeepmdDataSetForLoader(str(shared_data / "deepmd-tests/pt/model_compression/data"))
+def test_one_frame_1d_arrays(real_data):
+    ds = DeepmdDataSetForLoader(str(real_data / "deepmd-tests/pt/model_compression/data"))
     ds.add_data_requirement(LABELS[:2])
     frame = ds[0]
     assert len(ds) == 1 and frame["coord"].shape == (6, 3) and frame["energy"].shape == (1,)
 
 
-def test_mixed_type_nopbc_property(shared_data):
-    root = shared_data / "deepmd-tests/pt/property/double"
+def test_mixed_type_nopbc_property(real_data):
+    root = real_data / "deepmd-tests/pt/property/double"
     ds = DeepmdDataSetForLoader(str(root), type_map=["H", "C", "N", "O"])
     ds.add_data_requirement([Req("band_property", 3)])
     frame = ds[1]
@@ -83,33 +82,33 @@ def test_mixed_type_nopbc_property(shared_data):
     assert frame["band_property"].shape == (3,)
 
 
-def test_mixed_type_natoms_placeholder(shared_data):
-    ds = DeepmdDataSetForLoader(str(shared_data / "deepmd-tests/tf/finetune/data_mixed_type"),
+def test_mixed_type_natoms_placeholder(real_data):
+    ds = DeepmdDataSetForLoader(str(real_data / "deepmd-tests/tf/finetune/data_mixed_type"),
                                 type_map=["O", "H"])
     frame = ds[0]
     assert frame["natoms"].tolist() == [192, 192, 192, 0]
     assert frame["real_natoms_vec"].tolist() == [192, 192, 64, 128]
 
 
-def test_inconsistent_frame_counts_fail_at_build(shared_data):
+def test_inconsistent_frame_counts_fail_at_build(real_data):
     with pytest.raises(ShapeError, match=r"frame counts disagree.*found: 2 frames"):
-        build_system_meta(str(shared_data / "deepmd-tests/tf/data_dp_mask"))
+        build_system_meta(str(real_data / "deepmd-tests/tf/data_dp_mask"))
 
 
-def test_every_real_corner_builds_and_reads(shared_data):
-    systems = [s for s in discover_systems(str(shared_data / "deepmd-tests"))
+def test_every_real_corner_builds_and_reads(real_data):
+    systems = [s for s in discover_systems(str(real_data / "deepmd-tests"))
                if "data_dp_mask" not in s]
-    assert len(systems) >= 15
+    assert len(systems) == 9  # every npy system of tests/data/NOTICE.md
     for address in systems:
         ds = DeepmdDataSetForLoader(address)
         frame = ds[len(ds) - 1]
         assert frame["coord"].shape == (ds._natoms, 3), address
 
 
-def test_hessian_and_spin_systems(shared_data):
-    hess = DeepmdDataSetForLoader(str(shared_data / "deepmd-tests/pt/hessian/data/H8C4N2O"))
+def test_hessian_and_spin_systems(real_data):
+    hess = DeepmdDataSetForLoader(str(real_data / "deepmd-tests/pt/hessian/data/H8C4N2O"))
     hess.add_data_requirement([Req("hessian", 1, atomic=True, high_prec=True)])
     assert hess[0]["hessian"].shape == (15 * 15 * 9,)
-    spin = DeepmdDataSetForLoader(str(shared_data / "deepmd-tests/pt/NiO/data/data_0"))
+    spin = DeepmdDataSetForLoader(str(real_data / "deepmd-tests/pt/NiO/data/data_0"))
     spin.add_data_requirement([Req("spin", 3, atomic=True), Req("force_mag", 3, atomic=True)])
     assert spin[0]["spin"].shape == (32, 3) and spin[0]["find_force_mag"] == np.float32(1.0)

@@ -240,8 +240,8 @@ def test_rank0_statistics_failure_reaches_every_rank(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_water_forces_are_learned(tmp_path: Path, shared_data: Path) -> None:
-    water = shared_data / "water"
+def test_water_forces_are_learned(tmp_path: Path, water_data: Path) -> None:
+    water = water_data
     cfg = parse_config({
         "model": {"type_map": ["O", "H"]},
         "learning_rate": {"start_lr": 3e-3, "stop_lr": 1e-4, "decay_steps": 20},
