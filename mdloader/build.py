@@ -84,7 +84,7 @@ def build_systems_with_report(
     Parameters
     ----------
     systems, rglob_patterns
-        As :func:`mdloader.discovery.discover_systems`; only rank 0 reads them.
+        As :func:`mdloader.data.discovery.discover_systems`; only rank 0 reads them.
     type_map
         The model's type map (rank 0's value is used).
     num_workers

@@ -84,7 +84,8 @@ class DpLoaderSet(Dataset):
         Paths (directories, roots, globs, HDF5 files, ``file.h5#/grp``) or prebuilt
         :class:`DeepmdDataSetForLoader`/:class:`SystemMeta` objects.
     batch_size
-        ``int | list[int] | "auto" | "auto:N" | "max:N" | "filter:N"`` (:mod:`mdloader.batching`).
+        ``int | list[int] | "auto" | "auto:N" | "max:N" | "filter:N"``
+        (:mod:`mdloader.sampling.batching`).
     type_map
         The model's type map.
     seed
@@ -95,7 +96,7 @@ class DpLoaderSet(Dataset):
     rglob_patterns
         Passed to discovery.
     same_system_across_ranks
-        All ranks draw the same system at each step (see :mod:`mdloader.sampling`).
+        All ranks draw the same system at each step (see :mod:`mdloader.sampling.order`).
     world
         Rank and size; default: the initialised process group, else a single process.
     modifier
@@ -150,7 +151,7 @@ class DpLoaderSet(Dataset):
     def __getitem__(self, idx: int | BatchKey | tuple) -> dict[str, Any]:
         """A key from the sampler: read it. An int ``sid``: the next batch of that system.
 
-        Inside a DataLoader worker the batch is a :class:`~mdloader.samplers.TransportBatch`:
+        Inside a DataLoader worker the batch is a :class:`~mdloader.transport.TransportBatch`:
         its tensors cross to the main process as numpy arrays (an order of magnitude cheaper than
         torch's per-tensor shared memory for small tensors) and arrive as the same plain dict.
         """

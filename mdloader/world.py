@@ -1,8 +1,9 @@
 """Topology as a value: who am I among how many.
 
 Pure code takes a :class:`World` argument instead of asking ``torch.distributed``, so that
-"rank 3 of 8" is a one-process unit test. :func:`mdloader.comm.current_world` builds one from
-an initialised process group; :meth:`World.from_env` from the variables ``torchrun`` sets.
+"rank 3 of 8" is a one-process unit test. :func:`mdloader.distributed.group.current_world`
+builds one from an initialised process group; :meth:`World.from_env` from the variables
+``torchrun`` sets.
 """
 
 from __future__ import annotations

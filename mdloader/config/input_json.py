@@ -1,6 +1,6 @@
 """Read a DeePMD-kit ``input.json`` into a small frozen configuration.
 
-The file goes through the dargs schema of :mod:`mdloader.argcheck` (aliases, defaults, types,
+The file goes through the dargs schema of :mod:`mdloader.config.argcheck` (aliases, defaults, types,
 value rules), then into frozen dataclasses with relative system paths resolved against the
 folder of the JSON file, as ``dp`` resolves them when run from that folder. Every problem is
 one :class:`~mdloader.errors.ConfigError` whose ``path`` is the dotted JSON path of the key

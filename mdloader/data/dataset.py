@@ -1,6 +1,6 @@
 """``DeepmdDataSetForLoader``: one system as a lazy torch ``Dataset``.
 
-It holds a :class:`~mdloader.system.SystemMeta` and the data requirements, nothing else, so it
+It holds a :class:`~mdloader.data.system.SystemMeta` and the data requirements, nothing else, so it
 pickles to a few hundred bytes and travels cheaply to other ranks and DataLoader workers.
 Frames are read on demand: rows of memory-mapped npy files or rows of HDF5 datasets, through
 handles opened on first read in the reading process.

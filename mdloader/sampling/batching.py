@@ -5,7 +5,7 @@ Pure functions of the per-system atom counts, so that the numbers DeePMD-kit doc
 A string rule is dispatched through :data:`RULES` (name -> function); every rule returns one
 batch size per *kept* system plus the indices of the kept systems, because ``filter:N`` drops
 systems and the probability inputs written against the original list must then be remapped
-(see :func:`mdloader.probability.remap_sys_probs`).
+(see :func:`mdloader.sampling.probability.remap_blocks`).
 
 Differences from DeePMD-kit, all on invalid input only: a wrong-length list, a non-positive size
 or rule value and a malformed rule raise :class:`~mdloader.errors.ConfigError` (a ``ValueError``)
@@ -159,7 +159,7 @@ def batches_per_rank(nframes: np.ndarray | Sequence[int], batch_sizes: np.ndarra
     """nb_i = ceil(ceil(F_i / W) / B_i): batches of system i on each rank (DeePMD's ``index``).
 
     Every rank has the same count because the shard is padded to ceil(F/W) frames
-    (:func:`mdloader.sampling.shard_frames`).
+    (:func:`mdloader.sampling.order.shard_frames`).
     """
     f = np.asarray(nframes, dtype=np.int64)
     b = np.asarray(batch_sizes, dtype=np.int64)

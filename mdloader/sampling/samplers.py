@@ -52,7 +52,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
     nframes, batch_sizes
         Frames and batch size of every system (after any ``filter:N``).
     probs
-        System probabilities (:func:`mdloader.probability.system_probabilities`).
+        System probabilities (:func:`mdloader.sampling.probability.system_probabilities`).
     seed
         The job seed, identical on every rank (frame permutations must agree across ranks).
     rank, world_size

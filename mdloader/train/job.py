@@ -3,7 +3,7 @@
 One process per rank (``torchrun``); the process group starts only when ``WORLD_SIZE`` > 1, with
 NCCL on GPUs and gloo on CPUs. Every rank builds the loader (rank 0 reads the data tree, the
 others receive metadata), pulls batches through the outer ``DataLoader`` with the stateful
-weighted sampler, and steps a :class:`~mdloader.model.RadialPotential` wrapped in
+weighted sampler, and steps a :class:`~mdloader.train.model.RadialPotential` wrapped in
 ``DistributedDataParallel``. Rank 0 writes ``lcurve.out`` and the checkpoints; ``restart``
 resumes model, optimizer and every rank's loader stream, so the batches after the restart are
 exactly those an uninterrupted run would have drawn.
