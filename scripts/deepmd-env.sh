@@ -6,8 +6,9 @@
 #   VENV_DIR defaults to $MDLOADER_DEEPMD_ENV, else .venv-deepmd in the repository (git-ignored).
 #
 # Why each step:
-#  * --system-site-packages: reuse this Python's torch, numpy and mdloader instead of
-#    downloading them again (install torch and mdloader first);
+#  * --system-site-packages (and, when this Python is itself a venv, a .pth line naming its
+#    site-packages): reuse this Python's torch, numpy and mdloader instead of downloading them
+#    again (install torch and mdloader first);
 #  * deepmd-constraints.txt pins torch to the installed release, else DeePMD-kit's wheel would
 #    pull another one;
 #  * mpich is a run-time dependency of DeePMD-kit's PyTorch backend, e3nn is imported by its
@@ -27,6 +28,12 @@ if "$VENV/bin/python" -c "import deepmd.pt.utils.dataloader" >/dev/null 2>&1; th
 fi
 if [[ ! -x "$VENV/bin/python" ]]; then
     "$PYTHON" -m venv --system-site-packages "$VENV"
+    # A venv made from a venv sees the base interpreter's packages, not its parent's: link them.
+    PARENT="$("$PYTHON" -c 'import site, sys; print(site.getsitepackages()[0] if sys.prefix != sys.base_prefix else "")')"
+    if [[ -n "$PARENT" ]]; then
+        OWN="$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')"
+        echo "$PARENT" > "$OWN/_mdloader_parent_env.pth"
+    fi
 fi
 TORCH="$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
 CONSTRAINTS="$(mktemp)"
