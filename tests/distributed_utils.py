@@ -7,7 +7,7 @@ back over a pipe, so the caller can compare ranks: same result, same error, exit
 together.
 
 Children come from a *forkserver* that has imported torch once: starting a rank costs a fork
-instead of a fresh interpreter importing torch (about 1 s on this machine), and the children do
+instead of a fresh interpreter importing torch (about a second), and the children do
 not inherit pytest's threads or state the way a plain ``fork`` of the test process would.
 """
 

@@ -119,9 +119,9 @@ def test_data_aliases_and_sampler_params() -> None:
 def test_paths_resolve_against_the_json_folder() -> None:
     cfg = parse_config({"training": {"training_data": {
         "systems": ["rel/sys", "/abs/sys", "../up/f.h5#/grp/a", "f.h5#/"]}}},
-        base_dir="/work/job")
+        base_dir="/data/job")
     assert cfg.training_data.systems == (
-        "/work/job/rel/sys", "/abs/sys", "/work/up/f.h5#/grp/a", "/work/job/f.h5#/")
+        "/data/job/rel/sys", "/abs/sys", "/data/up/f.h5#/grp/a", "/data/job/f.h5#/")
 
 
 @pytest.mark.parametrize("rule", ["auto", "auto:64", "max:300", "filter:200", 4, [1, 2]])
