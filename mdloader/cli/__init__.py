@@ -1,0 +1,1 @@
+"""The mdloader command line: check, bench, convert, train, dp."""

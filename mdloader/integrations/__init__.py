@@ -1,0 +1,1 @@
+"""Running other software on mdloader: DeePMD-kit's own trainer."""
