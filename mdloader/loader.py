@@ -38,16 +38,18 @@ from mdloader.errors import ConfigError, StateDictError
 from mdloader.per_system import LazySystemBatches
 from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
 from mdloader.sampling.order import FrameOrder, normalize_seed
-from mdloader.sampling.probability import select_prob_source, system_probabilities
+from mdloader.sampling.probability import select_prob_source
+from mdloader.sampling.probability_rule import StyleRule
 from mdloader.sampling.samplers import BatchKey, WeightedSystemSampler
 from mdloader.sampling.state import check_keys, check_same
+from mdloader.sampling.validation import ShardedValidationSampler
 from mdloader.settings import resolve
 from mdloader.transport import TransportBatch
 from mdloader.world import World
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 def default_num_workers() -> int:
@@ -113,6 +115,7 @@ class DpLoaderSet(Dataset):
         if world is None:
             world = current_world()
         self.world = world
+        self.type_map = list(type_map) if type_map else None
         user_seed = normalize_seed(seed, world.rank)
         self.seed_given = user_seed is not None
         self.seed = _agree_seed(user_seed, world)
@@ -202,21 +205,34 @@ class DpLoaderSet(Dataset):
                      self.batch_sizes[i], self.index[i], prob[i], "T" if s.meta.pbc else "F")
 
     # -- probabilities and state -----------------------------------------------------------
+    def probability_rule(self, prob_style: str | Sequence[float], sys_prob: bool = False,
+                         key: str | None = None) -> StyleRule:
+        """The probability rule of ``prob_style``, written against the unfiltered system list;
+        it gives the probabilities of any world size (:mod:`mdloader.sampling.probability_rule`)."""
+        return StyleRule.of(prob_style, sys_prob, kept=self._kept,
+                            nsys_original=self._nsys_original, key=key)
+
     def probabilities(self, prob_style: str | Sequence[float], sys_prob: bool = False,
                       key: str | None = None) -> np.ndarray:
         """System probabilities from ``index``; inputs written against the unfiltered list."""
-        return system_probabilities(self.index, prob_style, sys_prob, kept=self._kept,
-                                    nsys_original=self._nsys_original, key=key)
+        return self.probability_rule(prob_style, sys_prob, key)(np.asarray(self.index))
 
     def state_dict(self) -> dict[str, Any]:
-        """The seed and the ``ls[int]`` cursors in use (the sampler saves its own state)."""
+        """The seed and the ``ls[int]`` cursors in use (the sampler saves its own state).
+
+        The cursors walk this rank's shards, so they resume on the same rank and world size only
+        (the sampler's state is the one that resumes on another number of ranks).
+        """
         used = np.flatnonzero(self._cursor)
-        return {"version": STATE_VERSION, "seed": self.seed, "cursor_sids": used.tolist(),
+        return {"version": STATE_VERSION, "seed": self.seed, "rank": self.world.rank,
+                "world_size": self.world.world_size, "cursor_sids": used.tolist(),
                 "cursor_counts": self._cursor[used].tolist()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         check_keys(state, kind="DpLoaderSet", version=STATE_VERSION,
-                   keys=("seed", "cursor_sids", "cursor_counts"))
+                   keys=("seed", "rank", "world_size", "cursor_sids", "cursor_counts"))
+        check_same("DpLoaderSet", "world size", int(state["world_size"]), self.world.world_size)
+        check_same("DpLoaderSet", "rank", int(state["rank"]), self.world.rank)
         sids = np.asarray(state["cursor_sids"], dtype=np.int64)
         if len(sids) and (sids.min() < 0 or sids.max() >= len(self.systems)):
             raise StateDictError(f"cursor system index out of range for {len(self.systems)} "
@@ -240,20 +256,28 @@ def get_weighted_sampler(training_data: DpLoaderSet, prob_style: str | Sequence[
     One ``iter()`` yields ``total_batch * max(num_workers, 1)`` keys unless ``num_samples`` is
     given; ``num_workers`` defaults to ``NUM_WORKERS`` as in DeePMD-kit.
     """
-    probs = training_data.probabilities(prob_style, sys_prob)
+    rule = training_data.probability_rule(prob_style, sys_prob)
+    probs = rule(np.asarray(training_data.index))
     if num_samples is None:
         workers = default_num_workers() if num_workers is None else int(num_workers)
         num_samples = training_data.total_batch * max(workers, 1)
     world = training_data.world
     sampler = WeightedSystemSampler(
-        training_data.nframes, training_data.batch_sizes, probs, seed=training_data.seed,
+        training_data.nframes, training_data.batch_sizes, rule, seed=training_data.seed,
         rank=world.rank, world_size=world.world_size, num_samples=num_samples,
         shuffle=training_data.shuffle,
         same_system_across_ranks=training_data.same_system_across_ranks,
-        adopt_seed=not training_data.seed_given)
+        adopt_seed=not training_data.seed_given, type_map=training_data.type_map)
     log.debug("Generated weighted sampler with prob array: %s", probs)
     training_data.sampler = sampler
     return sampler
+
+
+def get_validation_sampler(data: DpLoaderSet) -> ShardedValidationSampler:
+    """Keys of one full validation pass on this rank: every frame of ``data`` once over the ranks,
+    without padding (:mod:`mdloader.sampling.validation`)."""
+    return ShardedValidationSampler(data.nframes, data.batch_sizes, rank=data.world.rank,
+                                    world_size=data.world.world_size)
 
 
 def get_sampler_from_params(data: DpLoaderSet, params: Mapping[str, Any], **kwargs: Any
@@ -263,5 +287,5 @@ def get_sampler_from_params(data: DpLoaderSet, params: Mapping[str, Any], **kwar
     return get_weighted_sampler(data, value, sys_prob=is_sys_probs, **kwargs)
 
 
-__all__ = ["DpLoaderSet", "get_weighted_sampler",
+__all__ = ["DpLoaderSet", "get_weighted_sampler", "get_validation_sampler",
            "get_sampler_from_params", "default_num_workers"]

@@ -68,6 +68,7 @@ def run_ranks(
     env: dict[str, str] | None = None,
     init_group: bool = True,
     group_timeout: float | None = None,
+    daemon: bool = True,
 ) -> list[RankResult | RankError]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; one outcome per rank.
 
@@ -84,6 +85,9 @@ def run_ranks(
         Initialise a gloo default group before calling ``fn`` (and tear it down after).
     group_timeout
         The default group's collective timeout (defaults to ``timeout``).
+    daemon
+        ``False`` lets the ranks start processes of their own (DataLoader workers); the
+        deadline still kills every rank, and torch's workers exit when their rank dies.
     """
     port = free_port()
     pipes, procs = [], []
@@ -94,7 +98,7 @@ def run_ranks(
             args=(writer, fn, rank, world_size, port, args, env or {}, init_group,
                   group_timeout or timeout),
             name=f"rank{rank}",
-            daemon=True,
+            daemon=daemon,
         )
         proc.start()
         writer.close()

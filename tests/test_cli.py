@@ -236,10 +236,21 @@ def test_torchrun_train_and_restart(tmp_path: Path) -> None:
     assert full.returncode == 0, full.stderr
     assert "[rank 0] INFO" in full.stderr and "[rank 1] INFO" not in full.stderr
     ckpt = torch.load(tmp_path / "full" / "model.ckpt.pt", weights_only=True)
-    assert ckpt["world_size"] == 2 and [s["sampler"]["rank"] for s in ckpt["loader"]] == [0, 1]
+    assert ckpt["world_size"] == 2 and ckpt["loader"]["sampler"]["generations"] == [[2, 6, 6]]
     part = _run(_torchrun(["train", path, "-o", "part", "--stop-after", "3", *common]),
                 tmp_path, 120)
     assert part.returncode == 0, part.stderr
+    one = _run([sys.executable, "-m", "mdloader", "train", path, "-o", "one", "--restart",
+                "part/model.ckpt-3.pt", "--full-validation", *common], tmp_path, 120)
+    assert one.returncode == 0, one.stderr
+    assert "on 1 rank(s), written by 2: elastic resume" in one.stderr
+    assert [line.split()[0] for line in (tmp_path / "one" / "lcurve.out").read_text()
+            .splitlines()[1:]] == ["4", "6"]
+    full_valid = (tmp_path / "one" / "full_valid.out").read_text().splitlines()
+    assert [line.split()[0] for line in full_valid[1:]] == ["4", "6"]
+    assert all(line.split()[3] == "4" for line in full_valid[1:])  # the 4 validation frames
+    ckpt = torch.load(tmp_path / "one" / "model.ckpt.pt", weights_only=True)
+    assert ckpt["loader"]["sampler"]["generations"] == [[2, 3, 3], [1, 3]]
     rest = _run(_torchrun(["train", path, "-o", "part", "--restart", "part/model.ckpt-3.pt",
                            *common]), tmp_path, 120)
     assert rest.returncode == 0, rest.stderr

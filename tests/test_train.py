@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from distributed_utils import errors, run_ranks
+from distributed_utils import errors, run_ranks, values
 
 from mdloader.config.input_json import LearningRateConfig, LossConfig, parse_config
 from mdloader.errors import ConfigError, DataError, StateDictError
@@ -147,7 +147,13 @@ def test_lcurve_has_deepmd_columns(tmp_path: Path) -> None:
                     "4.00e-01    3.00e-01    1.0e-03")
 
 
-def _config(tmp_path: Path, *, steps: int = 8, valid: bool = True, **training: object):
+def _config(tmp_path: Path, *, steps: int | None = 8, valid: bool = True, **training: object):
+    return parse_config(_raw(tmp_path, steps=steps, valid=valid, **training),
+                        base_dir=str(tmp_path))
+
+
+def _raw(tmp_path: Path, *, steps: int | None = 8, valid: bool = True,
+         **training: object) -> dict:
     data = tmp_path / "data"
     for i, n in enumerate((5, 7)):
         make_system(data, f"sys{i}", natoms=n, nframes=6, seed=i, keys=("energy", "force"))
@@ -160,7 +166,9 @@ def _config(tmp_path: Path, *, steps: int = 8, valid: bool = True, **training: o
     if valid:
         raw["training"]["validation_data"] = {"systems": "data/val", "batch_size": 1,
                                               "numb_btch": 2}
-    return parse_config(raw, base_dir=str(tmp_path))
+    if steps is None:
+        del raw["training"]["numb_steps"]
+    return raw
 
 
 @pytest.mark.timeout(120)
@@ -187,13 +195,12 @@ def test_checkpoint_errors(tmp_path: Path) -> None:
     out = train(cfg, output=str(tmp_path / "o"), num_workers=0, options=SMALL)
     assert out.last_valid is None and set(out.last_train) == {"rmse", "rmse_e", "rmse_f"}
     ckpt = str(tmp_path / "o" / "model.ckpt-2.pt")
-    with pytest.raises(StateDictError, match=r"was written by 1 rank\(s\) but this job has 2: "):
-        load_checkpoint(ckpt, world_size=2)
+    assert load_checkpoint(ckpt)["loader"]["sampler"]["generations"] == [[1, 2]]
     with pytest.raises(StateDictError, match=r"^checkpoint not found: .*nope\.pt$"):
-        load_checkpoint(str(tmp_path / "nope.pt"), world_size=1)
+        load_checkpoint(str(tmp_path / "nope.pt"))
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(StateDictError, match=r"^cannot read checkpoint .*junk\.pt"):
-        load_checkpoint(str(tmp_path / "junk.pt"), world_size=1)
+        load_checkpoint(str(tmp_path / "junk.pt"))
     other = ModelOptions(rcut=2.0, nbasis=4, hidden=(8,))
     with pytest.raises(StateDictError, match=r"holds a model .*'rcut': 2\.5.* but this run "
                        r"builds .*'rcut': 2\.0"):
@@ -209,6 +216,54 @@ def test_steps_are_required_and_epochs_convert(tmp_path: Path) -> None:
     out = train(cfg, output=str(tmp_path / "e"), num_workers=0, options=SMALL)
     # 2 systems of 6 frames, batch 2: 3 batches each, p = 1/2 -> ceil(0.5 * ceil(3 / 0.5)) = 3
     assert out.step == 3
+
+
+def _train_rank(rank: int, world_size: int, raw: dict, base: str, out: str, kwargs: dict):
+    return train(parse_config(raw, base_dir=base), output=out, num_workers=0, options=SMALL,
+                 **kwargs)
+
+
+def _resumed_keys(cfg, ckpt: str, rank: int, world: int, n: int) -> list:
+    """The first ``n`` keys of rank ``rank`` of ``world`` resumed from ``ckpt`` (no training)."""
+    from mdloader import DpLoaderSet, get_sampler_from_params
+    from mdloader.world import World
+
+    data = cfg.training_data
+    ls = DpLoaderSet(list(data.systems), data.batch_size_value(), list(cfg.type_map),
+                     seed=cfg.seed, world=World(rank=rank, world_size=world))
+    sampler = get_sampler_from_params(ls, data.sampler_params(), num_workers=0)
+    sampler.load_state_dict(load_checkpoint(ckpt)["loader"]["sampler"])
+    return [(k.sid, k.fids) for k in (sampler.next_key() for _ in range(n))]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_restart_on_another_number_of_ranks(tmp_path: Path) -> None:
+    """2 ranks stop at step 4; the job goes on with 1 rank (2 workers) and with 3 ranks."""
+    raw = _raw(tmp_path, steps=None, numb_epoch=2)  # 8 steps on 2 ranks, 12 on 1, 4 on 3
+    cfg, base = parse_config(raw, base_dir=str(tmp_path)), str(tmp_path)
+    part = values(run_ranks(_train_rank, 2, raw, base, str(tmp_path / "part"),
+                            {"stop_after": 4}, timeout=150))
+    assert [r.step for r in part] == [4, 4]
+    ckpt = str(tmp_path / "part" / "model.ckpt-4.pt")
+    one = train(cfg, output=str(tmp_path / "one"), num_workers=2, options=SMALL, restart=ckpt,
+                full_validation=True)
+    three = values(run_ranks(_train_rank, 3, raw, base, str(tmp_path / "three"),
+                             {"restart": ckpt, "full_validation": True}, timeout=200))
+    for world, results in ((1, [one]), (3, three)):
+        assert [r.step for r in results] == [8] * world  # the job's 8 steps, not 12 or 4
+        for rank, result in enumerate(results):
+            trained = [(sid, fids) for _, sid, fids in result.batches]
+            assert trained == _resumed_keys(cfg, ckpt, rank, world, 4)
+        state = load_checkpoint(str(tmp_path / ("one" if world == 1 else "three") /
+                                    "model.ckpt-8.pt"))
+        assert state["loader"]["sampler"]["generations"] == [[2, 4, 4], [world, *[4] * world]]
+        fulls = [r.full_valid for r in results]
+        assert all([f.step for f in full] == [8] for full in fulls)
+        assert {(f[0].frames, f[0].rmse_e, f[0].rmse_f) for f in fulls} == {
+            (4, fulls[0][0].rmse_e, fulls[0][0].rmse_f)}  # every frame once, same on every rank
+    lines = (tmp_path / "three" / "lcurve.out").read_text().splitlines()
+    assert [line.split()[0] for line in lines[1:]] == ["6", "8"]
 
 
 def _train_rank0_stats_fail(rank: int, world_size: int, raw: dict, base: str, out: str) -> None:

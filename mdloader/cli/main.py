@@ -72,7 +72,8 @@ def _add_train(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
                        "DistributedDataParallel (one process per rank under torchrun).")
     p.add_argument("input", help="DeePMD-kit input.json")
     p.add_argument("--restart", default=None, metavar="CKPT",
-                   help="continue from this checkpoint (model, optimizer and loader state)")
+                   help="continue from this checkpoint (model, optimizer and loader state), "
+                   "on the same or on another number of ranks")
     p.add_argument("--numb-steps", type=int, default=None, metavar="N",
                    help="override training.numb_steps")
     p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
@@ -84,6 +85,9 @@ def _add_train(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
                    help="DataLoader workers (default: NUM_WORKERS or min(4, cpus))")
     p.add_argument("--rcut", type=float, default=4.0,
                    help="cutoff radius of the reference model in Angstrom (default: 4)")
+    p.add_argument("--full-validation", action="store_true",
+                   help="at every checkpoint, validate every validation frame once, shared by "
+                   "the ranks; results in full_valid.out")
 
 
 def _add_convert(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -153,7 +157,8 @@ def _run_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"must be a positive number, got {args.rcut}", path="--rcut")
     train(load_config(args.input), output=args.output, restart=args.restart,
           numb_steps=args.numb_steps, stop_after=args.stop_after,
-          num_workers=args.num_workers, options=ModelOptions(rcut=args.rcut))
+          num_workers=args.num_workers, options=ModelOptions(rcut=args.rcut),
+          full_validation=args.full_validation)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Small collectives of a job: one object gathered to rank 0 or broadcast from it, a mean.
+"""Small collectives of a job: one object gathered to rank 0 or broadcast from it, a mean, sums.
 
 Every object travels as one framed packet (:mod:`mdloader.distributed.packets`), so a rank that
 cannot pickle its object fails every rank with its error instead of leaving them waiting.
@@ -6,6 +6,8 @@ cannot pickle its object fails every rank with its error instead of leaving them
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -13,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mdloader.distributed.channel import world_channel
-from mdloader.distributed.group import current_world
+from mdloader.distributed.group import current_world, transport_device
 from mdloader.distributed.packets import Kind, data_packet, open_packet
 
 
@@ -26,6 +28,27 @@ def all_reduce_mean(values: np.ndarray | list[float],
     tensor = torch.as_tensor(arr, device=device or torch.device("cpu"))
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor.cpu().numpy() / dist.get_world_size()
+
+
+def reduce_sums(values: Mapping[str, float]) -> dict[str, float]:
+    """Named sums and counts of every rank added up: the same float64 numbers on every rank.
+
+    Every rank must pass the same names. The ranks' values are gathered and added in rank order
+    with ``math.fsum`` (correctly rounded), so a metric computed from the reduced sums and counts
+    (an RMSE over sharded validation frames) equals a one-rank computation up to the rounding of
+    the ranks' own partial sums.
+    """
+    names = list(values)
+    local = np.array([float(values[name]) for name in names], dtype=np.float64)
+    world = current_world()
+    if not world.distributed:
+        return dict(zip(names, local.tolist()))
+    device = transport_device(dist.get_backend(), world.local_rank)
+    mine = torch.as_tensor(local, device=device)
+    parts = [torch.empty_like(mine) for _ in range(world.world_size)]
+    dist.all_gather(parts, mine)
+    table = torch.stack(parts).cpu().numpy()
+    return {name: math.fsum(table[:, i]) for i, name in enumerate(names)}
 
 
 def gather_to_main(obj: Any, *, timeout: float | None = None,

@@ -22,7 +22,9 @@ the last may be short (``drop_last=False``). A rank has ``nb = ceil(ceil(F/W)/B)
 System stream. Step ``k`` of rank ``r`` draws a system index with probabilities ``p`` by
 inverse CDF from uniforms of chunk ``k // STREAM_CHUNK``, seeded from ``(seed, r, chunk)``; in
 ``same_system_across_ranks`` mode the rank is left out so that all ranks draw the same system at
-each step (and still read disjoint frames, because their per-system counters agree).
+each step (and still read disjoint frames, because their per-system counters agree). After an
+elastic resume (:mod:`mdloader.sampling.elastic`) generation ``g >= 1`` of the job draws from
+keys that also hold ``g``, so the new ranks never replay the draws of an earlier generation.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numbers
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,6 +44,8 @@ from mdloader.sampling.batching import batches_per_rank
 TAG_FRAMES = 0x4652414D   # "FRAM": per-system frame permutations
 TAG_STREAM = 0x5354524D   # "STRM": per-rank system stream
 TAG_SHARED = 0x53484152   # "SHAR": system stream shared by all ranks
+TAG_ELASTIC = 0x454C5354  # "ELST": per-rank system stream of generation g >= 1
+TAG_ELASTIC_SHARED = 0x454C5348  # "ELSH": shared system stream of generation g >= 1
 STREAM_CHUNK = 4096
 """Draws per stream chunk: each chunk has its own generator, so draw k is random access."""
 SEED_MOD = 2**64
@@ -124,21 +129,34 @@ def weights_to_cdf(probs: np.ndarray) -> np.ndarray:
     return cdf
 
 
+def stream_key(rank: int, chunk: int, same_system_across_ranks: bool = False,
+               generation: int = 0) -> tuple[int, ...]:
+    """The ``SeedSequence`` spawn key of one chunk of a system stream.
+
+    Generation 0 keeps the keys of a job that never changed its number of ranks.
+    """
+    if generation == 0:
+        return (TAG_SHARED, chunk) if same_system_across_ranks else (TAG_STREAM, rank, chunk)
+    if same_system_across_ranks:
+        return (TAG_ELASTIC_SHARED, generation, chunk)
+    return (TAG_ELASTIC, generation, rank, chunk)
+
+
 def stream_chunk(seed: int, rank: int, chunk: int, cdf: np.ndarray,
-                 same_system_across_ranks: bool = False) -> np.ndarray:
+                 same_system_across_ranks: bool = False, generation: int = 0) -> np.ndarray:
     """System indices drawn at steps ``[chunk * STREAM_CHUNK, (chunk + 1) * STREAM_CHUNK)``."""
-    key = (TAG_SHARED, chunk) if same_system_across_ranks else (TAG_STREAM, rank, chunk)
+    key = stream_key(rank, chunk, same_system_across_ranks, generation)
     u = _generator(seed, *key).random(STREAM_CHUNK)
     return np.searchsorted(cdf, u, side="right").astype(np.int64)
 
 
 def stream_draws(seed: int, rank: int, start: int, stop: int, cdf: np.ndarray,
-                 same_system_across_ranks: bool = False) -> np.ndarray:
+                 same_system_across_ranks: bool = False, generation: int = 0) -> np.ndarray:
     """System indices of steps ``[start, stop)`` of rank ``rank``'s stream."""
     if stop <= start:
         return np.empty(0, dtype=np.int64)
     first, last = start // STREAM_CHUNK, (stop - 1) // STREAM_CHUNK
-    parts = [stream_chunk(seed, rank, c, cdf, same_system_across_ranks)
+    parts = [stream_chunk(seed, rank, c, cdf, same_system_across_ranks, generation)
              for c in range(first, last + 1)]
     joined = np.concatenate(parts)
     offset = first * STREAM_CHUNK
@@ -146,18 +164,25 @@ def stream_draws(seed: int, rank: int, start: int, stop: int, cdf: np.ndarray,
 
 
 def stream_counts(seed: int, rank: int, start: int, stop: int, cdf: np.ndarray,
-                  same_system_across_ranks: bool = False) -> np.ndarray:
+                  same_system_across_ranks: bool = False, generation: int = 0) -> np.ndarray:
     """How often each system is drawn in steps ``[start, stop)``: the per-system cursors.
 
-    Computed chunk by chunk, so replaying a million steps costs a few hundred small arrays.
+    Computed chunk by chunk, with one ``bincount`` per batch of chunks holding at least as many
+    draws as there are systems, so replaying a million steps costs a few hundred small arrays.
     """
     counts = np.zeros(len(cdf), dtype=np.int64)
+    pending: list[np.ndarray] = []
+    held = 0
     pos = start
     while pos < stop:
         end = min(stop, (pos // STREAM_CHUNK + 1) * STREAM_CHUNK)
-        draws = stream_draws(seed, rank, pos, end, cdf, same_system_across_ranks)
-        counts += np.bincount(draws, minlength=len(cdf))
+        pending.append(stream_draws(seed, rank, pos, end, cdf, same_system_across_ranks,
+                                    generation))
+        held += end - pos
         pos = end
+        if held >= len(cdf) or pos >= stop:
+            counts += np.bincount(np.concatenate(pending), minlength=len(cdf))
+            pending, held = [], 0
     return counts
 
 
@@ -172,11 +197,30 @@ def sizes_digest(*arrays: np.ndarray | Sequence[int] | Sequence[float]) -> int:
     return int(crc)
 
 
+@dataclass(frozen=True)
+class Continuation:
+    """Where every system continues on this rank after an elastic resume.
+
+    The first draws of system ``sid`` read :meth:`share` ``(sid)`` -- this rank's share of the
+    frames the previous ranks left unserved -- in batches; the draws after them read fresh passes
+    numbered from ``base_pass[sid]``. Built by :mod:`mdloader.sampling.elastic`.
+    """
+
+    offsets: np.ndarray
+    frames: np.ndarray
+    base_pass: np.ndarray
+
+    def share(self, sid: int) -> np.ndarray:
+        return self.frames[self.offsets[sid]:self.offsets[sid + 1]]
+
+
 class FrameOrder:
     """Which frames the n-th batch of system ``sid`` holds on this rank.
 
     The n-th draw of a system reads batch ``n % nb`` of pass ``n // nb``; a pass is a fresh
-    permutation shared by all ranks and sharded across them. Shards of recently used
+    permutation shared by all ranks and sharded across them. With a :class:`Continuation`, the
+    draws first read this rank's share of the leftover frames, then passes from its base pass.
+    Shards of recently used
     (system, pass) pairs are kept in a small LRU cache bounded by ``cache_frames`` frame ids and
     ``cache_entries`` shards, so memory does not grow with the number of systems; a miss costs
     one permutation.
@@ -184,6 +228,7 @@ class FrameOrder:
 
     def __init__(self, nframes: Sequence[int] | np.ndarray, batch_sizes: Sequence[int] | np.ndarray,
                  *, seed: int, rank: int = 0, world_size: int = 1, shuffle: bool = True,
+                 continuation: Continuation | None = None,
                  cache_frames: int = 1 << 20, cache_entries: int = 4096) -> None:
         self.nframes = np.asarray(nframes, dtype=np.int64)
         self.batch_sizes = np.asarray(batch_sizes, dtype=np.int64)
@@ -196,6 +241,7 @@ class FrameOrder:
                               f"{self.world_size}")
         self.shuffle = bool(shuffle)
         self.nbatches = batches_per_rank(self.nframes, self.batch_sizes, self.world_size)
+        self.continuation = continuation
         self._cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self._cached = 0
         self._budget = int(cache_frames)
@@ -220,8 +266,16 @@ class FrameOrder:
 
     def fids(self, sid: int, occurrence: int) -> tuple[int, ...]:
         """Frame ids of the ``occurrence``-th batch drawn from system ``sid``."""
+        size, first_pass = int(self.batch_sizes[sid]), 0
+        if self.continuation is not None:
+            share = self.continuation.share(sid)
+            leftover_batches = -(-len(share) // size)
+            if occurrence < leftover_batches:
+                return tuple(batch_of_shard(share, occurrence, size).tolist())
+            occurrence -= leftover_batches
+            first_pass = int(self.continuation.base_pass[sid])
         pass_, j = occurrence_to_batch(occurrence, int(self.nbatches[sid]))
-        return tuple(batch_of_shard(self.shard(sid, pass_), j, int(self.batch_sizes[sid])).tolist())
+        return tuple(batch_of_shard(self.shard(sid, first_pass + pass_), j, size).tolist())
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -234,8 +288,7 @@ class FrameOrder:
 
 
 __all__ = [
-    "STREAM_CHUNK", "FrameOrder", "normalize_seed", "frame_permutation", "shard_frames",
-    "rank_frames",
-    "batch_of_shard", "occurrence_to_batch", "weights_to_cdf", "stream_chunk", "stream_draws",
-    "stream_counts", "sizes_digest",
+    "STREAM_CHUNK", "Continuation", "FrameOrder", "normalize_seed", "frame_permutation",
+    "shard_frames", "rank_frames", "batch_of_shard", "occurrence_to_batch", "weights_to_cdf",
+    "stream_key", "stream_chunk", "stream_draws", "stream_counts", "sizes_digest",
 ]

@@ -7,7 +7,9 @@ batch twice, no frame skipped (DeePMD-kit's workers each advance a forked copy o
 iterators and repeat batches).
 
 Resume state is a few integers; the per-system cursors are recomputed by replaying the system
-stream (:func:`mdloader.sampling.order.stream_counts`). Workers prefetch, so the sampler's own
+stream (:func:`mdloader.sampling.order.stream_counts`). The state of every rank merged
+(:func:`mdloader.sampling.job_state.merge_rank_states`) also resumes on another number of ranks
+(:mod:`mdloader.sampling.elastic`). Workers prefetch, so the sampler's own
 position runs ahead of what was consumed: save ``sampler.state_dict(consumed=k)``, or the state
 of a :class:`~mdloader.sampling.stateful_loader.StatefulLoader`, or let torchdata's
 ``StatefulDataLoader`` save the state of the epoch iterator (:class:`EpochIterator`).
@@ -15,6 +17,9 @@ of a :class:`~mdloader.sampling.stateful_loader.StatefulLoader`, or let torchdat
 
 from __future__ import annotations
 
+import logging
+import time
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -23,6 +28,15 @@ import torch
 from torch.utils.data import Sampler
 
 from mdloader.errors import ConfigError, StateDictError
+from mdloader.sampling.elastic import Generation, JobSampling, continuation
+from mdloader.sampling.job_state import (
+    IDENTITY,
+    JOB_KEYS,
+    RANK_KEYS,
+    generation_rows,
+    parse_generations,
+    resume_point,
+)
 from mdloader.sampling.order import (
     STREAM_CHUNK,
     FrameOrder,
@@ -31,9 +45,17 @@ from mdloader.sampling.order import (
     stream_counts,
     weights_to_cdf,
 )
+from mdloader.sampling.probability_rule import ProbabilityRule, as_rule
 from mdloader.sampling.state import check_keys, check_same
 
-STATE_VERSION = 1
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 2
+
+
+def type_map_digest(type_map: Sequence[str] | None) -> int:
+    """A 32-bit CRC of the type map (0 without one): a state of another type map is refused."""
+    return 0 if not type_map else zlib.crc32("\0".join(type_map).encode())
 
 
 class BatchKey(NamedTuple):
@@ -52,7 +74,9 @@ class WeightedSystemSampler(Sampler[BatchKey]):
     nframes, batch_sizes
         Frames and batch size of every system (after any ``filter:N``).
     probs
-        System probabilities (:func:`mdloader.sampling.probability.system_probabilities`).
+        System probabilities (:func:`mdloader.sampling.probability.system_probabilities`), or a
+        :class:`~mdloader.sampling.probability_rule.ProbabilityRule` that computes them from the
+        batch counts of any world size (what an elastic resume needs when they depend on it).
     seed
         The job seed, identical on every rank (frame permutations must agree across ranks).
     rank, world_size
@@ -66,16 +90,21 @@ class WeightedSystemSampler(Sampler[BatchKey]):
     adopt_seed
         The seed was not chosen by the user (``seed=None``): :meth:`load_state_dict` then takes
         the saved seed instead of rejecting it, so a run started without a seed can resume.
+    type_map
+        The model's type map, part of the job's identity: a state saved with another one is
+        refused.
     """
 
     def __init__(self, nframes: Sequence[int] | np.ndarray, batch_sizes: Sequence[int] | np.ndarray,
-                 probs: Sequence[float] | np.ndarray, *, seed: int, rank: int = 0,
-                 world_size: int = 1, num_samples: int | None = None, shuffle: bool = True,
-                 same_system_across_ranks: bool = False, adopt_seed: bool = False) -> None:
+                 probs: Sequence[float] | np.ndarray | ProbabilityRule, *, seed: int,
+                 rank: int = 0, world_size: int = 1, num_samples: int | None = None,
+                 shuffle: bool = True, same_system_across_ranks: bool = False,
+                 adopt_seed: bool = False, type_map: Sequence[str] | None = None) -> None:
         self.order = FrameOrder(nframes, batch_sizes, seed=seed, rank=rank,
                                 world_size=world_size, shuffle=shuffle)
         self.adopt_seed = bool(adopt_seed)
-        p = np.asarray(probs, dtype=np.float64)
+        self.rule = as_rule(probs)
+        p = np.asarray(self.rule(self.order.nbatches), dtype=np.float64)
         if len(p) != len(self.order.nframes):
             raise ConfigError(f"{len(p)} probabilities for {len(self.order.nframes)} systems")
         self._cdf = weights_to_cdf(p)
@@ -85,8 +114,13 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         self.num_samples = total if num_samples is None else int(num_samples)
         if self.num_samples < 1:
             raise ConfigError(f"num_samples must be >= 1, got {self.num_samples}")
-        self._digest = sizes_digest(self.order.nframes, self.order.batch_sizes)
-        self._wdigest = sizes_digest(p)
+        self._identity = {
+            "seed": self.order.seed, "nsys": len(p),
+            "sizes_digest": sizes_digest(self.order.nframes, self.order.batch_sizes),
+            "probs_digest": self.rule.digest, "type_map_digest": type_map_digest(type_map),
+            "shuffle": int(self.order.shuffle),
+            "same_system_across_ranks": int(self.same_system_across_ranks)}
+        self._history: tuple[Generation, ...] = ()
         self._step = 0
         self._counts = np.zeros(len(p), dtype=np.int64)
         self._chunk_id = -1
@@ -95,14 +129,22 @@ class WeightedSystemSampler(Sampler[BatchKey]):
     # -- the stream ----------------------------------------------------------------------
     @property
     def position(self) -> int:
-        """Keys handed out so far (the step of the next key)."""
+        """Keys handed out so far in this generation (the step of the next key)."""
         return self._step
+
+    @property
+    def generation(self) -> int:
+        """How many times the job changed its number of ranks (0: never)."""
+        return len(self._history)
+
+    def _stream_args(self) -> tuple[int, int]:
+        return self.order.seed, self.order.rank
 
     def _draw(self, step: int) -> int:
         c = step // STREAM_CHUNK
         if c != self._chunk_id:
-            self._chunk = stream_chunk(self.order.seed, self.order.rank, c, self._cdf,
-                                       self.same_system_across_ranks)
+            self._chunk = stream_chunk(*self._stream_args(), c, self._cdf,
+                                       self.same_system_across_ranks, self.generation)
             self._chunk_id = c
         return int(self._chunk[step - c * STREAM_CHUNK])
 
@@ -135,48 +177,75 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         step = int(step)
         if step < 0:
             raise StateDictError(f"cannot seek to a negative step ({step})")
-        args = (self.order.seed, self.order.rank)
-        if step >= self._step:
-            self._counts += stream_counts(*args, self._step, step, self._cdf,
-                                          self.same_system_across_ranks)
-        else:
-            self._counts -= stream_counts(*args, step, self._step, self._cdf,
-                                          self.same_system_across_ranks)
+        lo, hi = sorted((self._step, step))
+        delta = stream_counts(*self._stream_args(), lo, hi, self._cdf,
+                              self.same_system_across_ranks, self.generation)
+        self._counts += delta if step >= self._step else -delta
         self._step = step
 
     # -- state -----------------------------------------------------------------------------
-    def state_dict(self, consumed: int | None = None) -> dict[str, int]:
-        """A versioned dict of integers; ``consumed`` overrides the position (see module doc)."""
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """This rank's state (:mod:`mdloader.sampling.job_state`); ``consumed`` overrides the
+        position (see the module doc)."""
         steps = self._step if consumed is None else int(consumed)
         if steps < 0:
             raise StateDictError(f"consumed must be >= 0, got {steps}")
-        return {
-            "version": STATE_VERSION, "seed": self.order.seed, "rank": self.order.rank,
-            "world_size": self.order.world_size, "nsys": len(self.order.nframes),
-            "sizes_digest": self._digest, "weights_digest": self._wdigest,
-            "shuffle": int(self.order.shuffle),
-            "same_system_across_ranks": int(self.same_system_across_ranks), "steps": steps,
-        }
+        return {"version": STATE_VERSION, **self._identity,
+                "history": generation_rows(self._history), "rank": self.order.rank,
+                "world_size": self.order.world_size, "steps": steps}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict`; another job's state is rejected quoting both values."""
-        mine = self.state_dict()
-        check_keys(state, kind="sampler", version=STATE_VERSION, keys=mine)
-        labels = {"seed": "seed", "rank": "rank", "world_size": "world size",
-                  "nsys": "number of systems", "sizes_digest": "system sizes/batch sizes digest",
-                  "weights_digest": "system probabilities digest", "shuffle": "shuffle",
-                  "same_system_across_ranks": "same_system_across_ranks"}
-        if self.adopt_seed and int(state["seed"]) != mine["seed"]:
+        """Restore from this rank's state, or from the job state of every rank merged
+        (:func:`~mdloader.sampling.job_state.merge_rank_states`), saved on any number of
+        ranks; another job's state is rejected quoting both values."""
+        merged = isinstance(state, Mapping) and "generations" in state
+        check_keys(state, kind="sampler", version=STATE_VERSION,
+                   keys=JOB_KEYS if merged else RANK_KEYS)
+        if self.adopt_seed and int(state["seed"]) != self.order.seed:
             self._reseed(int(state["seed"]))
-            mine["seed"] = self.order.seed
-        for key, label in labels.items():
-            check_same("sampler", label, int(state[key]), mine[key])
-        self.seek(int(state["steps"]))
+        for key, label in IDENTITY.items():
+            check_same("sampler", label, int(state[key]), self._identity[key])
+        rank, world = self.order.rank, self.order.world_size
+        if merged:
+            history, steps = resume_point(parse_generations(state["generations"]), rank, world)
+        else:
+            if int(state["world_size"]) != world:
+                raise StateDictError(
+                    f"cannot resume the sampler: the saved state has world size "
+                    f"{state['world_size']} but this loader has {world}; to resume on another "
+                    "number of ranks, load the state of every rank merged with "
+                    "mdloader.merge_rank_states")
+            check_same("sampler", "rank", int(state["rank"]), rank)
+            history, steps = parse_generations(state["history"]), int(state["steps"])
+        self._set_history(history)
+        self.seek(steps)
+
+    def _set_history(self, history: tuple[Generation, ...]) -> None:
+        """Enter the generation after ``history``: recompute where every system continues."""
+        if history == self._history:
+            return
+        o = self.order
+        started = time.perf_counter()
+        job = JobSampling(o.nframes, o.batch_sizes, o.seed, o.shuffle,
+                          self.same_system_across_ranks, self.rule)
+        cont = continuation(job, history, o.rank, o.world_size)
+        self.order = FrameOrder(o.nframes, o.batch_sizes, seed=o.seed, rank=o.rank,
+                                world_size=o.world_size, shuffle=o.shuffle, continuation=cont)
+        self._history = history
+        self._step, self._chunk_id = 0, -1
+        self._counts[:] = 0
+        if cont is not None:
+            log.info("sampler: generation %d on %d rank(s) after %s; this rank first serves %d "
+                     "leftover frame(s) (computed in %.2f s)", len(history), o.world_size,
+                     " -> ".join(f"{g.world_size} rank(s)" for g in history), len(cont.frames),
+                     time.perf_counter() - started)
 
     def _reseed(self, seed: int) -> None:
         o = self.order
         self.order = FrameOrder(o.nframes, o.batch_sizes, seed=seed, rank=o.rank,
                                 world_size=o.world_size, shuffle=o.shuffle)
+        self._identity["seed"] = seed
+        self._history = ()
         self._step, self._chunk_id = 0, -1
         self._counts[:] = 0
 

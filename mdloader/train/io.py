@@ -2,10 +2,12 @@
 
 ``lcurve.out`` keeps DeePMD-kit's columns and number format, so existing plotting scripts work:
 ``step``, then ``rmse``, ``rmse_e`` (per atom) and ``rmse_f`` as ``_val``/``_trn`` pairs, then
-``lr``. Checkpoints are ``<save_ckpt>-<step>.pt`` with a ``<save_ckpt>.pt`` link to the latest
-(DeePMD-kit's naming); they hold the model, the optimizer, and the loader state of *every* rank
-(each rank resumes its own stream), in plain tensors and integers so that they load with
-``torch.load(weights_only=True)``.
+``lr``. ``full_valid.out`` has one line per full validation pass. Checkpoints are
+``<save_ckpt>-<step>.pt`` with a ``<save_ckpt>.pt`` link to the latest (DeePMD-kit's naming); they
+hold the model, the optimizer, and the loader state of the whole job (every rank's state merged,
+:func:`mdloader.sampling.job_state.merge_rank_states`), so that a restart on the same number of
+ranks continues every stream exactly and one on another number resumes elastically. Everything is
+plain tensors, integers and lists, so that they load with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from mdloader.errors import StateDictError
 
 KEYS = ("rmse", "rmse_e", "rmse_f")
 CKPT_FORMAT = "mdloader-train"
-CKPT_VERSION = 1
+CKPT_VERSION = 2
 MAX_KEEP = 5
 
 
@@ -61,6 +63,26 @@ class Lcurve:
         self._fh.close()
 
 
+class FullValidationLog:
+    """Append-only writer of ``full_valid.out``: one line per full validation pass (rank 0)."""
+
+    HEADER = "# {:>5s}   {:>11s} {:>11s}   {:>8s}   {:>9s}\n".format(
+        "step", "rmse_e_val", "rmse_f_val", "frames", "seconds")
+
+    def __init__(self, path: str, *, append: bool) -> None:
+        self.path = path
+        fresh = not (append and os.path.exists(path))
+        with open(path, "w" if fresh else "a", encoding="utf-8") as fh:
+            if fresh:
+                fh.write(self.HEADER)
+
+    def write(self, step: int, rmse_e: float, rmse_f: float, frames: int, seconds: float) -> str:
+        line = f"{step:7d}   {rmse_e:11.4e} {rmse_f:11.4e}   {frames:8d}   {seconds:9.3f}\n"
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(line)
+        return line
+
+
 def checkpoint_path(output: str, prefix: str, step: int) -> str:
     return os.path.join(output, f"{prefix}-{step}.pt")
 
@@ -94,8 +116,8 @@ def _prune(output: str, prefix: str) -> None:
         os.remove(checkpoint_path(output, prefix, step))
 
 
-def load_checkpoint(path: str, *, world_size: int) -> dict[str, Any]:
-    """Read and check a checkpoint written by :func:`save_checkpoint`."""
+def load_checkpoint(path: str) -> dict[str, Any]:
+    """Read and check a checkpoint written by :func:`save_checkpoint` (on any number of ranks)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -108,7 +130,4 @@ def load_checkpoint(path: str, *, world_size: int) -> dict[str, Any]:
     if state.get("version") != CKPT_VERSION:
         raise StateDictError(f"checkpoint {path} has version {state.get('version')}, this "
                              f"mdloader reads version {CKPT_VERSION}")
-    if state["world_size"] != world_size:
-        raise StateDictError(f"checkpoint {path} was written by {state['world_size']} rank(s) "
-                             f"but this job has {world_size}: the loader streams are per rank")
     return state

@@ -5,8 +5,10 @@ NCCL on GPUs and gloo on CPUs. Every rank builds the loader (rank 0 reads the da
 others receive metadata), pulls batches through the outer ``DataLoader`` with the stateful
 weighted sampler, and steps a :class:`~mdloader.train.model.RadialPotential` wrapped in
 ``DistributedDataParallel``. Rank 0 writes ``lcurve.out`` and the checkpoints; ``restart``
-resumes model, optimizer and every rank's loader stream, so the batches after the restart are
-exactly those an uninterrupted run would have drawn.
+resumes model, optimizer and the loader streams: on the same number of ranks the batches after the
+restart are exactly those an uninterrupted run would have drawn, on another number the job
+resumes elastically (:mod:`mdloader.train.resume`). Validation is in
+:mod:`mdloader.train.validation`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
@@ -26,16 +27,16 @@ from tqdm import tqdm
 from mdloader.config.input_json import Config
 from mdloader.config.loaders import configured_loader
 from mdloader.data.schema import DataRequirementItem
-from mdloader.distributed.channel import world_channel
-from mdloader.distributed.collectives import all_reduce_mean, gather_to_main
+from mdloader.distributed.collectives import all_reduce_mean
 from mdloader.distributed.group import device_of, process_group
-from mdloader.distributed.packets import data_packet, error_packet, open_packet
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.loader import default_num_workers
-from mdloader.sampling.stateful_loader import StatefulLoader
-from mdloader.train.io import Lcurve, load_checkpoint, save_checkpoint
-from mdloader.train.model import RadialPotential, fit_energy_bias
+from mdloader.train.io import FullValidationLog, Lcurve, load_checkpoint, save_checkpoint
+from mdloader.train.model import RadialPotential
 from mdloader.train.objective import EnergyForceLoss, ExpDecayLR, resolve_numb_steps, rmse_columns
+from mdloader.train.resume import gather_loader_states, restart_note
+from mdloader.train.statistics import fit_statistics, on_main_for_all
+from mdloader.train.validation import FullValidation, Validation
 from mdloader.world import World
 
 log = logging.getLogger(__name__)
@@ -65,27 +66,35 @@ class TrainResult:
     batches: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
     last_train: dict[str, float] = field(default_factory=dict)
     last_valid: dict[str, float] | None = None
+    full_valid: list[FullValidation] = field(default_factory=list)
 
 
 def train(config: Config, *, output: str = ".", restart: str | None = None,
           numb_steps: int | None = None, stop_after: int | None = None,
-          num_workers: int | None = None, options: ModelOptions = ModelOptions()) -> TrainResult:
-    """Train; ``stop_after`` ends this run early (with a checkpoint) as a job time limit would."""
+          num_workers: int | None = None, options: ModelOptions = ModelOptions(),
+          full_validation: bool = False) -> TrainResult:
+    """Train; ``stop_after`` ends this run early (with a checkpoint) as a job time limit would;
+    ``full_validation`` validates every validation frame at every checkpoint."""
+    if full_validation and config.validation_data is None:
+        raise ConfigError("--full-validation needs validation data",
+                          path="training.validation_data")
     if stop_after is not None and stop_after < 1:
         raise ConfigError(f"must be a positive step, got {stop_after}", path="--stop-after")
     if numb_steps is not None and numb_steps < 1:
         raise ConfigError(f"must be a positive integer, got {numb_steps}", path="--numb-steps")
     with process_group() as world:
         return _Trainer(config, world, output=output, numb_steps=numb_steps,
-                        num_workers=num_workers, options=options).run(restart, stop_after)
+                        num_workers=num_workers, options=options,
+                        full_validation=full_validation).run(restart, stop_after)
 
 
 class _Trainer:
     """State of one training run on one rank (created by :func:`train`)."""
 
     def __init__(self, config: Config, world: World, *, output: str, numb_steps: int | None,
-                 num_workers: int | None, options: ModelOptions) -> None:
+                 num_workers: int | None, options: ModelOptions, full_validation: bool) -> None:
         self.config, self.world, self.output, self.options = config, world, output, options
+        self.full_validation = full_validation
         self.device = device_of(world)
         workers = default_num_workers() if num_workers is None else num_workers
         built = configured_loader(config.training_data, type_map=config.type_map,
@@ -95,7 +104,10 @@ class _Trainer:
         self.numb_steps = resolve_numb_steps(config, numb_steps, self.train_set.index,
                                              sampler.weights.numpy())
         self.train_set.print_summary("training", sampler.weights.tolist())
-        self.valid = self._validation_loader()
+        self.numb_steps_given = numb_steps is not None or config.numb_steps is not None
+        self.valid = None if config.validation_data is None else Validation(
+            config.validation_data, type_map=config.type_map, world=world, labels=LABELS,
+            seed=None if config.seed is None else config.seed + 1)
         self.schedule = ExpDecayLR.from_config(config.learning_rate, self.numb_steps)
         self.loss_fn = EnergyForceLoss.from_config(config.loss, self.schedule.start_lr)
         ntypes = len(config.type_map) if config.type_map else max(
@@ -107,16 +119,6 @@ class _Trainer:
                 torch.manual_seed(config.seed)
             self.model = RadialPotential(ntypes, rcut=options.rcut, nbasis=options.nbasis,
                                          hidden=options.hidden).to(self.device)
-
-    def _validation_loader(self) -> StatefulLoader | None:
-        data = self.config.validation_data
-        if data is None:
-            return None
-        seed = None if self.config.seed is None else self.config.seed + 1
-        built = configured_loader(data, type_map=self.config.type_map, seed=seed,
-                                  world=self.world, labels=LABELS, num_workers=0)
-        built.dataset.print_summary("validation", built.sampler.weights.tolist())
-        return built.loader
 
     def run(self, restart: str | None, stop_after: int | None) -> TrainResult:
         step = 0
@@ -131,6 +133,9 @@ class _Trainer:
         self.lcurve = (Lcurve(os.path.join(self.output, self.config.disp_file),
                               with_validation=self.valid is not None, append=restart is not None)
                        if self.world.is_main else None)
+        self.full_log = (FullValidationLog(os.path.join(self.output, "full_valid.out"),
+                                           append=restart is not None)
+                         if self.world.is_main and self.full_validation else None)
         try:
             return self._loop(step, stop_after)
         finally:
@@ -138,61 +143,28 @@ class _Trainer:
                 self.lcurve.close()
 
     def _statistics_on_main(self) -> None:
-        """Rank 0 computes the statistics (DDP then broadcasts them with the weights); its
-        failure (e.g. a system without energy.npy) reaches every rank as one framed error
-        instead of leaving the others waiting in the DDP constructor."""
-        if not self.world.distributed:
-            self._statistics()
-            return
-        context = "computing the model statistics"
-        channel = world_channel(activity=context)
-        packet = None
-        if channel.is_source:
-            try:
-                self._statistics()
-                packet = data_packet(None, rank=0, context=context)
-            except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
-                packet = error_packet(exc, rank=0, context=context)
-        open_packet(channel.broadcast(packet), rank=self.world.rank)
+        """Rank 0 computes the statistics; DDP then broadcasts them with the weights."""
+        on_main_for_all(self._statistics, self.world, context="computing the model statistics")
 
     def _statistics(self) -> None:
-        """Energy bias by least squares and feature scales from a few frames per system."""
-        systems = self.train_set.systems
-        picks = np.unique(np.linspace(0, len(systems) - 1,
-                                      min(len(systems), self.options.stat_systems)).astype(int))
-        counts, energies, frames = [], [], []
-        for sid in picks:
-            nf = min(len(systems[sid]), self.options.stat_frames)
-            batch = systems[sid].get_batch(list(range(nf)))
-            natoms = batch.get("real_natoms_vec", batch["natoms"])
-            counts.append(natoms[:, 2:].numpy())
-            energies.append(batch["energy"].numpy().reshape(-1))
-            frames.append(batch)
-        bias = fit_energy_bias(np.concatenate(counts), np.concatenate(energies))
-        feats = []
-        with torch.no_grad():
-            for batch in frames[:8]:
-                box = batch["box"]
-                f = self.model.features(batch["coord"][:1].to(self.device, torch.float64),
-                                        batch["atype"][:1].long().to(self.device),
-                                        None if box is None else
-                                        box[:1].to(self.device, torch.float64))
-                feats.append(f.reshape(-1, f.shape[-1]))
-        self.model.set_statistics(bias, torch.cat(feats))
-        log.info("energy bias per type from %d frames: %s", sum(len(e) for e in energies),
-                 np.array2string(bias, precision=4))
+        fit_statistics(self.model, self.train_set.systems, systems_max=self.options.stat_systems,
+                       frames=self.options.stat_frames, device=self.device)
 
     def _restore(self, path: str) -> int:
-        state = load_checkpoint(path, world_size=self.world.world_size)
+        state = load_checkpoint(path)
         if state["model_args"] != self.model_args:
             raise StateDictError(f"checkpoint {path} holds a model {state['model_args']} but "
                                  f"this run builds {self.model_args}")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.loader.load_state_dict(state["loader"][self.world.rank])
+        self.loader.load_state_dict(state["loader"])
         if self.valid is not None and state.get("valid_loader") is not None:
-            self.valid.load_state_dict(state["valid_loader"][self.world.rank])
-        log.info("restarted from %s at step %d", path, state["step"])
+            self.valid.load_state_dict(state["valid_loader"])
+        if not self.numb_steps_given and state["numb_steps"] != self.numb_steps:
+            # numb_epoch: the step count depends on the world size; the job keeps its first one
+            self.numb_steps = int(state["numb_steps"])
+            self.schedule = ExpDecayLR.from_config(self.config.learning_rate, self.numb_steps)
+        log.info("%s", restart_note(path, state, self.world.world_size))
         return int(state["step"])
 
     def _batches(self) -> Iterator[dict[str, Any]]:
@@ -215,6 +187,8 @@ class _Trainer:
                 self._display(done, lr, mse, result, bar)
             if done % self.config.save_freq == 0 or done == end:
                 result.checkpoint = self._save(done)
+                if self.full_validation:
+                    self._validate_fully(done, result)
             result.step = done
             bar.update(1)
         bar.close()
@@ -245,46 +219,39 @@ class _Trainer:
         self.optimizer.step()
         return mse
 
-    def _validate(self, lr: float) -> dict[str, float] | None:
-        if self.valid is None:
-            return None
-        totals = np.zeros(3)
-        numb = self.config.validation_data.numb_btch  # type: ignore[union-attr]
-        batches = iter(self.valid)
-        for _ in range(numb):
-            try:
-                batch = next(batches)
-            except StopIteration:
-                batches = iter(self.valid)
-                batch = next(batches)
-            pred = self._forward(self.model, batch, create_graph=False)
-            _, mse = self.loss_fn({k: v.detach() for k, v in pred.items()},
-                                  self._labels(batch), lr)
-            totals += [mse["mse"], mse["mse_e"], mse["mse_f"]]
-        return dict(zip(("mse", "mse_e", "mse_f"), totals / numb))
+    def _predict(self, batch: dict[str, Any]) -> tuple[dict[str, torch.Tensor],
+                                                         dict[str, torch.Tensor]]:
+        pred = self._forward(self.model, batch, create_graph=False)
+        return {k: v.detach() for k, v in pred.items()}, self._labels(batch)
+
+    def _validate_fully(self, done: int, result: TrainResult) -> None:
+        full = self.valid.full(self._predict, done)  # type: ignore[union-attr]
+        result.full_valid.append(full)
+        if self.full_log is not None:
+            self.full_log.write(done, full.rmse_e, full.rmse_f, full.frames, full.seconds)
+            log.info("full validation at step %d: rmse_e %.4e, rmse_f %.4e over %d frames "
+                     "(%.2f s on %d rank(s))", done, full.rmse_e, full.rmse_f, full.frames,
+                     full.seconds, self.world.world_size)
 
     def _display(self, done: int, lr: float, mse: dict[str, float], result: TrainResult,
                  bar: tqdm) -> None:
         trn = all_reduce_mean([mse["mse"], mse["mse_e"], mse["mse_f"]])
         result.last_train = rmse_columns(dict(zip(("mse", "mse_e", "mse_f"), trn)))
-        val = self._validate(lr)
-        if val is not None:
-            val_arr = all_reduce_mean([val["mse"], val["mse_e"], val["mse_f"]])
-            result.last_valid = rmse_columns(dict(zip(("mse", "mse_e", "mse_f"), val_arr)))
+        if self.valid is not None:
+            result.last_valid = self.valid.partial(
+                self._predict, lambda pred, label: self.loss_fn(pred, label, lr))
         if self.lcurve is not None:
             self.lcurve.write(done, lr, result.last_train, result.last_valid)
             bar.set_postfix(rmse_f=f"{result.last_train['rmse_f']:.3g}", lr=f"{lr:.1e}")
             log.debug("step %d: train %s valid %s", done, result.last_train, result.last_valid)
 
     def _save(self, done: int) -> str | None:
-        loaders = gather_to_main(self.loader.state_dict())
-        valid = gather_to_main(self.valid.state_dict()) if self.valid is not None else None
-        if not self.world.is_main:
+        loaders = gather_loader_states(self.loader, self.valid)
+        if loaders is None:  # not rank 0
             return None
         state = {"world_size": self.world.world_size, "model": self.model.state_dict(),
-                 "optimizer": self.optimizer.state_dict(), "loader": loaders,
-                 "valid_loader": valid, "model_args": self.model_args,
-                 "numb_steps": self.numb_steps}
+                 "optimizer": self.optimizer.state_dict(), **loaders,
+                 "model_args": self.model_args, "numb_steps": self.numb_steps}
         path = save_checkpoint(self.output, self.config.save_ckpt, done, state)
         log.info("saved checkpoint %s", path)
         return path

@@ -1,0 +1,194 @@
+"""Elastic resume (pure): where each system continues when a job resumes on another number of ranks.
+
+A job's sampling is a list of *generations*: generation ``g`` ran on ``W_g`` ranks and rank ``r``
+took ``k_{g,r}`` batches from its system stream (keys that hold ``g``:
+:func:`mdloader.sampling.order.stream_key`). Nothing else is saved: replaying the streams gives how
+many batches every rank took from every system, hence where each rank stood in its passes.
+
+A *unit* is what one rank serves in one go for one system: its shard of one pass, or its share of
+the generation's leftover. When generation ``g + 1`` starts on ``W'`` ranks, every system continues
+with
+
+1. its *leftover*: the frames generation ``g`` left unserved in its interrupted units -- first
+   what remains of generation ``g``'s own leftover, then the rest of every old rank's current pass
+   shard (by pass, then rank) without the shard's wrap-around padding -- shared by the new ranks
+   strided (rank ``r'`` takes items ``r', r' + W', ...``, no padding); then
+2. fresh passes numbered from one past the highest pass any old rank started, sharded over ``W'``
+   exactly as a job that always ran on ``W'`` ranks shards them.
+
+So within an interrupted unit no frame that was served is served again and none that was not is
+lost. A pass that a lagging old rank had not started is not carried over: the fresh passes take
+its place. Generation 0 has no leftover and starts at pass 0, which is the job as it runs before
+any elastic resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from mdloader.sampling.batching import batches_per_rank
+from mdloader.sampling.order import Continuation, frame_permutation, stream_counts, weights_to_cdf
+
+SYSTEM_BLOCK = 4096
+"""Systems processed together, so temporaries stay a few MB whatever the number of systems."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A stretch of the job on ``world_size`` ranks; ``steps[r]``: batches rank ``r`` took."""
+
+    world_size: int
+    steps: tuple[int, ...]
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.steps)
+
+
+@dataclass(frozen=True)
+class JobSampling:
+    """What every generation of a job shares: sizes, seed, flags and the probability rule."""
+
+    nframes: np.ndarray
+    batch_sizes: np.ndarray
+    seed: int
+    shuffle: bool
+    same_system_across_ranks: bool
+    probabilities: Callable[[np.ndarray], np.ndarray]
+
+    def cdf(self, world_size: int) -> np.ndarray:
+        """The stream's cumulative probabilities on ``world_size`` ranks."""
+        return weights_to_cdf(self.probabilities(
+            batches_per_rank(self.nframes, self.batch_sizes, world_size)))
+
+
+def empty_continuation(nsys: int) -> Continuation:
+    """No leftover, every system at pass 0: where a job starts."""
+    return Continuation(np.zeros(nsys + 1, dtype=np.int64), np.empty(0, dtype=np.int64),
+                        np.zeros(nsys, dtype=np.int64))
+
+
+def _segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For a concatenation of segments of ``lengths``: each item's segment and index in it."""
+    segment = np.repeat(np.arange(len(lengths)), lengths)
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1])) if len(lengths) else lengths
+    return segment, np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
+
+
+def share_of(full: Continuation, rank: int, world_size: int) -> Continuation:
+    """Rank ``rank``'s share of every leftover list: items ``rank, rank + W, ...`` (no padding)."""
+    segment, index = _segments(np.diff(full.offsets))
+    keep = index % world_size == rank
+    lengths = np.bincount(segment[keep], minlength=len(full.base_pass))
+    return Continuation(np.concatenate(([0], np.cumsum(lengths))).astype(np.int64),
+                        full.frames[keep], full.base_pass)
+
+
+def replay_counts(job: JobSampling, index: int, gen: Generation) -> np.ndarray:
+    """Batches each rank of generation ``index`` took from each system: ``[nsys, W]``."""
+    cdf = job.cdf(gen.world_size)
+    dtype = np.int32 if max(gen.steps, default=0) < 2**31 else np.int64
+    counts = np.empty((len(cdf), gen.world_size), dtype=dtype)
+    done: dict[int, np.ndarray] = {}   # shared stream: ranks with equal steps share a replay
+    for rank, steps in enumerate(gen.steps):
+        if job.same_system_across_ranks and steps in done:
+            counts[:, rank] = done[steps]
+            continue
+        column = stream_counts(job.seed, rank, 0, steps, cdf, job.same_system_across_ranks,
+                               generation=index)
+        counts[:, rank] = column
+        done[steps] = column
+    return counts
+
+
+def advance(job: JobSampling, full: Continuation, gen: Generation,
+            counts: np.ndarray) -> Continuation:
+    """The whole job's continuation after generation ``gen`` took ``counts`` batches."""
+    nsys = len(job.nframes)
+    lengths, frames, base = [], [], []
+    for lo in range(0, nsys, SYSTEM_BLOCK):
+        hi = min(nsys, lo + SYSTEM_BLOCK)
+        n, f, b = _advance_block(job, full, gen.world_size, counts[lo:hi].astype(np.int64), lo)
+        lengths.append(n)
+        frames.append(f)
+        base.append(b)
+    offsets = np.concatenate(([0], np.cumsum(np.concatenate(lengths)))).astype(np.int64)
+    return Continuation(offsets, np.concatenate(frames).astype(np.int64), np.concatenate(base))
+
+
+def _advance_block(job: JobSampling, full: Continuation, world: int, counts: np.ndarray,
+                   lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`advance` for systems ``[lo, lo + len(counts))``: lengths, frames, base passes."""
+    hi = lo + len(counts)
+    size = job.batch_sizes[lo:hi, None]
+    starts, lens = full.offsets[lo:hi], np.diff(full.offsets[lo:hi + 1])
+    share_len = np.maximum(0, -(-(lens[:, None] - np.arange(world)) // world))
+    from_share = np.minimum(counts, -(-share_len // size))     # batches taken from the leftover
+    served_share = np.minimum(from_share * size, share_len)
+    fresh = counts - from_share
+    nb = batches_per_rank(job.nframes[lo:hi], job.batch_sizes[lo:hi], world)[:, None]
+    pass_ = full.base_pass[lo:hi, None] + fresh // nb
+    into = fresh % nb                                           # batches into the current pass
+    started = np.where(fresh > 0, pass_ - (into == 0), -1).max(axis=1)
+    base = np.maximum(full.base_pass[lo:hi], started + 1)
+
+    segment, index = _segments(lens)
+    block = full.frames[starts[0]:starts[0] + int(lens.sum())] if len(lens) else full.frames[:0]
+    keep = index // world >= served_share[segment, index % world]
+    kept, kept_len = block[keep], np.bincount(segment[keep], minlength=hi - lo)
+    rests = {s: _unit_rests(job, lo + s, world, pass_[s], into[s]) for s in
+             np.flatnonzero((into > 0).any(axis=1))}
+
+    new_len = kept_len.copy()
+    for s, rest in rests.items():
+        new_len[s] += len(rest)
+    out = np.empty(int(new_len.sum()), dtype=np.int64)
+    new_start = np.concatenate(([0], np.cumsum(new_len)[:-1])).astype(np.int64)
+    kept_segment, kept_index = _segments(kept_len)
+    out[new_start[kept_segment] + kept_index] = kept
+    for s, rest in rests.items():
+        out[new_start[s] + kept_len[s]:new_start[s] + new_len[s]] = rest
+    return new_len, out, base
+
+
+def _unit_rests(job: JobSampling, sid: int, world: int, passes: np.ndarray,
+                into: np.ndarray) -> np.ndarray:
+    """What the old ranks left of their current pass shards of ``sid``: by pass, then rank.
+
+    Rank ``r`` took ``into[r]`` batches of its shard of pass ``passes[r]``; its shard holds the
+    positions ``r, r + W, ...`` of the pass's permutation padded by wrapping, and positions past
+    the last frame (the padding, always in the shard's last slot) are dropped.
+    """
+    nframes, size = int(job.nframes[sid]), int(job.batch_sizes[sid])
+    per_rank = -(-nframes // world)
+    ranks = np.flatnonzero(into > 0)
+    parts = []
+    for p in np.unique(passes[ranks]):
+        these = ranks[passes[ranks] == p]
+        first = into[these] * size
+        slot_rank, slot = _segments(per_rank - first)
+        positions = these[slot_rank] + world * (first[slot_rank] + slot)
+        perm = frame_permutation(job.seed, sid, int(p), nframes, job.shuffle)
+        parts.append(perm[positions[positions < nframes]])
+    return np.concatenate(parts)
+
+
+def continuation(job: JobSampling, history: Sequence[Generation], rank: int,
+                 world_size: int) -> Continuation | None:
+    """Where rank ``rank`` of ``world_size`` continues after the finished generations ``history``.
+
+    ``None`` without history: the job has never changed its number of ranks.
+    """
+    if not history:
+        return None
+    full = empty_continuation(len(job.nframes))
+    for index, gen in enumerate(history):
+        full = advance(job, full, gen, replay_counts(job, index, gen))
+    return share_of(full, rank, world_size)
+
+
+__all__ = ["Generation", "JobSampling", "empty_continuation", "share_of", "replay_counts",
+           "advance", "continuation"]

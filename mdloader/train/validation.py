@@ -1,0 +1,114 @@
+"""Validation in the reference job: DeePMD-kit's partial validation, and full passes over the ranks.
+
+*Partial* (every display step, as DeePMD-kit): each rank takes the next ``numb_btch`` batches of
+the weighted validation stream (it continues from display to display and is saved in
+checkpoints); the batch means of the squared errors are averaged over every rank's batches.
+
+*Full* (``mdloader train --full-validation``): every validation frame exactly once, shared by
+the ranks without padding (:class:`~mdloader.sampling.validation.ShardedValidationSampler`).
+Each rank sums squared errors and counts; :func:`~mdloader.distributed.collectives.reduce_sums`
+adds them up, so the RMSEs are those one rank would compute alone, in about ``1 / W`` of its
+time. DeePMD-kit's full validation runs on rank 0 while the other ranks wait.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from mdloader.config.input_json import DataConfig
+from mdloader.config.loaders import configured_loader
+from mdloader.distributed.collectives import reduce_sums
+from mdloader.loader import get_validation_sampler
+from mdloader.train.objective import rmse_columns
+from mdloader.transport import identity
+from mdloader.world import World
+
+Predict = Callable[[dict[str, Any]], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+"""A batch -> (predicted energy and force, labels), both float64 on the model's device."""
+
+
+@dataclass(frozen=True)
+class FullValidation:
+    """One full pass: RMSEs over every validation frame, how many, and the pass's wall time."""
+
+    step: int
+    rmse_e: float
+    rmse_f: float
+    frames: int
+    seconds: float
+
+
+def frame_sums(pred: Mapping[str, torch.Tensor], label: Mapping[str, torch.Tensor],
+               atype: torch.Tensor) -> dict[str, float]:
+    """Squared errors of a batch summed over its frames: energy per atom and force components of
+    real atoms (virtual atoms, ``atype < 0``, count for nothing), and the counts to divide by."""
+    real = (atype >= 0).to(pred["force"].device)
+    natoms = real.sum(dim=1).to(torch.float64)
+    de = (pred["energy"].reshape(-1) - label["energy"].reshape(-1)) / natoms
+    df = (pred["force"] - label["force"]) * real.unsqueeze(-1)
+    return {"sse_e": float(torch.sum(de * de)), "frames": float(len(de)),
+            "sse_f": float(torch.sum(df * df)), "force_terms": float(3 * real.sum())}
+
+
+def rmse_from_sums(sums: Mapping[str, float]) -> tuple[float, float]:
+    """(per-atom energy RMSE, force RMSE) from summed squared errors and counts."""
+    return (math.sqrt(sums["sse_e"] / sums["frames"]),
+            math.sqrt(sums["sse_f"] / sums["force_terms"]))
+
+
+class Validation:
+    """The validation data of a job, with its partial stream and its full-pass loader."""
+
+    def __init__(self, data: DataConfig, *, type_map: Sequence[str] | None, seed: int | None,
+                 world: World, labels: Sequence[Any]) -> None:
+        built = configured_loader(data, type_map=type_map, seed=seed, world=world, labels=labels,
+                                  num_workers=0)
+        built.dataset.print_summary("validation", built.sampler.weights.tolist())
+        self.numb_btch = data.numb_btch
+        self.loader = built.loader
+        self.full_loader = DataLoader(built.dataset, sampler=get_validation_sampler(built.dataset),
+                                      batch_size=None, num_workers=0, collate_fn=identity)
+
+    def partial(self, predict: Predict,
+                loss: Callable[..., tuple[Any, dict[str, float]]]) -> dict[str, float]:
+        """RMSE columns of ``numb_btch`` batches per rank, averaged over every rank's batches."""
+        totals = {"mse": 0.0, "mse_e": 0.0, "mse_f": 0.0, "batches": 0.0}
+        batches = iter(self.loader)
+        for _ in range(self.numb_btch):
+            batch = next(batches, None)
+            if batch is None:  # an outer epoch ended: the stream continues
+                batches = iter(self.loader)
+                batch = next(batches)
+            pred, label = predict(batch)
+            _, mse = loss(pred, label)
+            for key in ("mse", "mse_e", "mse_f"):
+                totals[key] += mse[key]
+            totals["batches"] += 1
+        summed = reduce_sums(totals)
+        return rmse_columns({k: summed[k] / summed["batches"] for k in ("mse", "mse_e", "mse_f")})
+
+    def full(self, predict: Predict, step: int) -> FullValidation:
+        """Every validation frame once, shared by the ranks; the same result on every rank."""
+        started = time.perf_counter()
+        sums = {"sse_e": 0.0, "frames": 0.0, "sse_f": 0.0, "force_terms": 0.0}
+        for batch in self.full_loader:
+            pred, label = predict(batch)
+            for key, value in frame_sums(pred, label, batch["atype"]).items():
+                sums[key] += value
+        total = reduce_sums(sums)
+        rmse_e, rmse_f = rmse_from_sums(total)
+        return FullValidation(step, rmse_e, rmse_f, int(total["frames"]),
+                              time.perf_counter() - started)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.loader.load_state_dict(state)
