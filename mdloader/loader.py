@@ -257,7 +257,6 @@ def get_weighted_sampler(training_data: DpLoaderSet, prob_style: str | Sequence[
     given; ``num_workers`` defaults to ``NUM_WORKERS`` as in DeePMD-kit.
     """
     rule = training_data.probability_rule(prob_style, sys_prob)
-    probs = rule(np.asarray(training_data.index))
     if num_samples is None:
         workers = default_num_workers() if num_workers is None else int(num_workers)
         num_samples = training_data.total_batch * max(workers, 1)
@@ -268,7 +267,7 @@ def get_weighted_sampler(training_data: DpLoaderSet, prob_style: str | Sequence[
         shuffle=training_data.shuffle,
         same_system_across_ranks=training_data.same_system_across_ranks,
         adopt_seed=not training_data.seed_given, type_map=training_data.type_map)
-    log.debug("Generated weighted sampler with prob array: %s", probs)
+    log.debug("Generated weighted sampler with prob array: %s", sampler.weights.numpy())
     training_data.sampler = sampler
     return sampler
 

@@ -1,10 +1,11 @@
-"""Use mdloader in your own training loop: a compact DDP job with exact resume.
+"""Use mdloader in your own training loop: a compact DDP job with exact resume and validation.
 
 Run it from the repository root (CPU, 2 ranks, gloo)::
 
     torchrun --standalone --nproc_per_node=2 examples/water/train_custom.py --steps 20
     torchrun --standalone --nproc_per_node=2 examples/water/train_custom.py --steps 40 \
         --resume runs/custom/checkpoint.pt
+    python examples/water/train_custom.py --steps 60 --resume runs/custom/checkpoint.pt
 
 It also runs as a plain ``python examples/water/train_custom.py`` (one process, no process group).
 The parts that concern mdloader are numbered; the model is a stand-in for yours.
@@ -15,8 +16,11 @@ The parts that concern mdloader are numbered; the model is a stand-in for yours.
 3. ``get_sampler_from_params``: draws a system by probability, then the next batch of that
    system's frames on this rank (reshuffled on every pass, seeded from ``--seed``).
 4. The outer ``DataLoader`` exactly as DeePMD-kit's trainer builds it; workers only read.
-5. A checkpoint holding the model, the optimizer and *every rank's* sampler state (a few
-   integers); ``--resume`` continues each rank's batch stream where it stopped.
+5. A checkpoint holding the model, the optimizer and *every rank's* sampler state merged (a few
+   integers); ``--resume`` continues each rank's batch stream where it stopped, or, on another
+   number of ranks, resumes elastically (docs/sampling.md#elastic-resume).
+6. A full validation pass: every validation frame once, shared by the ranks without padding, and
+   the sums reduced across ranks, so the RMSE is the one a single rank would compute.
 """
 
 from __future__ import annotations
@@ -32,10 +36,21 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from mdloader import DataRequirementItem, DpLoaderSet, gather_to_main, get_sampler_from_params
+from mdloader import (
+    DataRequirementItem,
+    DpLoaderSet,
+    gather_to_main,
+    get_sampler_from_params,
+    get_validation_sampler,
+    merge_rank_states,
+    reduce_sums,
+)
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = [str(HERE / "data" / f"data_{i}") for i in range(3)]
+VALIDATION = [str(HERE / "data" / "data_3")]
+LABELS = [DataRequirementItem("energy", 1, atomic=False, must=True, high_prec=True),
+          DataRequirementItem("force", 3, atomic=True, must=True)]
 
 
 def identity(batch: dict) -> dict:
@@ -96,10 +111,7 @@ def main() -> None:
 
     # 2. The loader set: rank 0 discovers and describes the systems, every rank receives them.
     ls = DpLoaderSet(SYSTEMS, batch_size="auto", type_map=["O", "H"], seed=args.seed)
-    ls.add_data_requirement([
-        DataRequirementItem("energy", 1, atomic=False, must=True, high_prec=True),
-        DataRequirementItem("force", 3, atomic=True, must=True),
-    ])
+    ls.add_data_requirement(LABELS)
     # 3. The sampler: one key (system, frame ids, step) per batch; state = a few integers.
     sampler = get_sampler_from_params(ls, {"auto_prob": "prob_sys_size"},
                                       num_workers=args.num_workers)
@@ -119,12 +131,13 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
 
     start = 0
-    if args.resume:  # 5. every rank restores its own stream: the batches continue exactly
+    if args.resume:  # 5. the job's state: any number of ranks; another seed is refused
         ckpt = torch.load(args.resume, map_location="cpu", weights_only=True)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
-        sampler.load_state_dict(ckpt["loader"][rank])  # rejects another world size or seed
+        sampler.load_state_dict(ckpt["loader"])
         start = ckpt["step"]
+    sampler_start = sampler.position  # batches of this rank's stream before this run
 
     def batches():
         while True:  # each iter() continues the sampler's stream (DeePMD-kit's cycle_iterator)
@@ -146,16 +159,34 @@ def main() -> None:
                   f"rmse_e/atom {loss_e.item() ** 0.5:.3e}  rmse_f {loss_f.item() ** 0.5:.3e}",
                   flush=True)
 
-    # 5. Save: the model, the optimizer and each rank's loader state, gathered on rank 0.
-    # The DataLoader prefetches keys, so save the number of batches *consumed*, not drawn.
+    # 5. Save: the model, the optimizer and every rank's loader state, merged on rank 0.
+    # The DataLoader prefetches keys, so save the number of batches *consumed* in this run.
     # gather_to_main is framed: a rank that fails to pickle its state fails every rank.
-    states = gather_to_main(sampler.state_dict(consumed=args.steps))
+    states = gather_to_main(sampler.state_dict(consumed=sampler_start + args.steps - start))
     if rank == 0:
         os.makedirs(args.output, exist_ok=True)
         path = os.path.join(args.output, "checkpoint.pt")
         torch.save({"step": args.steps, "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(), "loader": states}, path)
+                    "optimizer": optimizer.state_dict(), "loader": merge_rank_states(states)},
+                   path)
         print(f"saved {path}", flush=True)
+
+    # 6. Full validation: each rank takes its share of the frames, the sums are reduced.
+    valid = DpLoaderSet(VALIDATION, batch_size="auto", type_map=["O", "H"])
+    valid.add_data_requirement(LABELS)
+    sums = {"sse_f": 0.0, "force_terms": 0.0, "frames": 0.0}
+    model.eval()
+    for batch in DataLoader(valid, sampler=get_validation_sampler(valid), batch_size=None,
+                            collate_fn=identity):
+        _, force = model(batch["coord"].to(device), batch["atype"].to(device),
+                         None if batch["box"] is None else batch["box"].to(device))
+        sums["sse_f"] += float(((force - batch["force"].to(device)) ** 2).sum())
+        sums["force_terms"] += batch["force"].numel()
+        sums["frames"] += len(batch["fid"])
+    total = reduce_sums(sums)  # the same numbers on every rank
+    if rank == 0:
+        print(f"validation rmse_f {(total['sse_f'] / total['force_terms']) ** 0.5:.3e} over "
+              f"{total['frames']:.0f} frames", flush=True)
     if distributed:
         dist.barrier()  # gloo: every rank arrives before the group is destroyed
         dist.destroy_process_group()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -119,60 +120,77 @@ def advance(job: JobSampling, full: Continuation, gen: Generation,
     return Continuation(offsets, np.concatenate(frames).astype(np.int64), np.concatenate(base))
 
 
-def _advance_block(job: JobSampling, full: Continuation, world: int, counts: np.ndarray,
-                   lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`advance` for systems ``[lo, lo + len(counts))``: lengths, frames, base passes."""
+class _Positions(NamedTuple):
+    """Where every old rank stood in each system of a block (arrays ``[systems, W]``)."""
+
+    served_share: np.ndarray   # items of its leftover share it served
+    pass_: np.ndarray          # its current fresh pass
+    into: np.ndarray           # batches it served of that pass
+    base: np.ndarray           # ``[systems]``: the next generation's first fresh pass
+
+
+def _positions(job: JobSampling, full: Continuation, world: int, counts: np.ndarray,
+               lo: int) -> _Positions:
+    """Split each old rank's batches of each system into leftover batches and passes."""
     hi = lo + len(counts)
     size = job.batch_sizes[lo:hi, None]
-    starts, lens = full.offsets[lo:hi], np.diff(full.offsets[lo:hi + 1])
+    lens = np.diff(full.offsets[lo:hi + 1])
     share_len = np.maximum(0, -(-(lens[:, None] - np.arange(world)) // world))
-    from_share = np.minimum(counts, -(-share_len // size))     # batches taken from the leftover
-    served_share = np.minimum(from_share * size, share_len)
+    from_share = np.minimum(counts, -(-share_len // size))
     fresh = counts - from_share
     nb = batches_per_rank(job.nframes[lo:hi], job.batch_sizes[lo:hi], world)[:, None]
     pass_ = full.base_pass[lo:hi, None] + fresh // nb
-    into = fresh % nb                                           # batches into the current pass
+    into = fresh % nb
     started = np.where(fresh > 0, pass_ - (into == 0), -1).max(axis=1)
-    base = np.maximum(full.base_pass[lo:hi], started + 1)
+    return _Positions(np.minimum(from_share * size, share_len), pass_, into,
+                      np.maximum(full.base_pass[lo:hi], started + 1))
 
+
+def _advance_block(job: JobSampling, full: Continuation, world: int, counts: np.ndarray,
+                   lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`advance` for systems ``[lo, lo + len(counts))``: lengths, frames, base passes.
+
+    Each system's new leftover is the unserved part of its old leftover, then the rests of its
+    interrupted units.
+    """
+    at = _positions(job, full, world, counts, lo)
+    lens = np.diff(full.offsets[lo:lo + len(counts) + 1])
     segment, index = _segments(lens)
-    block = full.frames[starts[0]:starts[0] + int(lens.sum())] if len(lens) else full.frames[:0]
-    keep = index // world >= served_share[segment, index % world]
-    kept, kept_len = block[keep], np.bincount(segment[keep], minlength=hi - lo)
-    rests = {s: _unit_rests(job, lo + s, world, pass_[s], into[s]) for s in
-             np.flatnonzero((into > 0).any(axis=1))}
-
+    block = full.frames[full.offsets[lo]:full.offsets[lo + len(counts)]]
+    keep = index // world >= at.served_share[segment, index % world]
+    kept_len = np.bincount(segment[keep], minlength=len(counts))
+    rests = {s: _unit_rests(job, lo + s, world, at.pass_[s], at.into[s])
+             for s in np.flatnonzero((at.into > 0).any(axis=1))}
     new_len = kept_len.copy()
     for s, rest in rests.items():
         new_len[s] += len(rest)
-    out = np.empty(int(new_len.sum()), dtype=np.int64)
     new_start = np.concatenate(([0], np.cumsum(new_len)[:-1])).astype(np.int64)
+    out = np.empty(int(new_len.sum()), dtype=np.int64)
     kept_segment, kept_index = _segments(kept_len)
-    out[new_start[kept_segment] + kept_index] = kept
+    out[new_start[kept_segment] + kept_index] = block[keep]
     for s, rest in rests.items():
         out[new_start[s] + kept_len[s]:new_start[s] + new_len[s]] = rest
-    return new_len, out, base
+    return new_len, out, at.base
 
 
 def _unit_rests(job: JobSampling, sid: int, world: int, passes: np.ndarray,
                 into: np.ndarray) -> np.ndarray:
     """What the old ranks left of their current pass shards of ``sid``: by pass, then rank.
 
-    Rank ``r`` took ``into[r]`` batches of its shard of pass ``passes[r]``; its shard holds the
-    positions ``r, r + W, ...`` of the pass's permutation padded by wrapping, and positions past
-    the last frame (the padding, always in the shard's last slot) are dropped.
+    Rank ``r`` took ``into[r]`` batches of its shard of pass ``passes[r]``: the positions
+    ``r, r + W, ...`` of the pass's permutation, padded by wrapping. The rest is one slice of the
+    permutation, which stops at the last frame and so leaves out the padding (always in the
+    shard's last slot).
     """
     nframes, size = int(job.nframes[sid]), int(job.batch_sizes[sid])
-    per_rank = -(-nframes // world)
     ranks = np.flatnonzero(into > 0)
-    parts = []
-    for p in np.unique(passes[ranks]):
-        these = ranks[passes[ranks] == p]
-        first = into[these] * size
-        slot_rank, slot = _segments(per_rank - first)
-        positions = these[slot_rank] + world * (first[slot_rank] + slot)
-        perm = frame_permutation(job.seed, sid, int(p), nframes, job.shuffle)
-        parts.append(perm[positions[positions < nframes]])
+    ranks = ranks[np.argsort(passes[ranks], kind="stable")]
+    parts, perm, perm_pass = [], None, None
+    for rank in ranks.tolist():
+        p = int(passes[rank])
+        if p != perm_pass:
+            perm, perm_pass = frame_permutation(job.seed, sid, p, nframes, job.shuffle), p
+        parts.append(perm[rank + world * int(into[rank]) * size:nframes:world])
     return np.concatenate(parts)
 
 
