@@ -190,8 +190,10 @@ def test_load_errors_quote_both_values() -> None:
                        "another number of ranks, load the state of every rank merged"):
         make(0, 4).load_state_dict(rank_state)
     cases = [
-        (dict(probs=StyleRule.of("prob_uniform")), "system probabilities digest"),
-        (dict(type_map=["O", "H"]), "type_map digest 0 but this loader has"),
+        (dict(probs=StyleRule.of("prob_uniform")), r"system probabilities digest \d+ but this "
+         r"loader has \d+ \(this loader's probabilities: auto_prob 'prob_uniform'\)"),
+        (dict(type_map=["O", "H"]), r"type_map digest 0 but this loader has \d+ \(this "
+         r"loader's type_map is \['O', 'H'\]\)"),
         (dict(same_system_across_ranks=True), "same_system_across_ranks 0 but this loader has 1"),
     ]
     for kwargs, match in cases:

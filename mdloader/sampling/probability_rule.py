@@ -28,6 +28,8 @@ class ProbabilityRule(Protocol):
 
     def __call__(self, nbatch: np.ndarray) -> np.ndarray: ...
 
+    def describe(self) -> str: ...
+
 
 @dataclass(frozen=True)
 class StyleRule:
@@ -57,6 +59,11 @@ class StyleRule:
         kept_t = None if kept is None else tuple(int(i) for i in kept)
         return cls(value, bool(sys_prob), kept_t, nsys_original, key)
 
+    def describe(self) -> str:
+        """What the user wrote, shortened: for error messages."""
+        text = f"sys_probs {list(self.style)}" if self.sys_prob else f"auto_prob {self.style!r}"
+        return text if len(text) <= 80 else text[:77] + "..."
+
     def __call__(self, nbatch: np.ndarray) -> np.ndarray:
         kept = None if self.kept is None else np.asarray(self.kept, dtype=np.int64)
         style = self.style if isinstance(self.style, str) else list(self.style)
@@ -78,6 +85,9 @@ class FixedProbabilities:
 
     def __call__(self, nbatch: np.ndarray) -> np.ndarray:
         return self.probs
+
+    def describe(self) -> str:
+        return f"probabilities given as {len(self.probs)} numbers"
 
 
 def as_rule(probs: Sequence[float] | np.ndarray | ProbabilityRule) -> ProbabilityRule:

@@ -120,6 +120,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
             "probs_digest": self.rule.digest, "type_map_digest": type_map_digest(type_map),
             "shuffle": int(self.order.shuffle),
             "same_system_across_ranks": int(self.same_system_across_ranks)}
+        self._type_map = list(type_map) if type_map else None
         self._history: tuple[Generation, ...] = ()
         self._step = 0
         self._counts = np.zeros(len(p), dtype=np.int64)
@@ -204,7 +205,10 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         if self.adopt_seed and int(state["seed"]) != self.order.seed:
             self._reseed(int(state["seed"]))
         for key, label in IDENTITY.items():
-            check_same("sampler", label, int(state[key]), self._identity[key])
+            if int(state[key]) != self._identity[key]:
+                raise StateDictError(f"cannot resume the sampler: the saved state has {label} "
+                                     f"{state[key]} but this loader has {self._identity[key]}"
+                                     f"{self._hint(key)}")
         rank, world = self.order.rank, self.order.world_size
         if merged:
             history, steps = resume_point(parse_generations(state["generations"]), rank, world)
@@ -219,6 +223,14 @@ class WeightedSystemSampler(Sampler[BatchKey]):
             history, steps = parse_generations(state["history"]), int(state["steps"])
         self._set_history(history)
         self.seek(steps)
+
+    def _hint(self, key: str) -> str:
+        """What stands behind a digest that differs, in words."""
+        if key == "type_map_digest":
+            return f" (this loader's type_map is {self._type_map})"
+        if key == "probs_digest":
+            return f" (this loader's probabilities: {self.rule.describe()})"
+        return ""
 
     def _set_history(self, history: tuple[Generation, ...]) -> None:
         """Enter the generation after ``history``: recompute where every system continues."""
