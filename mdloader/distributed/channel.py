@@ -87,7 +87,8 @@ class Channel:
         """
         if self.is_source and packet is None:
             raise DistributedError("the source rank must pass a packet to broadcast")
-        header = header_tensor(packet) if self.is_source else torch.zeros(5, dtype=torch.int64)
+        header = (header_tensor(packet) if self.is_source
+                  else torch.zeros(5, dtype=torch.int64, device=self.device))
         header = self._run(dist.broadcast, header.to(self.device), "packet header")
         if self.is_source:
             if packet.payload:

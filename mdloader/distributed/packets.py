@@ -122,4 +122,4 @@ def digest(payload: bytes) -> bytes:
 def header_tensor(packet: Packet) -> torch.Tensor:
     """The first message of a packet: magic, version, kind, byte length, item count."""
     return torch.tensor([MAGIC, PROTOCOL_VERSION, int(packet.kind), len(packet.payload),
-                         packet.count], dtype=torch.int64)
+                         packet.count], dtype=torch.int64, device="cpu")

@@ -108,7 +108,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         if len(p) != len(self.order.nframes):
             raise ConfigError(f"{len(p)} probabilities for {len(self.order.nframes)} systems")
         self._cdf = weights_to_cdf(p)
-        self.weights = torch.as_tensor(p, dtype=torch.double)
+        self.weights = torch.as_tensor(p, dtype=torch.double, device="cpu")
         self.same_system_across_ranks = bool(same_system_across_ranks)
         total = int(self.order.nbatches.sum())
         self.num_samples = total if num_samples is None else int(num_samples)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 from mdloader.sampling.samplers import WeightedSystemSampler
@@ -45,7 +46,9 @@ class StatefulLoader:
     def __iter__(self) -> Iterator[Any]:
         if self.sampler.position != self._consumed:
             self.sampler.seek(self._consumed)
-        for batch in self.dataloader:
+        with torch.device("cpu"):  # torch's DataLoader draws its base seed on the default device
+            batches = iter(self.dataloader)
+        for batch in batches:
             self._consumed += 1
             yield batch
 

@@ -130,7 +130,8 @@ class RadialPotential(nn.Module):
     @torch.no_grad()
     def set_statistics(self, bias: np.ndarray, feats: torch.Tensor) -> None:
         """Store the energy bias and the mean/std of features [M, F] for normalisation."""
-        self.energy_bias.copy_(torch.as_tensor(bias, dtype=torch.float64))
+        self.energy_bias.copy_(torch.as_tensor(bias, dtype=torch.float64,
+                                                device=self.energy_bias.device))
         self.feat_mean.copy_(feats.mean(0))
         self.feat_std.copy_(feats.std(0).clamp(min=1e-3))
 
