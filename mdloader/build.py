@@ -158,9 +158,10 @@ def _discover_and_build(systems: Any, type_map: Sequence[str] | None,
     addresses = discover_systems(systems, rglob_patterns)
     found = time.monotonic()
     show = sys.stderr.isatty() if progress is None else progress
-    described = describe_systems(addresses, type_map, workers)
-    metas = list(_with_progress(described, len(addresses), show))
-    return metas, (found - start, time.monotonic() - found)
+    unique = list(dict.fromkeys(addresses))  # a repeated entry is described (and sent) once
+    described = describe_systems(unique, type_map, workers)
+    by_address = dict(zip(unique, list(_with_progress(described, len(unique), show))))
+    return [by_address[a] for a in addresses], (found - start, time.monotonic() - found)
 
 
 def _with_progress(items: Iterator[SystemMeta], total: int, show: bool) -> Iterator[SystemMeta]:

@@ -1,4 +1,5 @@
-"""discover_systems: deterministic, de-duplicated, one walk, HDF5 aware."""
+"""discover_systems: a list keeps its order and repetitions, each entry expands sorted, one
+walk, HDF5 aware."""
 
 from __future__ import annotations
 
@@ -21,10 +22,23 @@ def tree(tmp_path):
     return tmp_path
 
 
-def test_sorted_and_unique(tree):
+def test_a_list_keeps_its_order_and_repetitions_each_entry_expands_sorted(tree):
     found = discover_systems([str(tree / "b"), str(tree), str(tree / "a" / "data_0")])
-    assert found == sorted(found) and len(found) == len(set(found)) == 4
-    assert found[0].endswith(os.path.join("a", "data_0"))
+    walk = sorted(str(tree / p) for p in ["a/data_0", "a/deeper/data_2", "b/data_1", "c/other"])
+    assert found == [str(tree / "b" / "data_1"), *walk, str(tree / "a" / "data_0")]
+
+
+def test_a_repeated_system_stays_repeated(tree):
+    data_0 = str(tree / "a" / "data_0")
+    assert discover_systems([data_0, data_0 + "/", data_0]) == [data_0] * 3
+    later_first = [str(tree / "c" / "other"), data_0]
+    assert discover_systems(later_first) == later_first  # not sorted across entries
+
+
+def test_a_glob_is_one_entry_expanded_in_place(tree):
+    found = discover_systems([str(tree / "c"), str(tree / "*" / "data_*")])
+    assert found == [str(tree / "c" / "other"), str(tree / "a" / "data_0"),
+                     str(tree / "b" / "data_1")]
 
 
 def test_rglob_patterns_match_system_dirs_at_any_depth(tree):
@@ -55,6 +69,8 @@ def test_hdf5_groups_and_root_system(tmp_path):
     assert discover_systems(f"{multi}#/g1") == [f"{multi}#/g1"]
     root = str(tmp_path / "root.h5")
     assert discover_systems(root) == [f"{root}#/"]
+    assert discover_systems([root, multi, f"{multi}#/g0"]) == [  # each file in place
+        f"{root}#/", f"{multi}#/g0", f"{multi}#/g1", f"{multi}#/g0"]
 
 
 def test_nothing_found_says_where(tmp_path):

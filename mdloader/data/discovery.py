@@ -1,13 +1,17 @@
 """Finding systems: the only place that walks a directory tree.
 
-Every root is walked once with ``os.walk`` (``scandir`` under the hood: no ``stat`` per entry),
+Each entry of ``systems`` expands in place (:func:`expand_entry`), in the order given: a list
+the user wrote keeps its order and its duplicates, because positional ``sys_probs`` and
+``auto_prob`` blocks refer to those positions, and repeating a system is how people up-weight
+it (DeePMD-kit does the same). What one entry finds -- a directory walk, a glob, the groups of
+an HDF5 file -- is sorted and de-duplicated, so it is the same on every run, file system and
+``PYTHONHASHSEED`` (DeePMD-kit's walk order is not, which silently reassigns ``sys_probs``).
+
+A root is walked once with ``os.walk`` (``scandir`` under the hood: no ``stat`` per entry),
 not descending into the ``set.*`` folders of a system (a directory holding ``type.raw``): they
 hold frames. The one difference this makes: a ``type.raw`` *inside* a system's ``set.*`` folder
 is no longer taken for a system (DeePMD-kit's ``rglob`` would take it; such a tree mixes a set
-and a system). Systems nested in a system's other subfolders are found. HDF5 files are listed
-once, and the result is sorted and de-duplicated, so the same input gives the same list on every
-run, file system and ``PYTHONHASHSEED`` (DeePMD-kit's does not, which silently reassigns
-positional ``sys_probs``).
+and a system). Systems nested in a system's other subfolders are found.
 """
 
 from __future__ import annotations
@@ -30,29 +34,36 @@ def discover_systems(
     systems: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     rglob_patterns: Sequence[str] | None = None,
 ) -> list[str]:
-    """Addresses of every system under ``systems``, sorted and unique.
+    """Addresses of every system of ``systems``: entries in the order given, each expanded.
 
     Parameters
     ----------
     systems
         A path or a list of paths: system directories, roots to search recursively, glob
         patterns, HDF5 files (every group holding ``type.raw``) or ``file.h5#/group`` addresses.
+        Each entry is replaced by what it finds (:func:`expand_entry`); entries keep their
+        order and repeated entries their repetitions.
     rglob_patterns
         Keep only systems whose path below a root matches one of these patterns (at any depth,
         like ``pathlib.Path.rglob``), e.g. ``["data_*"]``.
     """
     entries = [os.fspath(systems)] if isinstance(systems, (str, os.PathLike)) else [
         os.fspath(s) for s in systems]
-    found: dict[str, None] = {}
-    for entry in _expand_globs(entries):
-        for address in _systems_under(entry, rglob_patterns):
-            found[address] = None
+    found = [address for entry in entries for address in expand_entry(entry, rglob_patterns)]
     if not found:
         where = ", ".join(entries) or "(no path given)"
         extra = f" matching {list(rglob_patterns)}" if rglob_patterns else ""
         raise NoSystemsFoundError(
             f"no DeePMD system (a directory or HDF5 group holding type.raw){extra} found under: "
             f"{where}")
+    return found
+
+
+def expand_entry(entry: str, rglob_patterns: Sequence[str] | None = None) -> list[str]:
+    """The systems one entry stands for, sorted and unique (empty when it finds none)."""
+    found: set[str] = set()
+    for path in _expand_globs([entry]):
+        found.update(_systems_under(path, rglob_patterns))
     return sorted(found)
 
 
@@ -118,4 +129,4 @@ def _hdf5_systems(path: str, group: str, patterns: Sequence[str] | None) -> list
                 out.append(f"{path}#{prefix}/{grp}")
 
     top.visititems(visit)
-    return sorted(set(out))
+    return out
