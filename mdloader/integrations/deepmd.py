@@ -9,8 +9,7 @@ that bound them at import time:
                                       ``get_sampler_from_params``
 ``deepmd.pt.entrypoints.main``        ``DpLoaderSet``; ``process_systems`` (deferred: only
                                       rank 0 walks the data tree, inside the build);
-                                      ``dist`` (see below); ``set_log_handles`` (mdloader's
-                                      log records go to DeePMD-kit's handlers)
+                                      ``dist`` (see below)
 ``deepmd.pt.train.training``          ``DpLoaderSet``, ``get_sampler_from_params``
 ====================================  =======================================================
 
@@ -26,6 +25,10 @@ of ``torch.distributed`` is wrapped so that the NCCL half is dropped when NCCL o
 and a barrier precedes ``destroy_process_group`` (gloo may otherwise abort a rank at exit).
 The wrapper holds DeePMD-kit's own reference to the module; mdloader itself does not import it.
 
+Logs: while installed, records of the ``mdloader`` loggers are handed to DeePMD-kit's
+``deepmd`` logger, so DeePMD-kit's level and handlers (``dp``'s log file, ``assertLogs``)
+decide about them as about its own; :func:`uninstall` restores the ``mdloader`` logger.
+
 Not covered: DeePMD-kit's neighbour statistics (``dp train`` without ``--skip-neighbor-stat``)
 still read every system on every rank through DeePMD-kit's own code before the process group
 exists; data modifiers (``model.modifier``) are rejected; LMDB datasets keep DeePMD-kit's loader.
@@ -39,7 +42,7 @@ import importlib
 import logging
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from mdloader.errors import ConfigError
@@ -51,6 +54,7 @@ _DATALOADER = "deepmd.pt.utils.dataloader"
 _MAIN = "deepmd.pt.entrypoints.main"
 _TRAINING = "deepmd.pt.train.training"
 _saved: dict[tuple[str, str], Any] = {}
+_saved_logger: dict[str, Any] = {}
 
 
 class DeferredSystems(list):
@@ -161,20 +165,33 @@ def cpu_fallback_backend(backend: Any, dist_module: Any) -> Any:
     return "gloo"
 
 
-def _forward_logs(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap DeePMD-kit's ``set_log_handles`` so that mdloader's records share its handlers."""
+class _ToDeepmdLogger(logging.Handler):
+    """Hand each ``mdloader`` record to the ``deepmd`` logger, at that logger's level."""
 
-    def set_log_handles(*args: Any, **kwargs: Any) -> Any:
-        out = original(*args, **kwargs)
-        source, target = logging.getLogger("deepmd"), logging.getLogger("mdloader")
-        for handler in source.handlers:
-            if handler not in target.handlers:
-                target.addHandler(handler)
-        target.setLevel(source.level)
-        target.propagate = False
-        return out
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger("deepmd")
+        if target.isEnabledFor(record.levelno):
+            target.handle(record)
 
-    return set_log_handles
+
+def _route_logs_to_deepmd() -> None:
+    """The ``mdloader`` logger stops propagating and forwards to ``deepmd`` (saved to undo)."""
+    logger = logging.getLogger("mdloader")
+    _saved_logger.update(level=logger.level, propagate=logger.propagate)
+    _saved_logger["handler"] = handler = _ToDeepmdLogger()
+    logger.addHandler(handler)
+    logger.propagate = False
+    if logger.level == logging.NOTSET:  # a level the user chose stays; otherwise DeePMD's decides
+        logger.setLevel(1)
+
+
+def _restore_logs() -> None:
+    if not _saved_logger:
+        return
+    logger = logging.getLogger("mdloader")
+    logger.removeHandler(_saved_logger.pop("handler"))
+    logger.setLevel(_saved_logger.pop("level"))
+    logger.propagate = _saved_logger.pop("propagate")
 
 
 def _import_deepmd() -> dict[str, types.ModuleType]:
@@ -190,7 +207,6 @@ def _import_deepmd() -> dict[str, types.ModuleType]:
 def _patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
     main = mods[_MAIN]
     real_dist = _saved.get((_MAIN, "dist"), main.dist)
-    real_logs = _saved.get((_MAIN, "set_log_handles"), main.set_log_handles)
     return {
         (_DATALOADER, "DpLoaderSet"): DeepmdDpLoaderSet,
         (_DATALOADER, "get_weighted_sampler"): get_weighted_sampler,
@@ -198,7 +214,6 @@ def _patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
         (_MAIN, "DpLoaderSet"): DeepmdDpLoaderSet,
         (_MAIN, "process_systems"): defer_discovery,
         (_MAIN, "dist"): _TrainerDist(real_dist),
-        (_MAIN, "set_log_handles"): _forward_logs(real_logs),
         (_TRAINING, "DpLoaderSet"): DeepmdDpLoaderSet,
         (_TRAINING, "get_sampler_from_params"): get_sampler_from_params,
     }
@@ -228,6 +243,8 @@ def install() -> None:
         if (module, name) not in _saved:
             _saved[(module, name)] = getattr(mods[module], name)
         setattr(mods[module], name, value)
+    if not _saved_logger:
+        _route_logs_to_deepmd()
     log.debug("DeePMD-kit's trainer now loads data through mdloader")
 
 
@@ -236,6 +253,7 @@ def uninstall() -> None:
     for (module, name), value in list(_saved.items()):
         setattr(sys.modules[module], name, value)
         del _saved[(module, name)]
+    _restore_logs()
 
 
 def installed() -> bool:
