@@ -47,7 +47,9 @@ class DataRequirementItem:
     special_shape
         ``"hessian"`` (also implied by the key ``hessian``): one ``3N x 3N`` matrix per frame.
     source_policy
-        Accepted for compatibility with DeePMD-kit >= 3.2; mdloader does not interpret it.
+        DeePMD-kit >= 3.2's ``"tracked"``, ``"default"`` or ``"derived"`` (only ``"tracked"``
+        with ``must``); kept, and handed on, but not interpreted by the npy and HDF5 readers
+        (nor is it by DeePMD-kit's).
     """
 
     def __init__(
@@ -79,6 +81,9 @@ class DataRequirementItem:
                 f"data requirement {key!r}: source_policy must be one of {_SOURCE_POLICIES}, "
                 f"got {source_policy!r}"
             )
+        if must and source_policy != "tracked":
+            raise ConfigError(f"data requirement {key!r}: a mandatory requirement (must=True) "
+                              f"cannot use source_policy={source_policy!r}, only 'tracked'")
         self.key = key
         self.ndof = int(ndof)
         self.atomic = bool(atomic)
@@ -168,6 +173,7 @@ def as_requirement(item: Any) -> DataRequirementItem:
             default=get("default", 0.0), dtype=get("dtype", None),
             output_natoms_for_type_sel=get("output_natoms_for_type_sel", False),
             special_shape=get("special_shape", None),
+            source_policy=get("source_policy", "tracked"),
         )
     raise ConfigError(f"not a data requirement: {item!r}")
 
