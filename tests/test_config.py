@@ -96,6 +96,20 @@ def test_numb_steps_aliases(alias: str) -> None:
     assert cfg.numb_steps == 7
 
 
+def test_keys_starting_with_underscore_are_dropped_everywhere_as_in_deepmd() -> None:
+    data = _with("training.training_data._comment7", "that's all")
+    data["training"]["validation_data"]["_note"] = {"anything": [1, 2]}
+    data["training"]["_comment3"] = "display and restart"
+    cfg = parse_config(data)
+    assert cfg.training_data.batch_size == "auto" and cfg.validation_data.numb_btch == 3
+    with pytest.raises(ConfigError, match=r"^training\.training_data\.comment: unknown key"):
+        parse_config(_with("training.training_data.comment", "no underscore"))
+
+
+def test_numb_steps_zero_is_accepted_as_in_deepmd() -> None:
+    assert parse_config(_with("training.numb_steps", 0)).numb_steps == 0
+
+
 @pytest.mark.parametrize("alias", ["num_epochs", "num_epoch", "numb_epochs", "numb_epoch"])
 def test_numb_epoch_aliases(alias: str) -> None:
     cfg = parse_config({"training": {"training_data": {"systems": "/d"}, alias: 1.5}})
@@ -141,7 +155,8 @@ BAD_CASES = [
     ("training.training_data.batch_size", "auto:0",
      r"^training\.training_data\.batch_size: Unsupported batch size rule: auto:0 \(N must be >= 1"),
     ("training.training_data.batch_size", "mixed:4",
-     r"^training\.training_data\.batch_size: Unsupported batch size rule: mixed:4$"),
+     r"^training\.training_data\.batch_size: the batch-size rule 'mixed:4' is "
+     r"TensorFlow-only \(DeePMD-kit's PyTorch backend refuses it too\)$"),
     ("training.validation_data.batch_size", "max",
      r"^training\.validation_data\.batch_size: Unsupported batch size rule: max \('max' needs"),
     ("training.training_data.batch_size", [2, 0],
@@ -181,12 +196,19 @@ BAD_CASES = [
     ("training.seed", "x", r"training\.seed: wrong type: expected .*int.*found str \"x\""),
     ("training.disp_freq", True, r"training\.disp_freq: bad value true"),
     ("training.save_freq", -1, r"training\.save_freq: bad value -1: expected a positive"),
-    ("training.numb_steps", 0, r"training\.numb_steps: bad value 0: expected a positive"),
+    ("training.numb_steps", -1, r"training\.numb_steps: bad value -1: expected an integer >= 0"),
     ("training.stop_batch", 5,
      r"^training\.numb_steps: given more than once, as numb_steps and stop_batch$"),
     ("training.numb_epoch", 2,
      r"^training\.numb_steps: numb_steps and numb_epoch are mutually exclusive"),
-    ("training.data_dict", {}, r"^training\.data_dict: multi-task inputs are not supported"),
+    ("training.data_dict", {}, r"^training\.data_dict: multi-task training is not supported "
+     r"by mdloader$"),
+    ("model.model_dict", {}, r"^model\.model_dict: multi-task training is not supported"),
+    ("model.spin", {"use_spin": [True, False], "spin_norm": [1.27], "virtual_len": [0.4]},
+     r"^model\.spin\.spin_norm: TensorFlow spin models \(virtual spin atoms in type\.raw\) are "
+     r"not supported by mdloader"),
+    ("training.training_data.systems", ["a", "water.lmdb"],
+     r"^training\.training_data\.systems: LMDB datasets \(water\.lmdb\) are not supported"),
     ("model.type_map", ["O", "O"],
      r"^model\.type_map: bad value \[\"O\", \"O\"\]: expected a non-empty list of distinct"),
     ("model", 5, r"^model: wrong type: expected dict, found int 5$"),

@@ -28,6 +28,10 @@ def _positive_int(value: Any) -> bool:
     return _is_int(value) and value > 0
 
 
+def _nonnegative_int(value: Any) -> bool:
+    return _is_int(value) and value >= 0
+
+
 def _positive_number(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value) and value > 0)
@@ -134,9 +138,10 @@ def _training_arg() -> Argument:
         training_data_arg(),
         validation_data_arg(),
         _arg("numb_steps", [int, None], "Number of training steps (one batch each). "
-             "Mutually exclusive with numb_epoch.",
+             "Mutually exclusive with numb_epoch. 0, as in DeePMD-kit, trains nothing: the "
+             "statistics are computed and the untrained model is saved at step 0.",
              alias=["stop_batch", "num_step", "num_steps", "numb_step"],
-             check=lambda v: v is None or _positive_int(v), expect="a positive integer"),
+             check=lambda v: v is None or _nonnegative_int(v), expect="an integer >= 0"),
         _arg("numb_epoch", [int, float, None], "Training length in expected passes over "
              "the training data: steps = ceil(numb_epoch * ceil(max_i nb_i / p_i)).",
              alias=["num_epochs", "num_epoch", "numb_epochs"],

@@ -5,6 +5,12 @@ value rules), then into frozen dataclasses with relative system paths resolved a
 folder of the JSON file, as ``dp`` resolves them when run from that folder. Every problem is
 one :class:`~mdloader.errors.ConfigError` whose ``path`` is the dotted JSON path of the key
 (``training.training_data.batch_size``), whatever dargs called it.
+
+As in DeePMD-kit, every key starting with ``_`` (``_comment``, ...) is dropped before checking.
+Inputs for what mdloader does not serve (multi-task training, TensorFlow-only spin models and
+batch rules, LMDB data) are refused by
+:func:`~mdloader.config.unsupported.refuse_unsupported` with one line naming the feature and
+its JSON path.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dargs import Argument
 from dargs.dargs import ArgumentError, ArgumentKeyError, ArgumentTypeError, ArgumentValueError
 
 from mdloader.config.argcheck import STRICT_SECTIONS, input_schema, schema_markdown
+from mdloader.config.unsupported import refuse_unsupported
 from mdloader.errors import ConfigError
 from mdloader.sampling.batching import parse_rule
 from mdloader.sampling.probability import check_style
@@ -116,10 +123,7 @@ def parse_config(data: Any, *, base_dir: str = ".", source: str | None = None) -
     """Check a parsed ``input.json`` (a dict) and build the frozen :class:`Config`."""
     if not isinstance(data, dict):
         raise ConfigError(f"the input must be a JSON object, found {type(data).__name__}")
-    training = data.get("training")
-    if isinstance(training, dict) and "data_dict" in training:
-        raise ConfigError("multi-task inputs are not supported by mdloader",
-                          path="training.data_dict")
+    refuse_unsupported(data)
     schema = input_schema()
     _reject_alias_clashes(schema, data, "")
     normed = _run_dargs(schema, data)
@@ -127,9 +131,9 @@ def parse_config(data: Any, *, base_dir: str = ".", source: str | None = None) -
 
 
 def _run_dargs(schema: Argument, data: dict) -> dict:
-    """Normalise then check (strict only in the sections mdloader owns)."""
+    """Drop ``_*`` keys, normalise, then check (strict only in the sections mdloader owns)."""
     try:
-        normed = schema.normalize_value(data)
+        normed = schema.normalize_value(data, trim_pattern="_*")
     except ArgumentError as exc:
         raise _to_config_error(exc, data, None) from exc
     try:

@@ -80,8 +80,8 @@ def train(config: Config, *, output: str = ".", restart: str | None = None,
                           path="training.validation_data")
     if stop_after is not None and stop_after < 1:
         raise ConfigError(f"must be a positive step, got {stop_after}", path="--stop-after")
-    if numb_steps is not None and numb_steps < 1:
-        raise ConfigError(f"must be a positive integer, got {numb_steps}", path="--numb-steps")
+    if numb_steps is not None and numb_steps < 0:
+        raise ConfigError(f"must be an integer >= 0, got {numb_steps}", path="--numb-steps")
     with process_group() as world:
         return _Trainer(config, world, output=output, numb_steps=numb_steps,
                         num_workers=num_workers, options=options,
@@ -192,6 +192,8 @@ class _Trainer:
             result.step = done
             bar.update(1)
         bar.close()
+        if self.numb_steps == 0 == start:  # DeePMD-kit's numb_steps 0: the untrained model
+            result.checkpoint = self._save(0)
         if self.lcurve is not None:
             result.lcurve = self.lcurve.path
         return result

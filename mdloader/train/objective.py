@@ -41,7 +41,7 @@ class ExpDecayLR:
         decay = cfg.decay_steps
         if decay >= numb_steps:
             decay = 100 if numb_steps // 10 > 100 else numb_steps // 100 + 1
-        rate = math.exp(math.log(cfg.stop_lr / cfg.start_lr) / (numb_steps / decay))
+        rate = math.exp(math.log(cfg.stop_lr / cfg.start_lr) / (max(numb_steps, 1) / decay))
         return cls(float(cfg.start_lr), float(cfg.stop_lr), int(decay), rate)
 
     def value(self, step: int) -> float:
