@@ -98,7 +98,7 @@ def test_inconsistent_frame_counts_fail_at_build(real_data):
 def test_every_real_corner_builds_and_reads(real_data):
     systems = [s for s in discover_systems(str(real_data / "deepmd-tests"))
                if "data_dp_mask" not in s]
-    assert len(systems) == 9  # every npy system of tests/data/NOTICE.md
+    assert len(systems) == 10  # every npy system of deepmd-tests in tests/data/NOTICE.md
     for address in systems:
         ds = DeepmdDataSetForLoader(address)
         frame = ds[len(ds) - 1]

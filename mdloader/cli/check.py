@@ -1,26 +1,29 @@
-"""``mdloader check``: validate every system of an input.json before a job is queued.
+"""``mdloader check``: validate every system of an input.json (or of paths) before a job runs.
 
 DeePMD-kit notices a missing ``box.npy`` or a short label file at the first batch that touches
-it, possibly hours into training. ``check`` builds every system from its headers (the same
-:func:`~mdloader.data.system.build_system_meta` the loader uses), collects *every*
-failure instead of stopping at the first, applies the batch-size rule and the probabilities
-exactly as training would, and with ``--deep`` reads every array to find NaN/inf frames and data
-that is shorter than its header says.
+it, possibly hours into training. ``check`` describes every system from its headers (the same
+:func:`~mdloader.data.system.inspect_system` the loader's build uses), collects *every* problem
+of every system instead of stopping at the first, notes arrays that are read reshaped (stored
+flat, :mod:`mdloader.data.layout`), applies the batch-size rule and the probabilities exactly as
+training would, and with ``--deep`` reads every array to find NaN/inf frames and data that is
+shorter than its header says.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from mdloader.config.input_json import Config, DataConfig
+from mdloader.config.input_json import Config, DataConfig, parse_config
 from mdloader.data.discovery import discover_systems
 from mdloader.data.formats import backend_of, parse_address
-from mdloader.data.system import SystemMeta, build_system_meta
+from mdloader.data.layout import stored_flat
+from mdloader.data.system import SystemMeta, inspect_system
 from mdloader.errors import MdloaderError
 from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
 from mdloader.sampling.probability import select_prob_source, system_probabilities
@@ -53,11 +56,13 @@ class Problem:
 
 @dataclass
 class SectionReport:
-    """``training_data`` or ``validation_data``: its rows, and systems dropped by ``filter:N``."""
+    """``training_data`` or ``validation_data``: its rows, systems dropped by ``filter:N``, and
+    notes (arrays read reshaped)."""
 
     name: str
     rows: list[SystemRow] = field(default_factory=list)
     filtered: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def totals(self) -> dict[str, Any]:
         probs = [r.prob for r in self.rows if r.prob is not None]
@@ -83,9 +88,18 @@ class CheckReport:
         return json.dumps({
             "ok": self.ok,
             "sections": {s.name: {"systems": [asdict(r) for r in s.rows],
-                                  "filtered": s.filtered, "totals": s.totals()}
+                                  "filtered": s.filtered, "notes": s.notes,
+                                  "totals": s.totals()}
                          for s in self.sections},
             "problems": [asdict(p) for p in self.problems]}, indent=2)
+
+
+def config_for_paths(paths: list[str], *, type_map: list[str] | None = None,
+                     batch_size: int | str = "auto") -> Config:
+    """The configuration ``check`` uses for bare system paths, folders, globs or HDF5 files."""
+    model = {"type_map": type_map} if type_map else {}
+    return parse_config({"model": model, "training": {"training_data": {
+        "systems": paths, "batch_size": batch_size}}}, base_dir=os.getcwd())
 
 
 def check_input(config: Config, *, deep: bool = False, threads: int = 4) -> CheckReport:
@@ -97,36 +111,48 @@ def check_input(config: Config, *, deep: bool = False, threads: int = 4) -> Chec
             continue
         section = SectionReport(name)
         sections.append(section)
-        metas = _build_all(data, config.type_map, name, problems, threads)
+        metas = _build_all(data, config.type_map, section, problems, threads)
         if metas is None:
             continue
         section.rows = [SystemRow(m.address, m.natoms, m.nframes, m.pbc) for m in metas]
-        if len(metas) == len(section.rows) and not any(p.section == name for p in problems):
+        if not any(p.section == name for p in problems):
             _plan(data, metas, section, problems)
         if deep:
-            for meta in metas:
+            for meta in dict.fromkeys(metas):
                 problems.extend(Problem(name, msg, meta.address) for msg in deep_check(meta))
     return CheckReport(sections, problems)
 
 
-def _build_all(data: DataConfig, type_map: tuple[str, ...] | None, name: str,
+def _build_all(data: DataConfig, type_map: tuple[str, ...] | None, section: SectionReport,
                problems: list[Problem], threads: int) -> list[SystemMeta] | None:
+    """The systems of ``data`` in order (a repeated entry repeats its system), every problem
+    of each system in ``problems``, the reshaped arrays in ``section.notes``."""
     try:
         addresses = discover_systems(list(data.systems), data.rglob_patterns)
     except MdloaderError as exc:
-        problems.append(Problem(name, str(exc)))
+        problems.append(Problem(section.name, str(exc)))
         return None
-
-    def build(address: str) -> SystemMeta | Problem:
-        try:
-            return build_system_meta(address, type_map)
-        except MdloaderError as exc:
-            return Problem(name, str(exc), address)
-
+    unique = list(dict.fromkeys(addresses))
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        built = list(pool.map(build, addresses))
-    problems.extend(b for b in built if isinstance(b, Problem))
-    return [b for b in built if isinstance(b, SystemMeta)]
+        inspected = dict(zip(unique, pool.map(lambda a: inspect_system(a, type_map), unique)))
+    for address, (meta, found) in inspected.items():
+        problems.extend(Problem(section.name, str(exc), address) for exc in found)
+        if meta is not None:
+            section.notes.extend(flat_notes(meta))
+    return [inspected[a][0] for a in addresses if inspected[a][0] is not None]
+
+
+def flat_notes(meta: SystemMeta) -> list[str]:
+    """One line per array stored flat, read reshaped as DeePMD-kit's whole-set reader does."""
+    loc = parse_address(meta.address)
+    io = backend_of(loc)
+    notes = []
+    for s in meta.sets:
+        for key, shape in io.set_shapes(loc, s.name).items():
+            if stored_flat(shape, s.nframes):
+                notes.append(f"{io.file_of(loc, s.name, key + '.npy')} of shape {shape} is "
+                             f"read as ({s.nframes}, {s.width(key)}): frames x values")
+    return notes
 
 
 def _plan(data: DataConfig, metas: list[SystemMeta], section: SectionReport,
@@ -144,12 +170,11 @@ def _plan(data: DataConfig, metas: list[SystemMeta], section: SectionReport,
     except MdloaderError as exc:
         problems.append(Problem(section.name, str(exc)))
         return
-    rows = {r.system: r for r in section.rows}
-    for meta, size, nbatch, prob in zip(kept, plan.batch_sizes, nb, probs):
-        row = rows[meta.address]
+    for index, size, nbatch, prob in zip(plan.kept, plan.batch_sizes, nb, probs):
+        row = section.rows[int(index)]
         row.batch_size, row.batches, row.prob = int(size), int(nbatch), float(prob)
-    kept_set = {m.address for m in kept}
-    section.filtered = [m.address for m in metas if m.address not in kept_set]
+    kept_set = {int(i) for i in plan.kept}
+    section.filtered = [m.address for i, m in enumerate(metas) if i not in kept_set]
 
 
 def deep_check(meta: SystemMeta) -> list[str]:
@@ -225,4 +250,5 @@ def _table(section: SectionReport) -> list[str]:
                  f"{_fmt(t['batches'], '>7')}  {_fmt(t['prob'], '>6.3f')}")
     for address in section.filtered:
         lines.append(f"(removed by the batch-size filter: {address})")
+    lines.extend(f"note: {note}" for note in section.notes)
     return lines

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from mdloader import __version__
 from mdloader.errors import ConfigError, MdloaderError
@@ -45,11 +47,19 @@ def _common_options() -> argparse.ArgumentParser:
 
 
 def _add_check(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("check", parents=[common], help="validate the data of an input.json",
+    p = sub.add_parser("check", parents=[common],
+                       help="validate the data of an input.json, or systems and folders",
                        description="Discover, build and validate every training and "
-                       "validation system; print a summary. Exit 0 when all is well, 1 with "
-                       "every problem listed otherwise.")
-    p.add_argument("input", help="DeePMD-kit input.json")
+                       "validation system of an input.json, or every system under the paths "
+                       "given; print a summary. Exit 0 when all is well, 1 with every problem "
+                       "listed otherwise.")
+    p.add_argument("input", nargs="+", metavar="INPUT",
+                   help="a DeePMD-kit input.json, or system directories, folders searched "
+                   "recursively, globs and HDF5 files")
+    p.add_argument("--type-map", nargs="+", default=None, metavar="ELEM",
+                   help="model type map for system paths (an input.json has its own)")
+    p.add_argument("--batch-size", default="auto", metavar="RULE",
+                   help="batch size or rule for system paths (default: auto)")
     p.add_argument("--deep", action="store_true",
                    help="also read every array: NaN/inf frames, frame counts that disagree")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -75,7 +85,8 @@ def _add_train(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
                    help="continue from this checkpoint (model, optimizer and loader state), "
                    "on the same or on another number of ranks")
     p.add_argument("--numb-steps", type=int, default=None, metavar="N",
-                   help="override training.numb_steps")
+                   help="override training.numb_steps (0: only the statistics and the "
+                   "untrained model, as DeePMD-kit)")
     p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
                    help="stop after this step with a checkpoint (e.g. to fit a job's wall "
                    "time); continue later with --restart")
@@ -128,12 +139,29 @@ def _add_dp(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) ->
 
 def _run_check(args: argparse.Namespace) -> int:
     from mdloader.cli.check import check_input, format_check_report
-    from mdloader.config.input_json import load_config
 
-    report = check_input(load_config(args.input), deep=args.deep)
+    report = check_input(_check_config(args), deep=args.deep)
     if World.from_env().is_main:  # under torchrun, one copy of the report
         print(report.to_json() if args.json else format_check_report(report))
     return 0 if report.ok else 1
+
+
+def _check_config(args: argparse.Namespace) -> Any:
+    """One ``*.json`` file is an input.json; anything else is a list of system paths."""
+    from mdloader.cli.check import config_for_paths
+    from mdloader.config.input_json import load_config
+
+    inputs = list(args.input)
+    if len(inputs) == 1 and inputs[0].endswith(".json") and not os.path.isdir(inputs[0]):
+        if args.type_map is not None or args.batch_size != "auto":
+            raise ConfigError("--type-map and --batch-size apply to system paths; an "
+                              "input.json gives model.type_map and its batch_size",
+                              path="--type-map" if args.type_map is not None else "--batch-size")
+        return load_config(inputs[0])
+    if any(i.endswith(".json") and os.path.isfile(i) for i in inputs):
+        raise ConfigError("give either one input.json or system paths, not both", path="INPUT")
+    batch: int | str = int(args.batch_size) if args.batch_size.isdigit() else args.batch_size
+    return config_for_paths(inputs, type_map=args.type_map, batch_size=batch)
 
 
 def _run_bench(args: argparse.Namespace) -> int:

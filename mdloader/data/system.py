@@ -9,7 +9,6 @@ already been made on rank 0, so nothing is left to fail hours into training insi
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from mdloader.data.formats import Location, backend_of, parse_address
-from mdloader.data.schema import KNOWN_WIDTHS
+from mdloader.data.layout import frames_and_width, known_width
 from mdloader.errors import DataError, MissingDataError, ShapeError, TypeMapError
 
 _SHARED: dict[Any, Any] = {}
@@ -138,9 +137,34 @@ def _restore(folder: str, name: str, types: bytes, tmap: tuple[str, ...] | None,
 def build_system_meta(address: str, type_map: Sequence[str] | None = None) -> SystemMeta:
     """Describe the system at ``address``, reading ``type.raw``, ``type_map.raw`` and headers.
 
-    Raises a :class:`~mdloader.errors.DataError` subclass naming the system and the file for
-    every problem that can be seen without reading frames.
+    Raises the first :class:`~mdloader.errors.DataError` subclass :func:`inspect_system` finds,
+    naming the system and the file (every problem that can be seen without reading frames).
     """
+    meta, problems = inspect_system(address, type_map)
+    if problems:
+        raise problems[0]
+    return meta  # type: ignore[return-value]
+
+
+def inspect_system(address: str, type_map: Sequence[str] | None = None
+                   ) -> tuple[SystemMeta | None, list[DataError]]:
+    """The description of a system and *every* problem found in it (``None`` if any).
+
+    A problem that hides the rest (no directory, no ``type.raw``, no set, an unreadable set)
+    ends the inspection; the others (a missing ``box.npy``, every array whose frames or width
+    disagree, the type map) are all collected, in the order the files are met.
+    """
+    problems: list[DataError] = []
+    try:
+        meta = _describe_system(address, type_map, problems)
+    except DataError as exc:
+        problems.append(exc)
+    return (None if problems else meta), problems
+
+
+def _describe_system(address: str, type_map: Sequence[str] | None,
+                     problems: list[DataError]) -> SystemMeta:
+    """Raise what ends the inspection, append to ``problems`` what does not."""
     loc = parse_address(address)
     io = backend_of(loc)
     pbc, set_names = io.scan_system(loc)
@@ -151,70 +175,75 @@ def build_system_meta(address: str, type_map: Sequence[str] | None = None) -> Sy
     if not set_names:
         raise MissingDataError("no set.* is found in the system", system=loc.address,
                                file=io.file_of(loc, None, "set.*"))
-    sets = tuple(_describe_set(loc, io, name, len(types), pbc) for name in set_names)
-    mixed = _mixed_flag(loc, io, sets)
-    if sum(s.nframes for s in sets) == 0:
-        raise DataError("the system has no frames", system=loc.address,
-                        file=io.file_of(loc, sets[0].name, "coord.npy"), expected=">= 1 frame",
-                        found="0 frames")
+    described = [_describe_set(loc, io, name, len(types), pbc, problems) for name in set_names]
+    sets = tuple(s for s in described if s is not None)
+    mixed = _collect(problems, _mixed_flag, loc, io, sets) if sets else False
+    if not problems and sum(s.nframes for s in sets) == 0:
+        problems.append(DataError("the system has no frames", system=loc.address,
+                                  file=io.file_of(loc, sets[0].name, "coord.npy"),
+                                  expected=">= 1 frame", found="0 frames"))
     sys_map = io.read_type_map(loc)
-    atom_types, final_map, idx_map = _resolve_types(loc, io, types, sys_map, type_map, mixed)
+    resolved = _collect(problems, _resolve_types, loc, io, types, sys_map, type_map, mixed)
+    if resolved is None:
+        resolved = (types, None, None)
+    atom_types, final_map, idx_map = resolved
     atom_types = atom_types.astype(np.int32)
     atom_types.flags.writeable = False
     return SystemMeta(address=loc.address, atom_types=atom_types, type_map=shared(final_map),
-                      pbc=pbc, mixed_type=mixed, sets=shared(sets), mixed_idx_map=idx_map)
+                      pbc=pbc, mixed_type=bool(mixed), sets=shared(sets), mixed_idx_map=idx_map)
 
 
-def _frames_and_width(shape: tuple[int, ...], set_frames: int | None) -> tuple[int, int]:
-    if len(shape) == 0:
-        return 1, 1
-    if len(shape) == 1:
-        # a 1-D array is one frame of a one-frame set, or F frames of a width-1 quantity
-        if set_frames == 1 or set_frames is None:
-            return 1, shape[0]
-        return shape[0], 1
-    return shape[0], math.prod(shape[1:])
+def _collect(problems: list[DataError], check: Any, *args: Any) -> Any:
+    """``check(*args)``, or ``None`` with its DataError appended to ``problems``."""
+    try:
+        return check(*args)
+    except DataError as exc:
+        problems.append(exc)
+        return None
 
 
-def _describe_set(loc: Location, io: Any, name: str, natoms: int, pbc: bool) -> SetMeta:
+def _describe_set(loc: Location, io: Any, name: str, natoms: int, pbc: bool,
+                  problems: list[DataError]) -> SetMeta | None:
+    """The set's description, or ``None`` when its frames cannot be known (no coord.npy);
+    its problems go to ``problems``."""
     shapes = io.set_shapes(loc, name)
     if "coord" not in shapes:
-        raise MissingDataError("the set has no coord.npy", system=loc.address,
-                               file=io.file_of(loc, name, "coord.npy"))
+        problems.append(MissingDataError("the set has no coord.npy", system=loc.address,
+                                         file=io.file_of(loc, name, "coord.npy")))
     if pbc and "box" not in shapes:
-        raise MissingDataError(
+        problems.append(MissingDataError(
             "a periodic system needs box.npy in every set (add an empty 'nopbc' file "
             "to the system if it is not periodic)",
-            system=loc.address, file=io.file_of(loc, name, "box.npy"))
-    nframes, _ = _frames_and_width(shapes["coord"], None)
+            system=loc.address, file=io.file_of(loc, name, "box.npy")))
+    if "coord" not in shapes:
+        return None
+    nframes, _ = frames_and_width(shapes["coord"], None)
     widths = {}
     for key, shape in shapes.items():
-        frames, width = _frames_and_width(shape, nframes)
-        if frames != nframes:
-            raise ShapeError(
-                f"frame counts disagree within {name}: coord.npy has {nframes} frames",
-                system=loc.address, file=io.file_of(loc, name, key + ".npy"),
-                expected=f"{nframes} frames", found=f"{frames} frames (shape {shape})")
-        _check_known_width(loc, io, name, key, width, natoms, shape)
-        widths[key] = width
+        width, problem = _array_width(loc, io, name, key, shape, nframes, natoms)
+        if problem is None:
+            widths[key] = width
+        else:
+            problems.append(problem)
     return _restore_set(name, nframes, tuple(widths), tuple(widths.values()))
 
 
-def _check_known_width(loc: Location, io: Any, set_name: str, key: str, width: int,
-                       natoms: int, shape: tuple[int, ...]) -> None:
-    if key == "hessian":
-        kind, per = "abs", 9 * natoms * natoms
-    elif key in KNOWN_WIDTHS:
-        kind, per = KNOWN_WIDTHS[key]
-        per = per * natoms if kind == "atoms" else per
-    else:
-        return
-    if width != per:
-        what = f"{per // natoms} x {natoms} atoms of type.raw" if kind == "atoms" else str(per)
-        raise ShapeError(f"per-frame width of {key}.npy does not match the system",
-                         system=loc.address, file=io.file_of(loc, set_name, key + ".npy"),
-                         expected=f"{per} values per frame ({what})",
-                         found=f"{width} (shape {shape})")
+def _array_width(loc: Location, io: Any, set_name: str, key: str, shape: tuple[int, ...],
+                 nframes: int, natoms: int) -> tuple[int, ShapeError | None]:
+    """Values per frame of ``key.npy``, or what is wrong with it: its frame count, or a width
+    that the format fixes and it does not have."""
+    where = {"system": loc.address, "file": io.file_of(loc, set_name, key + ".npy")}
+    frames, width = frames_and_width(shape, nframes)
+    if frames != nframes:
+        return width, ShapeError(
+            f"frame counts disagree within {set_name}: coord.npy has {nframes} frames",
+            expected=f"{nframes} frames", found=f"{frames} frames (shape {shape})", **where)
+    fixed = known_width(key, natoms)
+    if fixed is None or fixed[0] == width:
+        return width, None
+    return width, ShapeError(f"per-frame width of {key}.npy does not match the system",
+                             expected=f"{fixed[0]} values per frame ({fixed[1]})",
+                             found=f"{width} (shape {shape})", **where)
 
 
 def _mixed_flag(loc: Location, io: Any, sets: tuple[SetMeta, ...]) -> bool:

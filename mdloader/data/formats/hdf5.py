@@ -97,7 +97,7 @@ def set_shapes(loc: Location, set_name: str) -> dict[str, tuple[int, ...]]:
 def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray,
               set_nframes: int) -> np.ndarray:
     dset = _group(loc)[set_name][stem + ".npy"]
-    if set_nframes == 1 and dset.ndim <= 1:
+    if dset.ndim == 0 or dset.shape[0] != set_nframes:  # one-frame 0-D/1-D, or stored flat
         return as_rows(np.asarray(dset[()]), rows, set_nframes)
     # h5py wants increasing, unique indices: read those, then put them back in order.
     uniq, inverse = np.unique(rows, return_inverse=True)

@@ -131,16 +131,19 @@ def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray,
               set_nframes: int) -> np.ndarray:
     """Rows ``rows`` of ``set_name/stem.npy`` as a fresh ``(len(rows), width)`` array.
 
-    DeePMD-kit allows a one-frame set to store 0-D/1-D arrays; they are that single frame.
+    DeePMD-kit allows a one-frame set to store 0-D/1-D arrays; they are that single frame. An
+    array stored flat is read through a ``(set_nframes, -1)`` view of the same map
+    (:mod:`mdloader.data.layout`).
     """
     arr = _memmap(os.path.join(loc.path, set_name, stem + ".npy"))
     return as_rows(arr, rows, set_nframes)
 
 
 def as_rows(arr: np.ndarray, rows: np.ndarray, set_nframes: int) -> np.ndarray:
-    """Shared by both backends: index frames and flatten each to one row."""
-    if set_nframes == 1 and arr.ndim <= 1:
-        arr = arr.reshape(1, -1)
+    """Shared by both backends: index frames and flatten each to one row; an array whose
+    first axis is not the frames is first viewed as ``(set_nframes, -1)``."""
+    if arr.ndim == 0 or arr.shape[0] != set_nframes:
+        arr = arr.reshape(set_nframes, -1)
     return np.asarray(arr[rows]).reshape(len(rows), -1)
 
 
