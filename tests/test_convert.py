@@ -78,7 +78,8 @@ def test_bad_arguments(tmp_path: Path) -> None:
         convert("x", "y", fmt="extxyz", to="lmdb")
     with pytest.raises(ConfigError, match=r"^--set-size: must be a positive integer, got 0$"):
         convert("x", "y", fmt="extxyz", set_size=0)
-    with pytest.raises(MissingDataError, match=r"^the input to convert does not exist; file: "):
+    with pytest.raises(MissingDataError, match=r"^the input to convert does not exist \(nor files "
+                                               r"it is the prefix of\); file: "):
         convert(str(tmp_path / "nope"), str(tmp_path / "o"), fmt="vasp/outcar")
 
 

@@ -4,13 +4,20 @@ dpdata already reads some eighty formats (VASP OUTCAR, LAMMPS dump, extxyz, ABAC
 mdloader only adds what a command line needs: the format name checked against what dpdata can
 read *before* anything is opened (with a suggestion for typos), dpdata's failures turned into
 one :class:`~mdloader.errors.DataError` naming the file, and a short report of what was written.
-Formats that may hold several compositions in one file go through ``dpdata.MultiSystems``, which
-writes one system per composition.
+
+How a source is read: DeePMD sources (``deepmd/npy``, ``deepmd/hdf5``: a system, a folder of
+systems, ``file.h5`` or ``file.h5#/group``) are found by mdloader's own discovery and read one
+system at a time. Other formats that can collect several systems (``dpdata.MultiSystems``, one
+system per composition: a folder of OUTCARs, a multi-composition extxyz) are tried that way
+first; when that reads nothing from a single file (one ``OUTCAR``), the file is read as one
+``System``/``LabeledSystem``. A source may be a file prefix that the format completes (QE CP
+``traj`` reads ``traj.pos``, ``traj.cel``, ...).
 """
 
 from __future__ import annotations
 
 import difflib
+import glob
 import logging
 import os
 from dataclasses import dataclass
@@ -72,8 +79,20 @@ def check_format(fmt: str) -> str:
                       f"{', '.join(kinds)}", path="--from")
 
 
-def _load(src: str, fmt: str, kind: str, type_map: list[str] | None) -> Any:
-    """Read ``src`` with dpdata: a (Labeled)System, or a MultiSystems for ``multi`` formats."""
+DEEPMD_SOURCES = ("deepmd/npy", "deepmd/hdf5")
+
+
+def _single_kinds(fmt: str) -> list[str]:
+    """How dpdata reads ``fmt`` as one system, best first (``labeled`` falls back to ``system``)."""
+    from dpdata.format import Format
+
+    cls = Format.get_formats()[fmt]
+    return [k for k, method in (("labeled", "from_labeled_system"), ("system", "from_system"))
+            if _overrides(cls, method)]
+
+
+def _read(src: str, fmt: str, kind: str, type_map: list[str] | None) -> Any:
+    """Read ``src`` with dpdata as a MultiSystems (``multi``) or one (Labeled)System."""
     import dpdata
 
     if kind == "multi":
@@ -85,23 +104,52 @@ def _load(src: str, fmt: str, kind: str, type_map: list[str] | None) -> Any:
     return cls(src, fmt=fmt, type_map=type_map) if type_map else cls(src, fmt=fmt)
 
 
-def _load_or_fail(src: str, fmt: str, kind: str, type_map: list[str] | None) -> Any:
-    """Load; a labeled format without labels falls back to coordinates only."""
-    from dpdata.format import Format
-
-    try:
-        return _load(src, fmt, kind, type_map)
-    except MemoryError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - dpdata raises anything from its ~80 parsers
-        first = exc
-    if kind == "labeled" and _overrides(Format.get_formats()[fmt], "from_system"):
+def _first_readable(src: str, fmt: str, kinds: list[str], type_map: list[str] | None) -> Any:
+    """The first way of reading ``src`` that gives frames; else a DataError with the first
+    error dpdata raised (the informative one)."""
+    first: Exception | None = None
+    for kind in kinds:
         try:
-            return _load(src, fmt, "system", type_map)
-        except Exception:  # noqa: BLE001 - the labeled attempt's error is the informative one
-            pass
+            data = _read(src, fmt, kind, type_map)
+        except MemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - dpdata raises anything from its ~80 parsers
+            first = first or exc
+            continue
+        if data.get_nframes() > 0:
+            return data
+    if first is None:
+        raise DataError(f"dpdata read no frame from the input as '{fmt}'", file=src)
     raise DataError(f"dpdata could not read the input as '{fmt}': "
                     f"{type(first).__name__}: {first}", file=src) from first
+
+
+def _load_deepmd(src: str, fmt: str, type_map: list[str] | None) -> Any:
+    """A DeePMD source, system by system as mdloader's discovery finds them."""
+    import dpdata
+
+    from mdloader.data.discovery import discover_systems
+
+    systems = [_first_readable(address, fmt, _single_kinds(fmt), type_map)
+               for address in discover_systems(src)]
+    if len(systems) == 1:
+        return systems[0]
+    return dpdata.MultiSystems(*systems, type_map=type_map)
+
+
+def _load(src: str, fmt: str, kind: str, type_map: list[str] | None) -> Any:
+    """Read ``src`` as the module docstring says."""
+    if fmt in DEEPMD_SOURCES:
+        return _load_deepmd(src, fmt, type_map)
+    kinds = (["multi"] if kind == "multi" else []) + _single_kinds(fmt)
+    return _first_readable(src, fmt, kinds, type_map)
+
+
+def _exists(src: str, fmt: str) -> bool:
+    """The source, its HDF5 file (``file.h5#/group``), or files it is the prefix of."""
+    if fmt == "deepmd/hdf5":
+        src = src.split("#", 1)[0]
+    return os.path.exists(src) or bool(glob.glob(glob.escape(src) + ".*"))
 
 
 def _systems_of(data: Any) -> list[Any]:
@@ -135,12 +183,12 @@ def convert(src: str, dest: str, *, fmt: str, to: str = "deepmd/npy",
     if set_size < 1:
         raise ConfigError(f"must be a positive integer, got {set_size}", path="--set-size")
     kind = check_format(fmt)
-    if not os.path.exists(src):
-        raise MissingDataError("the input to convert does not exist", file=src)
-    data = _load_or_fail(src, fmt.strip().lower(), kind, type_map)
+    fmt = fmt.strip().lower()
+    if not _exists(src, fmt):
+        raise MissingDataError("the input to convert does not exist (nor files it is the "
+                               "prefix of)", file=src)
+    data = _load(src, fmt, kind, type_map)
     systems = [s for s in _systems_of(data) if s.get_nframes() > 0]
-    if not systems:
-        raise DataError(f"dpdata read no frame from the input as '{fmt}'", file=src)
     return _write(data, systems, src=src, dest=dest, fmt=fmt, to=to, set_size=set_size)
 
 
