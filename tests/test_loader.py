@@ -38,9 +38,11 @@ def water192(tmp_path_factory):
 
 
 @pytest.mark.parametrize("rule,expected", [("auto:384", 2), ("auto:383", 2), ("auto:193", 2),
-                                           ("auto:192", 1), ("auto:191", 1), ("auto", 1),
-                                           ("max:384", 2), ("max:383", 1), ("max:191", 1),
-                                           ("filter:192", 1), (2, 2), ([3], 3)])
+                                           ("auto:192", 1), ("auto:191", 1), ("auto:32", 1),
+                                           ("auto", 1), ("max:384", 2), ("max:383", 1),
+                                           ("max:193", 1), ("max:192", 1), ("max:191", 1),
+                                           ("filter:193", 1), ("filter:192", 1), (2, 2), (3, 3),
+                                           ([3], 3)])
 def test_deepmd_dploaderset_batch_sizes(water192, rule, expected):
     ls = DpLoaderSet([water192], rule, TYPE_MAP, seed=0)
     assert ls.batch_sizes[0] == expected
