@@ -237,3 +237,34 @@ def test_frame_index_out_of_range(tmp_path):
     ds = DeepmdDataSetForLoader(make_system(tmp_path, nframes=3))
     with pytest.raises(IndexError, match=r"frame index out of range \[0, 3\)"):
         ds[3]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("stored", [(1, -1), (2, -1)])
+def test_arrays_stored_flat_read_as_deepmd_reshapes_them(tmp_path, backend, stored):
+    """``aparam.npy`` of shape (1, F*N) (DeePMD-kit's fparam example) or (2, F*N/2): its size
+    is a multiple of the frames, so it is read as (F, N) like DeePMD-kit's whole-set reader
+    does; the atoms then go in type order."""
+    flat = np.arange(6 * 4, dtype=np.float32).reshape(stored)
+    addr = make_system(tmp_path, natoms=4, nframes=6, backend=backend, types=[1, 0, 1, 0],
+                       extra_keys={"aparam": flat})
+    ds = DeepmdDataSetForLoader(addr)
+    ds.add_data_requirement([Req("aparam", 1, atomic=True)])
+    batch = ds.get_batch([5, 0, 2])
+    expected = flat.reshape(6, 4)[[5, 0, 2]][:, [1, 3, 0, 2]]
+    np.testing.assert_array_equal(batch["aparam"].numpy()[..., 0], expected)
+
+
+def test_source_policy_survives_conversion_and_must_is_tracked_only():
+    from mdloader.data.schema import as_requirement
+    from mdloader.errors import ConfigError
+
+    class DeepmdStyleItem(dict):  # DeePMD-kit's items are read through __getitem__
+        pass
+
+    item = as_requirement(DeepmdStyleItem(key="fparam", ndof=2, source_policy="default"))
+    assert item.source_policy == "default" and item.ndof == 2
+    assert as_requirement({"key": "energy", "ndof": 1}).source_policy == "tracked"
+    with pytest.raises(ConfigError, match=r"^data requirement 'energy': a mandatory requirement "
+                       r"\(must=True\) cannot use source_policy='derived', only 'tracked'$"):
+        Req("energy", 1, must=True, source_policy="derived")

@@ -119,6 +119,37 @@ def test_install_without_deepmd_is_a_config_error(monkeypatch: pytest.MonkeyPatc
         install()
 
 
+def test_installed_logs_are_deepmd_records(caplog: pytest.LogCaptureFixture) -> None:
+    """While installed, mdloader's records reach the ``deepmd`` logger at its level, as
+    DeePMD-kit's test ``assertLogs(logger="deepmd")`` expects of DpLoaderSet's filter warning."""
+    import logging
+
+    from mdloader.integrations.deepmd import _restore_logs, _route_logs_to_deepmd
+    from mdloader.sampling.batching import resolve_batch_sizes
+
+    deepmd, mdl = logging.getLogger("deepmd"), logging.getLogger("mdloader")
+    before = (mdl.level, mdl.propagate, list(mdl.handlers), deepmd.level)
+    records: list[logging.LogRecord] = []
+    catcher = logging.Handler()
+    catcher.emit = records.append  # type: ignore[method-assign]
+    deepmd.addHandler(catcher)
+    deepmd.setLevel(logging.WARNING)
+    _route_logs_to_deepmd()
+    try:
+        with pytest.raises(ValueError, match="No system left"):
+            resolve_batch_sizes("filter:191", [192])
+        logging.getLogger("mdloader.build").info("below the deepmd level: dropped")
+        assert [r.getMessage() for r in records] == [
+            "Remove 1 systems with more than 191 atoms"]
+        assert mdl.propagate is False  # the root sees it once, through "deepmd"
+        assert [r.name for r in caplog.records] == ["mdloader.sampling.batching"]
+    finally:
+        _restore_logs()
+        deepmd.removeHandler(catcher)
+        deepmd.setLevel(before[3])
+    assert (mdl.level, mdl.propagate, list(mdl.handlers)) == before[:3]
+
+
 # -- end to end with DeePMD-kit ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def peer() -> str:

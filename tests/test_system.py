@@ -187,3 +187,25 @@ def test_many_descriptions_pickle_compactly_and_round_trip(tmp_path):
     clone = pickle.loads(blob)
     assert clone == metas and clone[-1].address.endswith("r.h5#/")
     assert clone[0].sets is clone[1].sets  # shared after unpickling too
+
+
+@pytest.mark.parametrize("shape,frames,expected", [
+    ((100, 162), None, (100, 162, False)),    # coord.npy gives the frames
+    ((162,), None, (1, 162, False)),          # a one-frame set may store 1-D
+    ((100, 54), 100, (100, 54, False)),
+    ((100,), 100, (100, 1, False)),           # energy.npy stored 1-D
+    ((100, 6, 9), 100, (100, 54, False)),
+    ((1, 5400), 100, (100, 54, True)),        # DeePMD-kit's examples/fparam aparam.npy
+    ((5400,), 100, (100, 54, True)),
+    ((54,), 1, (1, 54, False)),               # 1-D in a one-frame set: not "flat"
+    ((), 1, (1, 1, False)),
+    ((2, 9), 4, (2, 9, None)),                # 18 values for 4 frames: the frames disagree
+    ((99, 1), 100, (99, 1, None)),
+])
+def test_frames_and_width_follow_deepmd_reshape(shape, frames, expected):
+    from mdloader.data.layout import frames_and_width, stored_flat
+
+    got = frames_and_width(shape, frames)
+    assert got == expected[:2]
+    if frames is not None and expected[2] is not None:
+        assert stored_flat(shape, frames) is expected[2]

@@ -266,6 +266,24 @@ def test_restart_on_another_number_of_ranks(tmp_path: Path) -> None:
     assert [line.split()[0] for line in lines[1:]] == ["6", "8"]
 
 
+def test_zero_steps_save_the_untrained_model_with_its_statistics(tmp_path: Path) -> None:
+    """DeePMD-kit's numb_steps 0: statistics, then the model saved at step 0, no training."""
+    cfg = _config(tmp_path, steps=0, valid=False)
+    out = train(cfg, output=str(tmp_path / "o"), num_workers=0, options=SMALL)
+    assert (out.step, out.batches) == (0, [])
+    assert out.checkpoint == str(tmp_path / "o" / "model.ckpt-0.pt")
+    state = load_checkpoint(out.checkpoint)
+    assert state["step"] == 0 and state["numb_steps"] == 0
+    assert torch.count_nonzero(state["model"]["energy_bias"]) > 0  # the statistics were made
+    assert (tmp_path / "o" / "lcurve.out").read_text().count("\n") == 1  # its header only
+    override = train(_config(tmp_path, valid=False), output=str(tmp_path / "p"), num_workers=0,
+                     options=SMALL, numb_steps=0)
+    assert override.step == 0 and override.checkpoint is not None
+    with pytest.raises(ConfigError, match=r"^--numb-steps: must be an integer >= 0, got -1$"):
+        train(cfg, output=str(tmp_path / "q"), num_workers=0, options=SMALL, numb_steps=-1)
+    assert ExpDecayLR.from_config(LearningRateConfig(), 0).value(0) == pytest.approx(1e-3)
+
+
 def _train_rank0_stats_fail(rank: int, world_size: int, raw: dict, base: str, out: str) -> None:
     from mdloader.train import job as train_module
 
