@@ -237,6 +237,11 @@ def schema_markdown() -> str:
     """
     head = ["| key | type | default | aliases | meaning |", "|---|---|---|---|---|"]
     strict = ", ".join(f"`{s}`" for s in STRICT_SECTIONS)
-    note = (f"Unknown keys are errors in {strict}; other sections are passed through "
-            "unchecked, so a complete DeePMD-kit input.json is accepted.")
+    note = ("Keys starting with `_` (`_comment`, ...) are dropped first, as DeePMD-kit does. "
+            f"Unknown keys are errors in {strict}; other sections are passed through "
+            "unchecked, so a complete DeePMD-kit input.json is accepted. Inputs for what "
+            "mdloader does not serve are refused in one line naming the key: multi-task "
+            "training (`model.model_dict`, `training.data_dict`), TensorFlow spin models "
+            "(`model.spin.spin_norm`, `model.spin.virtual_len`), the TensorFlow-only batch rule "
+            "`mixed:N`, and LMDB systems (`*.lmdb`).")
     return "\n".join(head + _rows(input_schema(), "")) + "\n\n" + note + "\n"
