@@ -134,12 +134,20 @@ def _build_all(data: DataConfig, type_map: tuple[str, ...] | None, section: Sect
         return None
     unique = list(dict.fromkeys(addresses))
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        inspected = dict(zip(unique, pool.map(lambda a: inspect_system(a, type_map), unique)))
+        inspected = dict(zip(unique, pool.map(lambda a: _inspect(a, type_map), unique)))
     for address, (meta, found) in inspected.items():
         problems.extend(Problem(section.name, str(exc), address) for exc in found)
         if meta is not None:
             section.notes.extend(flat_notes(meta))
     return [inspected[a][0] for a in addresses if inspected[a][0] is not None]
+
+
+def _inspect(address: str, type_map: tuple[str, ...] | None
+             ) -> tuple[SystemMeta | None, list[MdloaderError]]:
+    try:
+        return inspect_system(address, type_map)  # type: ignore[return-value]
+    except MdloaderError as exc:  # not a data problem of the system (e.g. a config error)
+        return None, [exc]
 
 
 def flat_notes(meta: SystemMeta) -> list[str]:

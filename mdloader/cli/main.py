@@ -23,12 +23,15 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mdloader import __version__
 from mdloader.errors import ConfigError, MdloaderError
 from mdloader.logs import LEVELS, setup_logging
 from mdloader.world import World
+
+if TYPE_CHECKING:
+    from mdloader.config.input_json import Config
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +149,7 @@ def _run_check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _check_config(args: argparse.Namespace) -> Any:
+def _check_config(args: argparse.Namespace) -> Config:
     """One ``*.json`` file is an input.json; anything else is a list of system paths."""
     from mdloader.cli.check import config_for_paths
     from mdloader.config.input_json import load_config
