@@ -202,7 +202,8 @@ class DpLoaderSet(Dataset):
                  "prob", "pbc")
         for i, s in enumerate(self.systems):
             log.info("%-*s  %6d  %6d  %6d  %9.3e  %3s", width, s.system, s._natoms,
-                     self.batch_sizes[i], self.index[i], prob[i], "T" if s.meta.pbc else "F")
+                     self.batch_sizes[i], self.index[i], prob[i],
+                     "?" if s.meta.backend == "lmdb" else "TF"[not s.meta.pbc])  # LMDB: per frame
 
     # -- probabilities and state -----------------------------------------------------------
     def probability_rule(self, prob_style: str | Sequence[float], sys_prob: bool = False,

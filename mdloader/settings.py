@@ -62,6 +62,9 @@ SETTINGS: dict[str, Setting] = {
     "max_open_h5": Setting(
         "MDLOADER_MAX_OPEN_H5", lambda: 32, int, 1, "file",
         "HDF5 files one process keeps open."),
+    "max_open_lmdb": Setting(
+        "MDLOADER_MAX_OPEN_LMDB", lambda: 16, int, 1, "database",
+        "LMDB databases one process keeps open (each maps its file and holds a descriptor)."),
 }
 
 

@@ -207,8 +207,6 @@ BAD_CASES = [
     ("model.spin", {"use_spin": [True, False], "spin_norm": [1.27], "virtual_len": [0.4]},
      r"^model\.spin\.spin_norm: TensorFlow spin models \(virtual spin atoms in type\.raw\) are "
      r"not supported by mdloader"),
-    ("training.training_data.systems", ["a", "water.lmdb"],
-     r"^training\.training_data\.systems: LMDB datasets \(water\.lmdb\) are not supported"),
     ("model.type_map", ["O", "O"],
      r"^model\.type_map: bad value \[\"O\", \"O\"\]: expected a non-empty list of distinct"),
     ("model", 5, r"^model: wrong type: expected dict, found int 5$"),

@@ -6,7 +6,7 @@ it, possibly hours into training. ``check`` describes every system from its head
 of every system instead of stopping at the first, notes arrays that are read reshaped (stored
 flat, :mod:`mdloader.data.layout`), applies the batch-size rule and the probabilities exactly as
 training would, and with ``--deep`` reads every array to find NaN/inf frames and data that is
-shorter than its header says.
+shorter than its header says (for an LMDB database: decodes every frame).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class SystemRow:
     system: str
     natoms: int
     nframes: int
-    pbc: bool
+    pbc: bool | None  # None: known per frame (an LMDB group)
     batch_size: int | None = None
     batches: int | None = None
     prob: float | None = None
@@ -114,7 +114,8 @@ def check_input(config: Config, *, deep: bool = False, threads: int = 4) -> Chec
         metas = _build_all(data, config.type_map, section, problems, threads)
         if metas is None:
             continue
-        section.rows = [SystemRow(m.address, m.natoms, m.nframes, m.pbc) for m in metas]
+        section.rows = [SystemRow(m.address, m.natoms, m.nframes,
+                                  None if m.backend == "lmdb" else m.pbc) for m in metas]
         if not any(p.section == name for p in problems):
             _plan(data, metas, section, problems)
         if deep:
@@ -152,6 +153,8 @@ def _inspect(address: str, type_map: tuple[str, ...] | None
 
 def flat_notes(meta: SystemMeta) -> list[str]:
     """One line per array stored flat, read reshaped as DeePMD-kit's whole-set reader does."""
+    if meta.backend == "lmdb":  # frames stored one by one: nothing is stored flat
+        return []
     loc = parse_address(meta.address)
     io = backend_of(loc)
     notes = []
@@ -186,7 +189,12 @@ def _plan(data: DataConfig, metas: list[SystemMeta], section: SectionReport,
 
 
 def deep_check(meta: SystemMeta) -> list[str]:
-    """Read every array of every set; report NaN/inf frames and unreadable or short data."""
+    """Read every array of every set (every frame of an LMDB group); report NaN/inf frames and
+    unreadable or short data."""
+    if meta.backend == "lmdb":
+        from mdloader.data.lmdb_check import check_group
+
+        return check_group(meta)
     loc = parse_address(meta.address)
     io = backend_of(loc)
     found: list[str] = []
@@ -251,7 +259,7 @@ def _table(section: SectionReport) -> list[str]:
     for r in section.rows:
         lines.append(f"{r.system:<{width}}  {r.natoms:>6}  {r.nframes:>7}  "
                      f"{_fmt(r.batch_size, '>4')}  {_fmt(r.batches, '>7')}  "
-                     f"{_fmt(r.prob, '>6.3f')}  {'T' if r.pbc else 'F'}")
+                     f"{_fmt(r.prob, '>6.3f')}  {'?' if r.pbc is None else 'TF'[not r.pbc]}")
     t = section.totals()
     lines.append("-" * len(head))
     lines.append(f"{'total':<{width}}  {'':>6}  {t['frames']:>7}  {'':>4}  "

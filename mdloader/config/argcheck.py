@@ -242,6 +242,6 @@ def schema_markdown() -> str:
             "unchecked, so a complete DeePMD-kit input.json is accepted. Inputs for what "
             "mdloader does not serve are refused in one line naming the key: multi-task "
             "training (`model.model_dict`, `training.data_dict`), TensorFlow spin models "
-            "(`model.spin.spin_norm`, `model.spin.virtual_len`), the TensorFlow-only batch rule "
-            "`mixed:N`, and LMDB systems (`*.lmdb`).")
+            "(`model.spin.spin_norm`, `model.spin.virtual_len`) and the TensorFlow-only batch "
+            "rule `mixed:N`.")
     return "\n".join(head + _rows(input_schema(), "")) + "\n\n" + note + "\n"

@@ -8,7 +8,7 @@ one :class:`~mdloader.errors.ConfigError` whose ``path`` is the dotted JSON path
 
 As in DeePMD-kit, every key starting with ``_`` (``_comment``, ...) is dropped before checking.
 Inputs for what mdloader does not serve (multi-task training, TensorFlow-only spin models and
-batch rules, LMDB data) are refused by
+batch rules) are refused by
 :func:`~mdloader.config.unsupported.refuse_unsupported` with one line naming the feature and
 its JSON path.
 """

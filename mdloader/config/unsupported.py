@@ -21,7 +21,7 @@ def refuse_unsupported(data: dict) -> None:
     Multi-task training (``model.model_dict``, ``training.data_dict``); a TensorFlow spin model
     (``model.spin`` with ``spin_norm``/``virtual_len``: its data put virtual spin atoms in
     ``type.raw``, while DeePMD-kit's PyTorch backend reads ``spin.npy``); the TensorFlow-only
-    ``mixed:N`` batch rule; LMDB datasets.
+    ``mixed:N`` batch rule.
     """
     model, training = _section(data, "model"), _section(data, "training")
     for path, section, key in (("model.model_dict", model, "model_dict"),
@@ -41,11 +41,6 @@ def refuse_unsupported(data: dict) -> None:
             raise ConfigError(f"the batch-size rule {batch!r} is TensorFlow-only (DeePMD-kit's "
                               "PyTorch backend refuses it too)",
                               path=f"training.{name}.batch_size")
-        systems = section.get("systems")
-        for entry in [systems] if isinstance(systems, str) else systems or []:
-            if isinstance(entry, str) and entry.rstrip("/").endswith(".lmdb"):
-                raise ConfigError(f"LMDB datasets ({entry}) are not supported by mdloader yet",
-                                  path=f"training.{name}.systems")
 
 
 def _section(data: Any, key: str) -> dict:

@@ -3,7 +3,8 @@
 It holds a :class:`~mdloader.data.system.SystemMeta` and the data requirements, nothing else, so it
 pickles to a few hundred bytes and travels cheaply to other ranks and DataLoader workers.
 Frames are read on demand: rows of memory-mapped npy files or rows of HDF5 datasets, through
-handles opened on first read in the reading process.
+handles opened on first read in the reading process. The frames of an LMDB group are read
+record by record, as DeePMD-kit's LMDB reader yields them (:mod:`mdloader.data.lmdb_frames`).
 """
 
 from __future__ import annotations
@@ -48,11 +49,15 @@ class DeepmdDataSetForLoader(Dataset):
 
     def _reset(self) -> None:
         # Shared tuples and lazily computed arrays: a dataset costs little until it is read.
+        self._order: AtomOrder | None = None
+        self._prefix: np.ndarray | None = None
+        self._lmdb: Any = None
+        if self._meta.backend == "lmdb":  # records carry coord and box: only what was asked
+            self._requirements = tuple(self._extra)
+            return
         defaults = default_requirements(self._meta.pbc)
         self._requirements = (merge_requirements(defaults, self._extra) if self._extra
                               else defaults)
-        self._order: AtomOrder | None = None
-        self._prefix: np.ndarray | None = None
 
     # -- pickling: metadata and requirements only ------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -102,8 +107,13 @@ class DeepmdDataSetForLoader(Dataset):
     def add_data_requirement(self, data_requirement: Iterable[Any]) -> None:
         """Add what a model or loss needs, and check it against the headers right away."""
         merged = merge_requirements(self._extra, data_requirement)
-        for req in merged:
-            self._check_requirement(req)
+        if self._meta.backend == "lmdb":  # what a frame holds is known when it is read
+            from mdloader.data.lmdb_frames import check_requirements
+
+            check_requirements(merged)
+        else:
+            for req in merged:
+                self._check_requirement(req)
         self._extra = merged
         self._reset()
 
@@ -126,6 +136,14 @@ class DeepmdDataSetForLoader(Dataset):
                                  file=io.file_of(self._meta.location, s.name, stem + ".npy"),
                                  expected=" or ".join(str(w) for w in accepted), found=width)
 
+    def _lmdb_reader(self) -> Any:
+        """The reader of an LMDB group, made on first read (100 000 groups cost nothing before)."""
+        if self._lmdb is None:
+            from mdloader.data.lmdb_frames import LmdbGroupReader
+
+            self._lmdb = LmdbGroupReader(self._meta, self._requirements)
+        return self._lmdb
+
     def _atom_order(self) -> AtomOrder:
         if self._order is None:
             self._order = AtomOrder.of(self._meta.atom_types)
@@ -136,7 +154,10 @@ class DeepmdDataSetForLoader(Dataset):
         return self.get_frames([index])[0]
 
     def get_frames(self, fids: Sequence[int]) -> list[dict[str, Any]]:
-        """Frame dicts exactly as DeePMD-kit's ``DeepmdDataSetForLoader[i]`` yields them."""
+        """Frame dicts exactly as DeePMD-kit's ``DeepmdDataSetForLoader[i]`` yields them (for an
+        LMDB group: as its ``LmdbDataReader[i]`` does)."""
+        if self._meta.backend == "lmdb":
+            return self._lmdb_reader().frames(self._check_fids(fids))
         arrays, flags = self._read(fids)
         frames = []
         for j, fid in enumerate(np.asarray(fids, dtype=np.int64).tolist()):
@@ -151,7 +172,10 @@ class DeepmdDataSetForLoader(Dataset):
         return frames
 
     def get_batch(self, fids: Sequence[int]) -> dict[str, Any]:
-        """The collated batch of ``fids`` (the same as ``collate_batch(get_frames(fids))``)."""
+        """The collated batch of ``fids`` (the same as ``collate_batch(get_frames(fids))``; for
+        an LMDB group, a flag is 1 only when every frame has the label, as DeePMD-kit's)."""
+        if self._meta.backend == "lmdb":
+            return self._lmdb_reader().batch(self._check_fids(fids))
         arrays, flags = self._read(fids)
         return batch_from_blocks(arrays, flags, np.asarray(fids, dtype=np.int64).tolist())
 

@@ -30,6 +30,7 @@ CHUNK = 512  # systems per pool task
 PROBE = 32  # systems timed in the calling thread to decide on the pool
 IO_BOUND = 3.0  # wall / CPU time of the probe above which the pool is used
 PROCESS_MIN = 20_000  # CPU-bound builds at least this large use processes (all cores)
+PROCESS_CPU = 50e-6  # ... unless a system takes less CPU than this (LMDB groups, from memory)
 
 
 class SystemFailed(Exception):
@@ -68,7 +69,8 @@ def describe_systems(addresses: list[str], type_map: Sequence[str] | None,
     size = _chunk_size(len(rest), threads)
     chunks = [rest[i:i + size] for i in range(0, len(rest), size)]
     processes = min(workers, os.cpu_count() or 1)
-    if threads == 1 and len(rest) >= PROCESS_MIN and processes > 1:
+    heavy = cpu > PROCESS_CPU * max(1, len(probe.metas))  # spawning costs seconds
+    if threads == 1 and len(rest) >= PROCESS_MIN and processes > 1 and heavy:
         yield from _in_processes(rest, type_map, processes, stop)
         return
     if threads == 1:

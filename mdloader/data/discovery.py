@@ -12,6 +12,10 @@ not descending into the ``set.*`` folders of a system (a directory holding ``typ
 hold frames. The one difference this makes: a ``type.raw`` *inside* a system's ``set.*`` folder
 is no longer taken for a system (DeePMD-kit's ``rglob`` would take it; such a tree mixes a set
 and a system). Systems nested in a system's other subfolders are found.
+
+An LMDB database (a path ending in ``.lmdb`` or a folder holding ``data.mdb``, given as an
+entry) expands into one address per group of frames, in the order of its system ids
+(:mod:`mdloader.data.lmdb_index`); ``rglob_patterns`` do not apply to it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import PurePosixPath
 
-from mdloader.data.formats import parse_address
+from mdloader.data.formats import address_sort_key, parse_address
+from mdloader.data.lmdb_index import group_addresses
 from mdloader.errors import NoSystemsFoundError
 
 log = logging.getLogger(__name__)
@@ -40,7 +45,8 @@ def discover_systems(
     ----------
     systems
         A path or a list of paths: system directories, roots to search recursively, glob
-        patterns, HDF5 files (every group holding ``type.raw``) or ``file.h5#/group`` addresses.
+        patterns, HDF5 files (every group holding ``type.raw``), ``file.h5#/group`` addresses,
+        LMDB databases (one address per group) or ``db.lmdb#system=S,natoms=N`` addresses.
         Each entry is replaced by what it finds (:func:`expand_entry`); entries keep their
         order and repeated entries their repetitions.
     rglob_patterns
@@ -60,11 +66,12 @@ def discover_systems(
 
 
 def expand_entry(entry: str, rglob_patterns: Sequence[str] | None = None) -> list[str]:
-    """The systems one entry stands for, sorted and unique (empty when it finds none)."""
+    """The systems one entry stands for, sorted and unique (empty when it finds none); the groups
+    of an LMDB database in the order of their system ids and atom counts."""
     found: set[str] = set()
     for path in _expand_globs([entry]):
         found.update(_systems_under(path, rglob_patterns))
-    return sorted(found)
+    return sorted(found, key=address_sort_key)
 
 
 def _expand_globs(entries: Iterable[str]) -> list[str]:
@@ -84,6 +91,9 @@ def _expand_globs(entries: Iterable[str]) -> list[str]:
 
 def _systems_under(entry: str, patterns: Sequence[str] | None) -> list[str]:
     loc = parse_address(entry)
+    if loc.backend == "lmdb":  # a path ending in .lmdb, or one group's address
+        return [os.path.abspath(loc.path) + "#" + loc.group] if loc.group else \
+            group_addresses(entry)
     if "#" in entry or (loc.backend == "hdf5" and os.path.isfile(loc.path)):
         return _hdf5_systems(loc.path, loc.group, patterns)
     if os.path.isfile(entry):
@@ -94,6 +104,8 @@ def _systems_under(entry: str, patterns: Sequence[str] | None) -> list[str]:
         return []
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
+        if dirpath == root and "data.mdb" in filenames:  # an LMDB database named otherwise
+            return group_addresses(root)
         if "type.raw" not in filenames:
             continue
         # A system's set.* folders hold frames, not systems, and are most of the tree: skip

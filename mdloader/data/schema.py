@@ -48,8 +48,9 @@ class DataRequirementItem:
         ``"hessian"`` (also implied by the key ``hessian``): one ``3N x 3N`` matrix per frame.
     source_policy
         DeePMD-kit >= 3.2's ``"tracked"``, ``"default"`` or ``"derived"`` (only ``"tracked"``
-        with ``must``); kept, and handed on, but not interpreted by the npy and HDF5 readers
-        (nor is it by DeePMD-kit's).
+        with ``must``). The npy and HDF5 readers keep it and hand it on without interpreting it
+        (as DeePMD-kit's do); LMDB frames use it as DeePMD-kit's LMDB reader does: a
+        ``"default"`` label filled with ``default`` counts as found (``find_<key>`` = 1).
     """
 
     def __init__(
@@ -173,7 +174,7 @@ def as_requirement(item: Any) -> DataRequirementItem:
             default=get("default", 0.0), dtype=get("dtype", None),
             output_natoms_for_type_sel=get("output_natoms_for_type_sel", False),
             special_shape=get("special_shape", None),
-            source_policy=get("source_policy", "tracked"),
+            source_policy=get("source_policy", None) or "tracked",
         )
     raise ConfigError(f"not a data requirement: {item!r}")
 

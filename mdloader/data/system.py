@@ -62,7 +62,9 @@ class SystemMeta:
 
     ``atom_types`` are model type ids in ``type.raw`` order (after remapping to the model
     ``type_map``). ``mixed_idx_map`` maps a mixed-type system's own type ids to model ids, with a
-    trailing ``-1`` so that virtual atoms stay ``-1``.
+    trailing ``-1`` so that virtual atoms stay ``-1``. A group of an LMDB database is described
+    by the same fields: zeros as atom types (they are per frame), ``mixed_type`` set, and one
+    :class:`~mdloader.data.lmdb_index.LmdbGroup` as its only set.
     """
 
     address: str
@@ -113,9 +115,10 @@ class SystemMeta:
         small = self.atom_types.max(initial=0) < 127
         types = self.atom_types.astype(np.int8 if small else np.int16).tobytes()
         flags = int(self.pbc) | int(self.mixed_type) << 1 | int(not small) << 2
-        folder, sep, name = self.address.rpartition("/")  # the folder is shared by siblings
-        return (_restore, (shared(folder + sep), name, types, self.type_map, flags, self.sets,
-                           self.mixed_idx_map))
+        # the folder (or the LMDB database) is shared by siblings: pickle writes it once
+        cut = max(self.address.rfind("/"), self.address.rfind("#")) + 1
+        return (_restore, (shared(self.address[:cut]), self.address[cut:], types, self.type_map,
+                           flags, self.sets, self.mixed_idx_map))
 
 
 def _restore_set(name: str, nframes: int, keys: tuple[str, ...],
@@ -166,6 +169,10 @@ def _describe_system(address: str, type_map: Sequence[str] | None,
                      problems: list[DataError]) -> SystemMeta:
     """Raise what ends the inspection, append to ``problems`` what does not."""
     loc = parse_address(address)
+    if loc.backend == "lmdb":  # a group of frames in a database: described from its metadata
+        from mdloader.data.lmdb_index import describe_group
+
+        return describe_group(loc, type_map)
     io = backend_of(loc)
     pbc, set_names = io.scan_system(loc)
     types = io.read_type_raw(loc)

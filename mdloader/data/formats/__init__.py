@@ -1,44 +1,75 @@
-"""Storage backends for one DeePMD layout: npy directories and HDF5 groups.
+"""Storage backends: npy directories, HDF5 groups, and groups of frames in an LMDB database.
 
-A system *address* is a directory path, or ``file.h5#/group`` (``file.h5`` alone or
-``file.h5#/`` for a system at the file root). Both backends expose the same small set of
-functions, so everything above this package is written once.
+A system *address* is a directory path, ``file.h5#/group`` (``file.h5`` alone or ``file.h5#/``
+for a system at the file root), or ``data.lmdb#system=3,natoms=6`` for the frames of source
+system 3 with 6 atoms in an LMDB database (``data.lmdb#natoms=6`` when the database records no
+system ids). npy and HDF5 expose the same small set of functions, so everything above this
+package is written once; an LMDB group is read frame by frame (:mod:`mdloader.data.lmdb_frames`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from types import ModuleType
+
+#: The fragment naming one group of an LMDB database (any other fragment is an HDF5 group).
+LMDB_GROUP = re.compile(r"(?:system=(\d+),)?natoms=(\d+)")
 
 
 @dataclass(frozen=True)
 class Location:
     """A parsed system address."""
 
-    backend: str  # "npy" or "hdf5"
-    path: str  # the directory, or the HDF5 file
-    group: str  # "" for npy; "/" or "/a/b" inside an HDF5 file
+    backend: str  # "npy", "hdf5" or "lmdb"
+    path: str  # the directory, the HDF5 file, or the LMDB database (a directory)
+    group: str  # "" for npy; "/" or "/a/b" inside an HDF5 file; "system=3,natoms=6" or ""
 
     @property
     def address(self) -> str:
-        return self.path if self.backend == "npy" else f"{self.path}#{self.group}"
+        return f"{self.path}#{self.group}" if self.group else self.path
 
 
 def parse_address(address: str) -> Location:
-    """Split ``file.h5#/grp`` and decide the backend without touching the file system.
+    """Split ``file.h5#/grp`` or ``db.lmdb#natoms=6`` and decide the backend without touching the
+    file system.
 
-    A plain path is an HDF5 file when it names a file ending in ``.h5``/``.hdf5``/``.hdf``;
-    otherwise a directory. (``#`` cannot appear in a directory name used as a system.)
+    A fragment of the form ``system=S,natoms=N`` or ``natoms=N`` names an LMDB group, any other
+    fragment an HDF5 group. A plain path is an HDF5 file when it ends in ``.h5``/``.hdf5``/
+    ``.hdf``, a whole LMDB database when it ends in ``.lmdb`` (group ``""``); otherwise a
+    directory. (``#`` cannot appear in a directory name used as a system.)
     """
     text = os.fspath(address)
     if "#" in text:
         path, group = text.split("#", 1)
+        if LMDB_GROUP.fullmatch(group):
+            return Location("lmdb", path.rstrip("/") or "/", group)
         group = "/" + group.strip("/")
         return Location("hdf5", path, group)
     if text.lower().endswith((".h5", ".hdf5", ".hdf")):
         return Location("hdf5", text, "/")
+    if text.rstrip("/").lower().endswith(".lmdb"):
+        return Location("lmdb", text.rstrip("/"), "")
     return Location("npy", text.rstrip("/") or "/", "")
+
+
+def lmdb_group_of(loc: Location) -> tuple[int, int]:
+    """(system id, atoms) of an LMDB group; system id -1 when the database records none."""
+    match = LMDB_GROUP.fullmatch(loc.group)
+    if match is None:
+        raise ValueError(f"{loc.address} does not name a group of an LMDB database")
+    sid, natoms = match.groups()
+    return (-1 if sid is None else int(sid)), int(natoms)
+
+
+def address_sort_key(address: str) -> tuple[str, tuple[int, int]]:
+    """Sort key of addresses: text order, except that the groups of one LMDB database follow
+    their system ids and atom counts as numbers (``system=10`` after ``system=9``)."""
+    path, sep, group = address.partition("#")
+    if sep and LMDB_GROUP.fullmatch(group):
+        return path + sep, lmdb_group_of(Location("lmdb", path, group))
+    return address, (-2, 0)
 
 
 def backend_of(loc: Location) -> ModuleType:
@@ -47,6 +78,10 @@ def backend_of(loc: Location) -> ModuleType:
         from mdloader.data.formats import npy
 
         return npy
+    if loc.backend == "lmdb":
+        from mdloader.data.formats import lmdb
+
+        return lmdb
     from mdloader.data.formats import hdf5
 
     return hdf5

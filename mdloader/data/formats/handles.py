@@ -3,7 +3,9 @@
 Every open handle holds a file descriptor, so each process keeps at most a few, closing the
 least recently used first. A forked DataLoader worker inherits its parent's handles but must not
 use them (HDF5 and LMDB handles are not fork-safe; maps would be shared), so the cache empties
-itself the first time it is used under a new process id.
+itself the first time it is used under a new process id. LMDB needs more: python-lmdb refuses a
+second open of a path its process already holds, so its cache closes the inherited copies
+(``close_inherited``), which only releases the child's own descriptors and mapping.
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ class HandleCache(Generic[H]):
         Releases an evicted handle (``None``: dropping the reference is enough).
     valid
         Tells whether a cached handle can still be used (closed elsewhere: reopen it).
+    close_inherited
+        After a fork, close the parent's handles in the child instead of only forgetting them.
     """
 
     def __init__(self, limit: Callable[[], int], close: Callable[[H], Any] | None = None,
-                 valid: Callable[[H], bool] | None = None) -> None:
+                 valid: Callable[[H], bool] | None = None, *,
+                 close_inherited: bool = False) -> None:
         self._limit, self._close, self._valid = limit, close, valid
+        self._close_inherited = close_inherited
         self._handles: OrderedDict[str, H] = OrderedDict()
         self._pid = os.getpid()
 
@@ -47,6 +53,11 @@ class HandleCache(Generic[H]):
         while len(self._handles) > max(1, self._limit()):
             self._release(self._handles.popitem(last=False)[1])
         return handle
+
+    def peek(self, key: str) -> H | None:
+        """The cached handle of ``key`` if this process holds one; never opens."""
+        self._check_pid()
+        return self._handles.get(key)
 
     def discard(self, key: str) -> None:
         """Close and forget ``key``'s handle (after a read error, so the next read reopens)."""
@@ -64,9 +75,11 @@ class HandleCache(Generic[H]):
         return len(self._handles) if self._pid == os.getpid() else 0
 
     def _check_pid(self) -> None:
-        if self._pid != os.getpid():  # inherited from the parent: never touch, never close
-            self._handles = OrderedDict()
+        if self._pid != os.getpid():  # inherited from the parent: never use them
+            inherited, self._handles = self._handles, OrderedDict()
             self._pid = os.getpid()
+            while self._close_inherited and inherited:
+                self._release(inherited.popitem(last=False)[1])
 
     def _release(self, handle: H) -> None:
         if self._close is not None:
