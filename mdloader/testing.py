@@ -2,6 +2,8 @@
 
 Everything is deterministic in ``seed``. Broken variants (``broken=...``) produce each defect
 the loader must report, so tests state the defect by name instead of hand-editing files.
+:func:`make_lmdb` packs generated systems into an LMDB database, with mdloader's writer or
+dpdata's. This module sits above the library (it uses the writer); the library never imports it.
 """
 
 from __future__ import annotations
@@ -165,3 +167,113 @@ def make_dataset(
                         seed=seed * 1_000_003 + i, backend=backend, keys=keys,
                         h5_file="dataset.h5")
             for i, n in enumerate(sizes)]
+
+
+LMDB_BROKEN = ("no_metadata", "corrupt_metadata", "nframes_mismatch", "nlocs_mismatch",
+               "missing_frame", "corrupt_frame", "bad_array", "bad_type_id", "atoms_mismatch")
+
+
+def make_lmdb(path: str | os.PathLike[str], systems: Sequence[str], *,
+              type_map: Sequence[str] | None = None, writer: str = "mdloader",
+              drop_metadata: Sequence[str] = (), broken: str | None = None) -> str:
+    """Write the systems at ``systems`` (e.g. made by :func:`make_system`) into an LMDB database.
+
+    ``writer`` is ``"mdloader"`` (:class:`~mdloader.data.lmdb_writer.LmdbWriter`, one system id
+    per system, in the order given) or ``"dpdata"`` (dpdata's ``dump_systems``, for
+    cross-checks). ``drop_metadata`` removes keys from ``__metadata__`` (e.g. ``frame_nlocs``);
+    ``broken`` is one of :data:`LMDB_BROKEN`. Returns the database path.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if writer == "mdloader":
+        _write_lmdb_mdloader(path, systems, type_map)
+    elif writer == "dpdata":
+        _write_lmdb_dpdata(path, systems, type_map)
+    else:
+        raise ValueError(f"writer must be 'mdloader' or 'dpdata', got {writer!r}")
+    if drop_metadata or broken:
+        _edit_lmdb(path, drop_metadata, broken)
+    return path
+
+
+def _write_lmdb_mdloader(path: str, systems: Sequence[str],
+                         type_map: Sequence[str] | None) -> None:
+    from mdloader.data.lmdb_sources import element_names, system_chunks
+    from mdloader.data.lmdb_writer import LmdbWriter
+    from mdloader.data.system import build_system_meta
+
+    metas = [build_system_meta(s) for s in systems]
+    names = [element_names(m, type_map) for m in metas]
+    elements = list(type_map) if type_map else list(dict.fromkeys(n for ns in names for n in ns))
+    with LmdbWriter(path, elements, overwrite=True) as out:
+        for meta, meta_names in zip(metas, names):
+            sid = out.new_system()
+            for chunk in system_chunks(meta, meta_names):
+                out.write(sid, chunk)
+
+
+def _write_lmdb_dpdata(path: str, systems: Sequence[str],
+                       type_map: Sequence[str] | None) -> None:
+    import dpdata
+    from dpdata.data_type import Axis, DataType
+    from dpdata.formats.deepmd.lmdb import dump_systems
+
+    # dpdata's npy reader loads fparam/aparam only once they are registered (process-wide)
+    shapes = {"fparam": (Axis.NFRAMES, -1), "aparam": (Axis.NFRAMES, Axis.NATOMS, -1)}
+    for name, shape in shapes.items():
+        for cls in (dpdata.System, dpdata.LabeledSystem):
+            cls.register_data_type(DataType(name, np.ndarray, shape, required=False))
+    loaded = [dpdata.LabeledSystem(s, fmt="deepmd/npy") for s in systems]
+    dump_systems(loaded, path, type_map=list(type_map) if type_map else None)
+
+
+def _edit_lmdb(path: str, drop: Sequence[str], broken: str | None) -> None:
+    """Rewrite entries in place to produce a defect (tests only: no atomicity needed)."""
+    import lmdb
+    import msgpack
+
+    if broken is not None and broken not in LMDB_BROKEN:
+        raise ValueError(f"unknown broken variant {broken!r}; known: {LMDB_BROKEN}")
+    env = lmdb.open(path, map_size=1 << 30)
+    try:
+        with env.begin(write=True) as txn:
+            meta = msgpack.unpackb(txn.get(b"__metadata__"), raw=False)
+            for key in drop:
+                meta.pop(key, None)
+            key0 = format(0, meta.get("frame_idx_fmt", "012d")).encode()
+            frame0 = msgpack.unpackb(txn.get(key0), raw=False)
+            _break_lmdb(txn, meta, key0, frame0, broken)
+    finally:
+        env.close()
+
+
+def _break_lmdb(txn: object, meta: dict, key0: bytes, frame0: dict, broken: str | None) -> None:
+    import msgpack
+
+    def put(key: bytes, value: object) -> None:
+        txn.put(key, value if isinstance(value, bytes) else msgpack.packb(value, use_bin_type=True))
+
+    if broken == "nframes_mismatch":
+        meta["nframes"] += 1
+    elif broken == "nlocs_mismatch":
+        meta["frame_nlocs"] = meta["frame_nlocs"][:-1]
+    elif broken == "missing_frame":
+        txn.delete(format(meta["nframes"] // 2, meta.get("frame_idx_fmt", "012d")).encode())
+        put(b"zzz_stray", {})
+    elif broken == "corrupt_frame":
+        put(key0, b"\xc1 not msgpack")
+    elif broken == "bad_array":
+        frame0["coords"]["data"] = frame0["coords"]["data"][:-8]
+        put(key0, frame0)
+    elif broken == "bad_type_id":
+        types = np.frombuffer(frame0["atom_types"]["data"], dtype=np.int32).copy()
+        types[0] = len(meta["type_map"]) + 3
+        frame0["atom_types"]["data"] = types.tobytes()
+        put(key0, frame0)
+    elif broken == "atoms_mismatch":
+        meta["frame_nlocs"][0] += 1
+    if broken == "no_metadata":
+        txn.delete(b"__metadata__")
+    elif broken == "corrupt_metadata":
+        put(b"__metadata__", b"\x93\x01")
+    else:
+        put(b"__metadata__", meta)

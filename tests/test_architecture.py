@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mdloader"
 #: Layer of each module (longest prefix wins) and the layers it may import.
 LAYERS = {
     "mdloader": "leaf", "mdloader.errors": "leaf", "mdloader.settings": "leaf",
-    "mdloader.world": "leaf", "mdloader.logs": "leaf", "mdloader.testing": "leaf",
+    "mdloader.world": "leaf", "mdloader.logs": "leaf", "mdloader.testing": "testing",
     "mdloader.transport": "leaf",
     "mdloader.data": "data", "mdloader.distributed": "distributed",
     "mdloader.sampling": "sampling",
@@ -27,6 +27,7 @@ ALLOWED = {
     "distributed": {"leaf", "distributed"},
     "sampling": {"leaf", "sampling"},
     "assembly": LIBRARY,
+    "testing": LIBRARY,
     "config": LIBRARY | {"config"},
     "train": LIBRARY | {"config", "train"},
     "integrations": LIBRARY | {"integrations"},

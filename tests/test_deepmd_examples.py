@@ -31,8 +31,6 @@ REFUSED = {
         "training.training_data.batch_size: the batch-size rule 'mixed:4' is TensorFlow-only",
     "water_multi_task/pytorch_example/input_torch.json":
         "model.model_dict: multi-task training is not supported by mdloader",
-    "lmdb_downsample_data/input_lmdb.json":
-        "training.training_data.systems: LMDB datasets (water_training.lmdb) are not supported",
     "spin/se_e2_a/input_tf.json":
         "model.spin.spin_norm: TensorFlow spin models (virtual spin atoms in type.raw) are not "
         "supported by mdloader",
@@ -65,6 +63,20 @@ def test_other_example_inputs_are_refused_in_one_line(examples: Path, name: str,
     assert captured.out == ""
     assert captured.err.count("\n") == 1
     assert captured.err.startswith(f"mdloader: error: {REFUSED[name]}")
+
+
+def test_lmdb_example_reads_databases_packed_from_the_water_data(
+        examples: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DeePMD-kit's LMDB example, on databases `mdloader pack` writes from the water data."""
+    folder, water = examples / "lmdb_downsample_data", REPO / "examples" / "water" / "data"
+    train = [str(water / f"data_{i}") for i in range(3)]
+    assert main(["pack", *train, str(folder / "water_training.lmdb")]) == 0
+    assert main(["pack", str(water / "data_3"), str(folder / "water_validation.lmdb")]) == 0
+    capsys.readouterr()
+    assert main(["check", str(folder / "input_lmdb.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"{folder}/water_training.lmdb#system=2,natoms=192" in out
+    assert out.rstrip().endswith("OK: no problem found")
 
 
 def test_fparam_example_notes_the_reshaped_aparam(examples: Path,

@@ -160,6 +160,16 @@ def _systems_of(data: Any) -> list[Any]:
     return [data]
 
 
+def read_systems(src: str, fmt: str, type_map: list[str] | None = None) -> list[Any]:
+    """The dpdata systems, with frames, that ``convert`` reads from ``src`` (``pack`` too)."""
+    kind = check_format(fmt)
+    fmt = fmt.strip().lower()
+    if not _exists(src, fmt):
+        raise MissingDataError("the input does not exist (nor files it is the prefix of)",
+                               file=src)
+    return [s for s in _systems_of(_load(src, fmt, kind, type_map)) if s.get_nframes() > 0]
+
+
 def convert(src: str, dest: str, *, fmt: str, to: str = "deepmd/npy",
             type_map: list[str] | None = None, set_size: int = 5000) -> ConvertReport:
     """Read ``src`` as ``fmt`` with dpdata and write DeePMD system(s) at ``dest``.

@@ -1,8 +1,8 @@
 """The ``mdloader`` command line: a parser and a thin ``main(argv) -> int``.
 
 Each subcommand calls keyword-only functions that tests also call directly (``check_input``,
-``run_bench``, ``train``, ``convert``); this module only parses, sets up logging, prints, and
-turns exceptions into exit codes:
+``run_bench``, ``train``, ``convert``, ``pack``); this module only parses, sets up logging,
+prints, and turns exceptions into exit codes:
 
 * 0 — success;
 * 1 — failure: bad data, a failed check, a distributed error;
@@ -118,6 +118,22 @@ def _add_convert(sub: argparse._SubParsersAction, common: argparse.ArgumentParse
     p.add_argument("--set-size", type=int, default=5000, help="frames per set.* (default 5000)")
 
 
+def _add_pack(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("pack", parents=[common], help="write systems into one LMDB database",
+                       description="Write every system of SRC (npy, HDF5, or a dpdata format "
+                       "with --from) into the LMDB database DEST, one system id per source "
+                       "system in mdloader's order; DeePMD-kit 3.2.0 reads it as is.")
+    p.add_argument("src", nargs="+", help="systems, roots, globs or HDF5 files (one input with "
+                   "--from)")
+    p.add_argument("dest", help="the database to create, e.g. train.lmdb")
+    p.add_argument("--from", dest="fmt", default=None, metavar="FMT",
+                   help="read SRC with dpdata in this format (e.g. vasp/outcar, extxyz)")
+    p.add_argument("--type-map", nargs="+", default=None, metavar="ELEM",
+                   help="element order of the stored type ids (default: order of appearance)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace DEST once the new database is complete")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser (also used to render ``--help`` in the docs)."""
     common = _common_options()
@@ -126,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         "benchmark, convert, and a reference training job.")
     parser.add_argument("--version", action="version", version=f"mdloader {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in (_add_check, _add_bench, _add_train, _add_convert, _add_dp):
+    for add in (_add_check, _add_bench, _add_train, _add_convert, _add_pack, _add_dp):
         add(sub, common)
     return parser
 
@@ -203,8 +219,19 @@ def _run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_pack(args: argparse.Namespace) -> int:
+    from mdloader.cli.pack import pack
+
+    report = pack(args.src, args.dest, fmt=args.fmt, type_map=args.type_map,
+                  overwrite=args.overwrite)
+    print(f"{report.dest}\t{len(report.systems)} systems\t{report.total_frames} frames\t"
+          f"type_map {' '.join(report.type_map)}")
+    return 0
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "check": _run_check, "bench": _run_bench, "train": _run_train, "convert": _run_convert}
+    "check": _run_check, "bench": _run_bench, "train": _run_train, "convert": _run_convert,
+    "pack": _run_pack}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
