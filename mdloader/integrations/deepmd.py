@@ -9,7 +9,8 @@ that bound them at import time:
                                       ``get_sampler_from_params``
 ``deepmd.pt.entrypoints.main``        ``DpLoaderSet``; ``process_systems`` (deferred: only
                                       rank 0 walks the data tree, inside the build);
-                                      ``dist`` (see below)
+                                      ``dist`` (see below); ``is_lmdb`` and ``get_data``
+                                      (LMDB, below)
 ``deepmd.pt.train.training``          ``DpLoaderSet``, ``get_sampler_from_params``
 ====================================  =======================================================
 
@@ -29,9 +30,14 @@ Logs: while installed, records of the ``mdloader`` loggers are handed to DeePMD-
 ``deepmd`` logger, so DeePMD-kit's level and handlers (``dp``'s log file, ``assertLogs``)
 decide about them as about its own; :func:`uninstall` restores the ``mdloader`` logger.
 
+LMDB: a ``systems`` string that DeePMD-kit takes for an LMDB database goes through mdloader too.
+``main``'s ``is_lmdb`` answers ``False``, so the trainer builds a ``DpLoaderSet`` on the path,
+whose build expands the database into its groups on rank 0; ``main``'s ``get_data`` hands an
+LMDB path to DeePMD-kit's own ``make_neighbor_stat_data`` for the neighbour statistics.
+
 Not covered: DeePMD-kit's neighbour statistics (``dp train`` without ``--skip-neighbor-stat``)
-still read every system on every rank through DeePMD-kit's own code before the process group
-exists; data modifiers (``model.modifier``) are rejected; LMDB datasets keep DeePMD-kit's loader.
+still read the data on every rank through DeePMD-kit's own code before the process group
+exists; data modifiers (``model.modifier``) are rejected.
 
 DeePMD-kit is an optional dependency: importing this module does not import it.
 """
@@ -46,6 +52,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mdloader.errors import ConfigError
+from mdloader.integrations.deepmd_lmdb import lmdb_neighbor_stat, not_lmdb
 from mdloader.loader import DpLoaderSet, get_sampler_from_params, get_weighted_sampler
 
 log = logging.getLogger(__name__)
@@ -207,6 +214,7 @@ def _import_deepmd() -> dict[str, types.ModuleType]:
 def _patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
     main = mods[_MAIN]
     real_dist = _saved.get((_MAIN, "dist"), main.dist)
+    real_get_data = _saved.get((_MAIN, "get_data"), main.get_data)
     return {
         (_DATALOADER, "DpLoaderSet"): DeepmdDpLoaderSet,
         (_DATALOADER, "get_weighted_sampler"): get_weighted_sampler,
@@ -214,6 +222,8 @@ def _patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
         (_MAIN, "DpLoaderSet"): DeepmdDpLoaderSet,
         (_MAIN, "process_systems"): defer_discovery,
         (_MAIN, "dist"): _TrainerDist(real_dist),
+        (_MAIN, "is_lmdb"): not_lmdb,
+        (_MAIN, "get_data"): lmdb_neighbor_stat(real_get_data),
         (_TRAINING, "DpLoaderSet"): DeepmdDpLoaderSet,
         (_TRAINING, "get_sampler_from_params"): get_sampler_from_params,
     }

@@ -1,0 +1,63 @@
+"""``mdloader dp --pt train`` with an LMDB ``systems``: DeePMD-kit's trainer runs on mdloader's
+loader (the database's groups are its systems), not on DeePMD-kit's LMDB path, and its
+neighbour statistics still read the database through DeePMD-kit's own LMDB sampler."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_deepmd_integration import SPY, STEPS, _run, peer  # noqa: F401 - the fixture
+
+from mdloader.data.discovery import discover_systems
+from mdloader.testing import make_dataset, make_lmdb
+
+
+def _job(tmp_path: Path) -> tuple[Path, int]:
+    db = make_lmdb(tmp_path / "train.lmdb", make_dataset(tmp_path / "src", 6, nframes=8, seed=3))
+    config = {
+        "model": {"type_map": ["O", "H"],
+                  "descriptor": {"type": "se_e2_a", "sel": [12, 24], "rcut_smth": 0.5,
+                                 "rcut": 4.0, "neuron": [4, 8], "axis_neuron": 4, "seed": 1},
+                  "fitting_net": {"neuron": [8, 8], "seed": 1}},
+        "learning_rate": {"type": "exp", "decay_steps": 5, "start_lr": 1e-3, "stop_lr": 1e-5},
+        "loss": {"type": "ener", "start_pref_e": 0.02, "limit_pref_e": 1, "start_pref_f": 1000,
+                 "limit_pref_f": 1},
+        "training": {"training_data": {"systems": db, "batch_size": "auto"},
+                     "numb_steps": STEPS, "seed": 7, "disp_freq": 2, "save_freq": STEPS},
+    }
+    (tmp_path / "input.json").write_text(json.dumps(config))
+    (tmp_path / "spy.py").write_text(SPY)
+    return tmp_path, len(discover_systems(db))
+
+
+def _spies(job: Path, world: int, groups: int) -> None:
+    for rank in range(world):
+        spy = json.loads((job / f"spy.rank{rank}.json").read_text())
+        assert spy["dataset"] == "mdloader.integrations.deepmd.DeepmdDpLoaderSet"
+        assert spy["sampler"] == "mdloader.sampling.samplers.WeightedSystemSampler"
+        assert spy["nsys"] == groups and spy["steps"] == STEPS
+        assert spy["deepmd_process_systems"] == 0
+        if world == 1:  # with workers, the batches are read in the workers, out of sight
+            assert spy["mdloader_reads"] >= STEPS
+    assert (job / f"model.ckpt-{STEPS}.pt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dp_train_on_an_lmdb_uses_mdloader(peer: str, tmp_path: Path) -> None:  # noqa: F811
+    job, groups = _job(tmp_path)
+    _run([peer, "spy.py", "--pt", "train", "input.json"], job, NUM_WORKERS="0")
+    _spies(job, 1, groups)
+    assert groups == 6
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_dp_train_on_an_lmdb_torchrun_two_ranks(peer: str, tmp_path: Path) -> None:  # noqa: F811
+    job, groups = _job(tmp_path)
+    _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "spy.py",
+          "--pt", "train", "input.json", "--skip-neighbor-stat"], job, NUM_WORKERS="2")
+    _spies(job, 2, groups)
