@@ -29,15 +29,17 @@ NATOMS_RANGE = (3, 24)
 log = logging.getLogger("benchmarks.generate")
 
 
-def dataset_path(base: str, nsys: int, seed: int) -> str:
-    return os.path.join(base, f"nsys{nsys}_seed{seed}")
+def dataset_path(base: str, nsys: int, seed: int, nframes: int = NFRAMES) -> str:
+    frames = "" if nframes == NFRAMES else f"_f{nframes}"
+    return os.path.join(base, f"nsys{nsys}{frames}_seed{seed}")
 
 
-def ensure_dataset(nsys: int, *, base: str = DEFAULT_BASE, seed: int = 0) -> str:
+def ensure_dataset(nsys: int, *, base: str = DEFAULT_BASE, seed: int = 0,
+                   nframes: int = NFRAMES) -> str:
     """Return the root of the dataset, generating it first when its manifest is missing."""
     from mdloader.testing import make_dataset
 
-    root = dataset_path(base, nsys, seed)
+    root = dataset_path(base, nsys, seed, nframes)
     manifest = root + ".json"
     if os.path.isfile(manifest) and os.path.isdir(root):
         return root
@@ -46,10 +48,10 @@ def ensure_dataset(nsys: int, *, base: str = DEFAULT_BASE, seed: int = 0) -> str
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(partial)
     t0 = time.monotonic()
-    make_dataset(partial, nsys, natoms_range=NATOMS_RANGE, nframes=NFRAMES, seed=seed,
+    make_dataset(partial, nsys, natoms_range=NATOMS_RANGE, nframes=nframes, seed=seed,
                  keys=("energy", "force"))
     os.rename(partial, root)
-    info = {"nsys": nsys, "seed": seed, "nframes": NFRAMES, "natoms_range": list(NATOMS_RANGE),
+    info = {"nsys": nsys, "seed": seed, "nframes": nframes, "natoms_range": list(NATOMS_RANGE),
             "type_map": ["O", "H"], "keys": ["coord", "box", "energy", "force"],
             "generated_s": round(time.monotonic() - t0, 2), "bytes": _tree_bytes(root)}
     with open(manifest, "w") as fh:

@@ -194,9 +194,12 @@ def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
         run += f" **{len(errs)} failed run(s)**: " + "; ".join(
             f"{e.get('impl')} nsys={e.get('nsys')} W={e.get('world')}" for e in errs)
     figs = "\n\n".join(f"![{os.path.basename(i)}](img/{os.path.basename(i)})" for i in images)
+    from benchmarks import lmdb_report
+
     return text.format(run=run, targets="\n".join(targets(med)),
                        setup="\n".join(setup_table(med)), costs="\n".join(cost_table(med)),
-                       throughput="\n".join(throughput_table(med)), figures=figs)
+                       throughput="\n".join(throughput_table(med)), figures=figs,
+                       lmdb=lmdb_report.section())
 
 
 if __name__ == "__main__":
