@@ -1,35 +1,37 @@
 """Build the datasets of a job: rank 0 reads the data tree, every rank gets the same list.
 
-1. Rank 0 alone discovers the systems and describes them from headers only (no frames), in a
-   loop, a thread pool when the disk makes it wait, or spawned processes for very large
-   CPU-bound builds (never forked: rank 0 holds a process group).
-2. It pickles the list -- or its failure -- into one packet *before* any collective, so every
-   rank either gets the list or raises the same :class:`~mdloader.errors.RemoteError` naming the
-   system and the file.
-3. Every rank checks the count, the type of every entry, and that its payload digest equals rank
-   0's, then wraps each entry in a :class:`DeepmdDataSetForLoader` (no I/O).
+1. Rank 0 alone obtains the descriptions: from its system index when that is still true
+   (:mod:`mdloader.index`), else by discovering the systems and describing them from headers
+   only (no frames), in a loop, in threads when the file system makes it wait, or in spawned
+   processes for very large CPU-bound builds (never forked: rank 0 holds a process group).
+2. It pickles them as one :class:`~mdloader.data.table.SystemTable` -- or its failure -- into
+   one packet *before* any collective, so every rank either gets the table or raises the same
+   :class:`~mdloader.errors.RemoteError` naming the system and the file.
+3. Every rank checks the type and count and that its payload digest equals rank 0's; the
+   datasets are made from the table when first used (no I/O). Rank 0 then saves the index.
 
-Other ranks never touch the data tree during the build. ``docs/benchmarks.md`` gives the
-measurements behind the choice of loop, threads or processes.
+Other ranks never touch the data tree, nor the index, during the build. ``docs/benchmarks.md``
+gives the measurements behind the choice of loop, threads or processes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mdloader.data.dataset import DeepmdDataSetForLoader
-from mdloader.data.describe import SystemFailed, describe_systems
-from mdloader.data.discovery import discover_systems
-from mdloader.data.system import SystemMeta
+from mdloader.data.datasets import SystemDatasets
+from mdloader.data.describe import SystemFailed
+from mdloader.data.table import SystemTable
 from mdloader.distributed.channel import world_channel
 from mdloader.distributed.group import current_world
 from mdloader.distributed.packets import Packet, data_packet, digest, error_packet, open_packet
+from mdloader.index import Described, describe
 from mdloader.settings import resolve
 
 log = logging.getLogger(__name__)
@@ -50,35 +52,42 @@ class BuildReport:
     payload_bytes: int
     num_workers: int  # the most threads the build may use (it runs serially on a fast disk)
     world_size: int
+    source: str = "built"  # or "index", "index (updated)", "index (trusted)"
+    index: str | None = None  # the index file read or written (rank 0)
+    index_seconds: float = 0.0  # loading and checking the index
+    described: int = 0  # systems whose headers rank 0 read
+    reused: int = 0  # systems taken from the index
 
     def summary(self) -> str:
-        return (f"built {self.nsys} systems ({self.nframes} frames), up to {self.num_workers} "
+        verb = "built" if self.source == "built" else "loaded"
+        line = (f"{verb} {self.nsys} systems ({self.nframes} frames), up to {self.num_workers} "
                 f"threads: discovery {self.discovery_seconds:.2f} s, build "
                 f"{self.build_seconds:.2f} s, broadcast {self.broadcast_seconds:.2f} s of "
                 f"{self.payload_bytes} bytes to {self.world_size} ranks, verification "
                 f"{self.verify_seconds:.2f} s")
-
-
-def resolve_workers(num_workers: int | None = None) -> int:
-    """The argument, else ``$MDLOADER_BUILD_WORKERS``, else 8."""
-    return int(resolve("build_workers", num_workers, argument="num_workers"))
+        if self.index is not None:
+            line += (f"; {self.source} {self.index}: checked in {self.index_seconds:.2f} s, "
+                     f"{self.reused} reused, {self.described} described")
+        return line
 
 
 def build_systems(systems: str | Sequence[str], type_map: Sequence[str] | None = None, *,
                   rglob_patterns: Sequence[str] | None = None, num_workers: int | None = None,
-                  timeout: float | None = None,
-                  progress: bool | None = None) -> list[DeepmdDataSetForLoader]:
+                  timeout: float | None = None, progress: bool | None = None,
+                  index: str | os.PathLike[str] | None = None,
+                  index_mode: str | None = None) -> SystemDatasets:
     """One dataset per system, the same list on every rank (:func:`build_systems_with_report`)."""
     return build_systems_with_report(systems, type_map, rglob_patterns=rglob_patterns,
                                      num_workers=num_workers, timeout=timeout,
-                                     progress=progress)[0]
+                                     progress=progress, index=index, index_mode=index_mode)[0]
 
 
 def build_systems_with_report(
     systems: str | Sequence[str], type_map: Sequence[str] | None = None, *,
     rglob_patterns: Sequence[str] | None = None, num_workers: int | None = None,
     timeout: float | None = None, progress: bool | None = None,
-) -> tuple[list[DeepmdDataSetForLoader], BuildReport]:
+    index: str | os.PathLike[str] | None = None, index_mode: str | None = None,
+) -> tuple[SystemDatasets, BuildReport]:
     """Discover and describe the systems on rank 0, share them, verify them on every rank.
 
     Parameters
@@ -88,12 +97,21 @@ def build_systems_with_report(
     type_map
         The model's type map (rank 0's value is used).
     num_workers
-        Most threads building descriptions on rank 0 (``$MDLOADER_BUILD_WORKERS``, default
-        8), used only when the disk makes them wait (see the module docstring).
+        Most threads rank 0 uses to walk, describe and check (``$MDLOADER_BUILD_WORKERS``,
+        default 32), only when the file system makes them wait (see the module docstring).
     timeout
         Seconds the other ranks wait for rank 0 (``$MDLOADER_BUILD_TIMEOUT``, default 1800).
     progress
         Show a progress bar on rank 0; default: when stderr is a terminal.
+    index, index_mode
+        The system index file (default: one in ``$MDLOADER_CACHE_DIR`` named after the
+        request) and what to do with it: ``check``, ``refresh``, ``trust`` or ``off``
+        (``$MDLOADER_INDEX``, default ``check``); see :mod:`mdloader.index`.
+
+    Returns
+    -------
+    The datasets, as a list-like :class:`~mdloader.data.datasets.SystemDatasets` that makes
+    each :class:`~mdloader.data.dataset.DeepmdDataSetForLoader` when first used, and the report.
 
     Raises
     ------
@@ -105,76 +123,71 @@ def build_systems_with_report(
         Verification failed on some rank, or rank 0 did not answer in time.
     """
     world = current_world()
+    show = sys.stderr.isatty() if progress is None else progress
+    options = {"workers": resolve_workers(num_workers), "progress": show, "index": index,
+               "mode": index_mode}
     if not world.distributed:
-        workers = resolve_workers(num_workers)
         try:
-            metas, times = _discover_and_build(systems, type_map, rglob_patterns, workers,
-                                               progress)
+            described = describe(systems, type_map, rglob_patterns, **options)
         except SystemFailed as failed:
             raise failed.original() from None
-        report = _report(metas, times + (0.0, 0.0), 0, workers, 1)
+        table = _table(described)
+        described.save()
+        report = _report(table, described, (0.0, 0.0), 0, 1, options["workers"])
         log.info(report.summary())
-        return [DeepmdDataSetForLoader(m) for m in metas], report
+        return SystemDatasets(table), report
     channel = world_channel(timeout=timeout, setting="build_timeout", activity=CONTEXT)
-    times, workers, packet = (0.0, 0.0), 0, None
+    described, packet = None, None
     if world.is_main:
-        times, workers, packet = _packet_on_rank0(systems, type_map, rglob_patterns,
-                                                  num_workers, progress)
+        described, packet = _packet_on_rank0(systems, type_map, rglob_patterns, options)
     start = time.monotonic()
     packet = channel.broadcast(packet)
     received = time.monotonic()
-    metas = open_packet(packet, rank=world.rank)  # raises rank 0's failure on every rank
-    datasets, problem = _verify(metas, packet.count)
+    table = open_packet(packet, rank=world.rank)  # raises rank 0's failure on every rank
+    datasets, problem = _verify(table, packet.count)
     channel.agree(digest(packet.payload), problem)
-    report = _report(metas, times + (received - start, time.monotonic() - received),
-                     len(packet.payload), workers, world.world_size)
+    if described is not None:
+        described.save()
+    report = _report(table, described, (received - start, time.monotonic() - received),
+                     len(packet.payload), world.world_size,
+                     options["workers"] if described is not None else 0)
     if world.is_main:
         log.info(report.summary())
     return datasets, report
 
 
+def resolve_workers(num_workers: int | None = None) -> int:
+    """The argument, else ``$MDLOADER_BUILD_WORKERS``, else 32."""
+    return int(resolve("build_workers", num_workers, argument="num_workers"))
+
+
+def _table(described: Described) -> SystemTable:
+    """The descriptions, saying where they come from (an index, or this start)."""
+    table = described.survey.saved.table
+    origin = described.request.path if described.request and described.source != "built" \
+        else None
+    return table.with_origin(origin)
+
+
 def _packet_on_rank0(systems: Any, type_map: Sequence[str] | None,
-                     rglob_patterns: Sequence[str] | None, num_workers: int | None,
-                     progress: bool | None) -> tuple[tuple[float, float], int, Packet]:
-    """Rank 0's outcome as one packet: the list of descriptions, or the first failure."""
+                     rglob_patterns: Sequence[str] | None,
+                     options: dict[str, Any]) -> tuple[Described | None, Packet]:
+    """Rank 0's outcome as one packet: the table of descriptions, or the first failure."""
     try:
-        workers = resolve_workers(num_workers)
-        metas, times = _discover_and_build(systems, type_map, rglob_patterns, workers, progress)
+        described = describe(systems, type_map, rglob_patterns, **options)
+        table = _table(described)
     except SystemFailed as failed:
-        return (0.0, 0.0), 0, error_packet(failed.__cause__, rank=0, context=CONTEXT,
-                                           system=failed.address)
+        return None, error_packet(failed.__cause__, rank=0, context=CONTEXT,
+                                  system=failed.address)
     except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
-        return (0.0, 0.0), 0, error_packet(exc, rank=0, context=CONTEXT)
-    packet = data_packet(metas, rank=0, count=len(metas),
-                              context="serializing the system descriptions",
-                              describe=lambda exc: {"system": _unpicklable(metas)})
-    return times, workers, packet
+        return None, error_packet(exc, rank=0, context=CONTEXT)
+    packet = data_packet(table, rank=0, count=len(table),
+                         context="serializing the system descriptions",
+                         describe=lambda exc: {"system": _unpicklable(table)})
+    return described, packet
 
 
-def _discover_and_build(systems: Any, type_map: Sequence[str] | None,
-                        rglob_patterns: Sequence[str] | None, workers: int,
-                        progress: bool | None) -> tuple[list[SystemMeta], tuple[float, float]]:
-    start = time.monotonic()
-    addresses = discover_systems(systems, rglob_patterns)
-    found = time.monotonic()
-    show = sys.stderr.isatty() if progress is None else progress
-    unique = list(dict.fromkeys(addresses))  # a repeated entry is described (and sent) once
-    described = describe_systems(unique, type_map, workers)
-    by_address = dict(zip(unique, list(_with_progress(described, len(unique), show))))
-    return [by_address[a] for a in addresses], (found - start, time.monotonic() - found)
-
-
-def _with_progress(items: Iterator[SystemMeta], total: int, show: bool) -> Iterator[SystemMeta]:
-    if not show:
-        yield from items
-        return
-    from tqdm import tqdm
-
-    yield from tqdm(items, total=total, desc="mdloader: building systems", unit="sys",
-                    file=sys.stderr, dynamic_ncols=True)
-
-
-def _unpicklable(metas: list[Any]) -> str | None:
+def _unpicklable(metas: SystemTable) -> str | None:
     """The address (or repr) of the first entry pickle refuses, to name it in the error."""
     for meta in metas:
         try:
@@ -184,22 +197,26 @@ def _unpicklable(metas: list[Any]) -> str | None:
     return None
 
 
-def _verify(received: Any, count: int) -> tuple[list[DeepmdDataSetForLoader], str | None]:
+def _verify(received: Any, count: int) -> tuple[SystemDatasets, str | None]:
     """This rank's datasets and its verification problem (``None`` when all is well)."""
-    if not isinstance(received, list):
-        return [], f"expected a list of SystemMeta from rank 0, found {type(received).__name__}"
+    if not isinstance(received, SystemTable):
+        return SystemDatasets(SystemTable.from_metas([])), (
+            f"expected a SystemTable from rank 0, found {type(received).__name__}")
     if len(received) != count:
-        return [], f"received {len(received)} system descriptions, rank 0 sent {count}"
-    bad = [i for i, m in enumerate(received) if not isinstance(m, SystemMeta)]
-    if bad:
-        kinds = sorted({type(received[i]).__name__ for i in bad})
-        return [], (f"{len(bad)} of {count} entries are missing or not SystemMeta: indices "
-                    f"{bad[:20]}{' ...' if len(bad) > 20 else ''} (found {', '.join(kinds)})")
-    return [DeepmdDataSetForLoader(meta) for meta in received], None
+        return SystemDatasets(received), (f"received {len(received)} system descriptions, rank "
+                                          f"0 sent {count}")
+    return SystemDatasets(received), None
 
 
-def _report(metas: list[SystemMeta], times: tuple[float, ...], nbytes: int, workers: int,
-            world_size: int) -> BuildReport:
-    """``times``: discovery, build, broadcast (with the wait for rank 0), verification."""
-    return BuildReport(len(metas), sum(m.nframes for m in metas), *times, payload_bytes=nbytes,
-                       num_workers=workers, world_size=world_size)
+def _report(table: SystemTable, described: Described | None, times: tuple[float, float],
+            nbytes: int, world_size: int, workers: int) -> BuildReport:
+    """``times``: broadcast (with the wait for rank 0) and verification."""
+    done = described.survey if described is not None else None
+    return BuildReport(
+        len(table), int(table.nframes().sum()),
+        done.discovery_seconds if done else 0.0, done.build_seconds if done else 0.0,
+        *times, payload_bytes=nbytes, num_workers=workers,
+        world_size=world_size, source=described.source if described else "received",
+        index=described.request.path if described and described.request else None,
+        index_seconds=done.check_seconds if done else 0.0,
+        described=done.described if done else 0, reused=done.reused if done else 0)

@@ -95,6 +95,21 @@ class CorruptFileError(DataError):
     """A file cannot be parsed (truncated npy header, not an HDF5 file, unreadable text)."""
 
 
+class StaleDataError(DataError):
+    """A file changed after its system was described (at start-up, or in a saved index)."""
+
+    def described_by(self, origin: str | None) -> StaleDataError:
+        """The same error, saying where the description came from and how to refresh it."""
+        if origin is None:
+            where = ("described when this job started; the data changed while it ran: restart "
+                     "the job")
+        else:
+            where = (f"described by the index {origin}; refresh it with `mdloader index "
+                     "refresh`, MDLOADER_INDEX=refresh or index_mode='refresh'")
+        return StaleDataError(f"{self.message} ({where})", system=self.system, file=self.file,
+                              expected=self.expected, found=self.found)
+
+
 class NoSystemsFoundError(MdloaderError, FileNotFoundError):
     """Discovery found no directory or HDF5 group holding ``type.raw``."""
 

@@ -30,6 +30,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from mdloader.build import build_systems
 from mdloader.data.dataset import DeepmdDataSetForLoader
+from mdloader.data.datasets import SystemDatasets, natoms_of, nframes_of
 from mdloader.data.schema import as_requirement
 from mdloader.data.system import SystemMeta
 from mdloader.distributed.collectives import broadcast_from_main
@@ -57,14 +58,17 @@ def default_num_workers() -> int:
     return int(resolve("num_workers"))
 
 
-def _build(systems: Any, type_map: Sequence[str] | None,
-           rglob_patterns: Sequence[str] | None) -> list[DeepmdDataSetForLoader]:
+def _build(systems: Any, type_map: Sequence[str] | None, rglob_patterns: Sequence[str] | None,
+           index: Any, index_mode: str | None) -> Sequence[DeepmdDataSetForLoader]:
     """Built datasets for ``systems``: prebuilt objects pass through, paths go to the build."""
+    if isinstance(systems, SystemDatasets):
+        return systems
     if isinstance(systems, (list, tuple)) and systems and all(
             isinstance(s, (DeepmdDataSetForLoader, SystemMeta)) for s in systems):
         return [s if isinstance(s, DeepmdDataSetForLoader) else DeepmdDataSetForLoader(s)
                 for s in systems]
-    return build_systems(systems, type_map, rglob_patterns=rglob_patterns)
+    return build_systems(systems, type_map, rglob_patterns=rglob_patterns, index=index,
+                         index_mode=index_mode)
 
 
 def _agree_seed(seed: int | None, world: World) -> int:
@@ -101,6 +105,9 @@ class DpLoaderSet(Dataset):
         All ranks draw the same system at each step (see :mod:`mdloader.sampling.order`).
     world
         Rank and size; default: the initialised process group, else a single process.
+    index, index_mode
+        The system index file and what to do with it (``check``, ``refresh``, ``trust``,
+        ``off``); see :func:`mdloader.build.build_systems`.
     modifier
         DeePMD-kit's data modifier; not supported (must be None).
     """
@@ -109,7 +116,8 @@ class DpLoaderSet(Dataset):
                  type_map: Sequence[str] | None, seed: int | Sequence[int] | None = None,
                  shuffle: bool = True, modifier: Any = None, *,
                  rglob_patterns: Sequence[str] | None = None,
-                 same_system_across_ranks: bool = False, world: World | None = None) -> None:
+                 same_system_across_ranks: bool = False, world: World | None = None,
+                 index: str | None = None, index_mode: str | None = None) -> None:
         if modifier is not None:
             raise ConfigError("data modifiers are not supported by mdloader", path="modifier")
         if world is None:
@@ -121,16 +129,14 @@ class DpLoaderSet(Dataset):
         self.seed = _agree_seed(user_seed, world)
         self.shuffle = bool(shuffle)
         self.same_system_across_ranks = bool(same_system_across_ranks)
-        built = _build(systems, type_map, rglob_patterns)
-        natoms = np.fromiter((s._natoms for s in built), dtype=np.int64, count=len(built))
-        plan = resolve_batch_sizes(batch_size, natoms)
+        built = _build(systems, type_map, rglob_patterns, index, index_mode)
+        plan = resolve_batch_sizes(batch_size, natoms_of(built))
         self._nsys_original = len(built)
         self._kept = plan.kept
-        self.systems: list[DeepmdDataSetForLoader] = (
+        self.systems: Sequence[DeepmdDataSetForLoader] = (
             built if len(plan.kept) == len(built) else [built[i] for i in plan.kept])
         self.batch_sizes = plan.batch_sizes
-        self.nframes = np.fromiter((len(s) for s in self.systems), dtype=np.int64,
-                                   count=len(self.systems))
+        self.nframes = nframes_of(self.systems)
         nb = batches_per_rank(self.nframes, self.batch_sizes, world.world_size)
         self.index: list[int] = nb.tolist()
         self.total_batch = int(nb.sum())

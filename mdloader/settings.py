@@ -18,14 +18,18 @@ from mdloader.errors import ConfigError
 
 @dataclass(frozen=True)
 class Setting:
-    """One tunable: ``env`` overrides ``default`` unless an explicit argument is given."""
+    """One tunable: ``env`` overrides ``default`` unless an explicit argument is given.
+
+    Numbers have a ``minimum``; words (``parse=str``) may list their ``choices``.
+    """
 
     env: str
-    default: Callable[[], float]
-    parse: Callable[[str], float]
-    minimum: float
+    default: Callable[[], float | str]
+    parse: Callable[[str], float | str]
+    minimum: float | None
     unit: str
     meaning: str
+    choices: tuple[str, ...] = ()
 
 
 def _open_file_share() -> int:
@@ -39,6 +43,12 @@ def _open_file_share() -> int:
     return 1024 if soft == resource.RLIM_INFINITY else max(16, min(1024, soft // 16))
 
 
+def _index_cache() -> str:
+    """``$XDG_CACHE_HOME/mdloader/index``, else ``~/.cache/mdloader/index``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mdloader", "index")
+
+
 SETTINGS: dict[str, Setting] = {
     "build_timeout": Setting(
         "MDLOADER_BUILD_TIMEOUT", lambda: 1800.0, float, 1e-3, "second",
@@ -49,9 +59,22 @@ SETTINGS: dict[str, Setting] = {
         "BroadcastingDataLoader, a gather of loader states for a checkpoint, the statistics "
         "and validation exchanges of `mdloader train`."),
     "build_workers": Setting(
-        "MDLOADER_BUILD_WORKERS", lambda: 8, int, 1, "thread",
-        "Most threads (or processes) rank 0 uses to describe systems; used only when the "
-        "build measures that they help."),
+        "MDLOADER_BUILD_WORKERS", lambda: 32, int, 1, "thread",
+        "Most threads rank 0 uses to walk the tree, describe systems and check an index when "
+        "it measures that the file system makes them wait (processes for large CPU-bound "
+        "builds: at most one per core)."),
+    "index_mode": Setting(
+        "MDLOADER_INDEX", lambda: "check", str, None, "mode",
+        "What rank 0 does with a saved system index: check it is still true and use it "
+        "(check), rebuild it (refresh), use it unchecked (trust), or neither read nor write "
+        "one (off).", choices=("check", "refresh", "trust", "off")),
+    "cache_dir": Setting(
+        "MDLOADER_CACHE_DIR", _index_cache, str, None, "folder",
+        "Where system indexes are kept when input.json or the index= argument names none."),
+    "index_settle": Setting(
+        "MDLOADER_INDEX_SETTLE", lambda: 2.0, float, 0.0, "second",
+        "A file changed less than this long before an index was built counts as changed at "
+        "the next start (file times are coarse, and clocks differ between machines)."),
     "max_open_files": Setting(
         "MDLOADER_MAX_OPEN_FILES", _open_file_share, int, 1, "file",
         "Memory-mapped npy files one process keeps open (each holds a file descriptor)."),
@@ -68,7 +91,8 @@ SETTINGS: dict[str, Setting] = {
 }
 
 
-def resolve(name: str, value: float | str | None = None, *, argument: str | None = None) -> float:
+def resolve(name: str, value: float | str | None = None, *,
+            argument: str | None = None) -> float | str:
     """``value`` if given, else ``$ENV`` if set and not empty, else the default of ``name``.
 
     ``argument`` names the explicit value in errors (default: the setting's name).
@@ -78,12 +102,17 @@ def resolve(name: str, value: float | str | None = None, *, argument: str | None
                                                                        os.environ.get(spec.env))
     if raw is None or raw == "":
         return spec.default()
+    if spec.parse is str:
+        if spec.choices and raw not in spec.choices:
+            raise ConfigError(f"expected one of {', '.join(spec.choices)}, found {raw!r}",
+                              path=where)
+        return str(raw)
     try:
         parsed = spec.parse(raw)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         kind = "a whole number" if spec.parse is int else "a number"
         raise ConfigError(f"expected {kind} of {spec.unit}s, found {raw!r}", path=where) from None
-    if not parsed >= spec.minimum:
+    if spec.minimum is not None and not parsed >= spec.minimum:
         unit = spec.unit if spec.minimum == 1 else spec.unit + "s"
         raise ConfigError(f"expected at least {spec.minimum:g} {unit}, found {raw!r}",
                           path=where)
@@ -91,10 +120,10 @@ def resolve(name: str, value: float | str | None = None, *, argument: str | None
 
 
 @functools.cache
-def _cached(name: str, raw: str | None) -> float:
+def _cached(name: str, raw: str | None) -> float | str:
     return resolve(name)
 
 
-def cached(name: str) -> float:
+def cached(name: str) -> float | str:
     """:func:`resolve` without an argument, re-read only when the variable changes (hot paths)."""
     return _cached(name, os.environ.get(SETTINGS[name].env))

@@ -1,11 +1,17 @@
 """Shared fixtures."""
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# System indexes written by the tests go to a folder of this run, never to the user's cache; set
+# before any rank or subprocess starts, so that they inherit it.
+os.environ["MDLOADER_CACHE_DIR"] = tempfile.mkdtemp(prefix="mdloader-test-index-")
 
 
 @pytest.fixture

@@ -18,13 +18,12 @@ import pytest
 from distributed_utils import RankError, errors, run_ranks, values
 
 from mdloader import build
-from mdloader.data import describe
+from mdloader.data import describe, overlap
 from mdloader.data.discovery import discover_systems
 from mdloader.data.system import build_system_meta
 from mdloader.errors import (
     CollectiveTimeoutError,
     ConfigError,
-    DistributedError,
     MissingDataError,
     RemoteError,
 )
@@ -136,7 +135,7 @@ def test_progress_bar_goes_to_stderr(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_resolve_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MDLOADER_BUILD_WORKERS", raising=False)
-    assert build.resolve_workers() == 8
+    assert build.resolve_workers() == 32
     monkeypatch.setenv("MDLOADER_BUILD_WORKERS", "3")
     assert (build.resolve_workers(), build.resolve_workers(5)) == (3, 5)
     monkeypatch.setenv("MDLOADER_BUILD_WORKERS", "many")
@@ -149,10 +148,10 @@ def test_resolve_workers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _recording_build(seen: list[tuple[str, str]], bad: set[str],
                      delay: float = 0.0) -> Callable[..., Any]:
-    def fake(address: str, type_map: Any = None) -> str:
+    def fake(address: str, type_map: Any = None, listing: Any = None) -> str:
         seen.append((address, threading.current_thread().name))
         if delay:
-            time.sleep(delay)  # waiting on a disk
+            overlap.timed(time.sleep, delay)  # a file-system call waiting on a disk
         else:
             start = time.thread_time()
             while time.thread_time() - start < 0.001:  # 1 ms of work, as on a local disk
@@ -182,7 +181,8 @@ def test_pool_stops_at_the_first_failing_system_in_order(monkeypatch: pytest.Mon
     fake = _recording_build(seen, {"s017", "s030"}, delay=0.001)
     monkeypatch.setattr(describe, "build_system_meta", fake)
     monkeypatch.setattr(describe, "PROBE", 2)
-    monkeypatch.setattr(describe, "IO_BOUND", 0.0)  # always the pool
+    monkeypatch.setattr(overlap, "IO_SHARE", 0.0)  # always the pool
+    monkeypatch.setattr(overlap, "WAIT", 0.0)
     monkeypatch.setattr(describe, "CHUNK", 3)
     got: list[str] = []
     with pytest.raises(describe.SystemFailed) as info:
@@ -197,16 +197,16 @@ def test_pool_stops_at_the_first_failing_system_in_order(monkeypatch: pytest.Mon
 
 
 def _raising_build(bad: str, exc: BaseException | None = None) -> Callable[..., Any]:
-    def fake(address: str, type_map: Any = None) -> Any:
+    def fake(address: str, type_map: Any = None, listing: Any = None) -> Any:
         if address == bad:
             raise exc or RuntimeError("disk on fire")
-        return build_system_meta(address, type_map)
+        return build_system_meta(address, type_map, listing=listing)
     return fake
 
 
 def _unpicklable_build(bad: str) -> Callable[..., Any]:
-    def fake(address: str, type_map: Any = None) -> Any:
-        meta = build_system_meta(address, type_map)
+    def fake(address: str, type_map: Any = None, listing: Any = None) -> Any:
+        meta = build_system_meta(address, type_map, listing=listing)
         if address == bad:  # a field holding something pickle refuses
             meta = dataclasses.replace(meta, mixed_idx_map=threading.Lock())
         return meta
@@ -214,8 +214,8 @@ def _unpicklable_build(bad: str) -> Callable[..., Any]:
 
 
 def _none_build(bad: str) -> Callable[..., Any]:
-    return lambda address, type_map=None: (None if address == bad
-                                           else build_system_meta(address, type_map))
+    return lambda address, type_map=None, listing=None: (
+        None if address == bad else build_system_meta(address, type_map, listing=listing))
 
 
 def _build_rank(rank: int, world: int, root: str, systems: Any, patch: tuple | None,
@@ -224,7 +224,8 @@ def _build_rank(rank: int, world: int, root: str, systems: Any, patch: tuple | N
         factory, arg = patch[1], patch[2]
         if factory == "slow":
             real = describe.build_system_meta
-            describe.build_system_meta = lambda a, t=None: (time.sleep(arg), real(a, t))[1]
+            describe.build_system_meta = lambda a, t=None, listing=None: (
+                time.sleep(arg), real(a, t, listing=listing))[1]
         else:
             describe.build_system_meta = factory(arg)
     counts, stop = count_data_touches(root)
@@ -311,16 +312,16 @@ def test_rank0_failure_fails_every_rank_together(tmp_path: Path, case: str, worl
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
-def test_none_entry_is_named_on_every_rank(tmp_path: Path) -> None:
+def test_a_none_entry_fails_every_rank_with_rank0s_error(tmp_path: Path) -> None:
     for name in ("a", "b", "c"):
         make_system(tmp_path, name)
     patch = (0, _none_build, str(tmp_path / "b"))
     errs = errors(run_ranks(_build_rank, 2, str(tmp_path), str(tmp_path), patch))
     for err in errs:
-        with pytest.raises(DistributedError, match=rf"rank {err.rank}: 1 of 3 entries are missing "
-                                                   r"or not SystemMeta: indices \[1\] \(found "
-                                                   r"NoneType\) \(verification failed on ranks "
-                                                   r"\[0, 1\]\)"):
+        with pytest.raises(RemoteError, match=r"rank 0 failed \(discovering and building the "
+                                              r"systems\): TypeError: entry 1 of the system "
+                                              r"descriptions is not a SystemMeta \(found "
+                                              r"NoneType\)"):
             raise err.exception
 
 

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from mdloader.data.discovery import discover_systems
+from mdloader.data import overlap
+from mdloader.data.discovery import discover, discover_systems
+from mdloader.data.system import build_system_meta
 from mdloader.errors import NoSystemsFoundError
 from mdloader.testing import make_system
 
@@ -81,20 +83,28 @@ def test_nothing_found_says_where(tmp_path):
         discover_systems(str(tmp_path), rglob_patterns=["zzz*"])
 
 
+def _count_listings(monkeypatch) -> list[str]:
+    listed = []
+    real = os.scandir
+
+    def counting(path=".", *a, **k):
+        listed.append(os.fspath(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "scandir", counting)
+    return listed
+
+
 def test_walks_the_tree_once_without_stat_per_entry(tree, monkeypatch):
-    calls = {"walk": 0, "stat": 0}
-    real_walk = os.walk
-
-    def counting_walk(*a, **k):
-        calls["walk"] += 1
-        return real_walk(*a, **k)
-
-    monkeypatch.setattr(os, "walk", counting_walk)
+    listed = _count_listings(monkeypatch)
+    calls = {"stat": 0}
     real_stat = os.stat
     monkeypatch.setattr(os, "stat", lambda *a, **k: calls.__setitem__("stat", calls["stat"] + 1)
                         or real_stat(*a, **k))
-    discover_systems(str(tree))
-    assert calls["walk"] == 1 and calls["stat"] <= 2
+    found = discover(str(tree))
+    assert len(listed) == len(set(listed)) == len(found.walked) and calls["stat"] <= 2
+    systems = {p for p, is_system in found.walked.items() if is_system}
+    assert systems == set(found.addresses) == set(found.listings)
 
 
 def test_systems_nested_in_a_system_are_found_but_set_folders_are_not_walked(tmp_path,
@@ -104,15 +114,49 @@ def test_systems_nested_in_a_system_are_found_but_set_folders_are_not_walked(tmp
     deepest = make_system(tmp_path / "outer" / "more" / "inner" / "sub", "deepest", nframes=2)
     not_a_system_dir = tmp_path / "set.000"  # a set.* name outside a system is still walked
     found_there = make_system(not_a_system_dir, "sys", nframes=2)
-    walked = []
-    real_walk = os.walk
-
-    def recording_walk(*a, **k):
-        for dirpath, dirnames, filenames in real_walk(*a, **k):
-            walked.append(os.path.relpath(dirpath, tmp_path))
-            yield dirpath, dirnames, filenames
-
-    monkeypatch.setattr(os, "walk", recording_walk)
-    assert discover_systems(str(tmp_path)) == sorted([outer, inner, deepest, found_there])
+    found = discover(str(tmp_path))
+    walked = [os.path.relpath(p, tmp_path) for p in found.walked]
+    assert found.addresses == sorted([outer, inner, deepest, found_there])
     assert not [w for w in walked if "outer" in w and os.path.basename(w).startswith("set.")]
     assert os.path.join("outer", "more", "inner", "sub") in walked
+
+
+def test_links_to_folders_are_not_followed_but_linked_sets_are_read(tmp_path):
+    real = make_system(tmp_path / "data", "real", nframes=2)
+    os.symlink(tmp_path / "data", tmp_path / "link")  # a link below the root: not walked
+    linked_set = make_system(tmp_path / "data", "linked", nframes=3)
+    os.rename(os.path.join(linked_set, "set.000"), tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", os.path.join(linked_set, "set.000"))
+    found = discover(str(tmp_path))
+    assert found.addresses == [linked_set, real]
+    assert build_system_meta(linked_set, listing=found.listings[linked_set]).nframes == 3
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_the_walk_and_build_overlap_when_calls_wait(tmp_path, monkeypatch, threads):
+    """Measured waits send the rest of the walk to threads; the result does not change."""
+    for i in range(50):
+        make_system(tmp_path / f"g{i % 3}", f"s{i:02d}", nframes=2, seed=i)
+    serial = discover(str(tmp_path), workers=1)
+    monkeypatch.setattr(overlap, "WAIT", 0.0 if threads > 1 else 1.0)
+    monkeypatch.setattr(overlap, "IO_SHARE", 0.0 if threads > 1 else 1.0)
+    monkeypatch.setattr(overlap, "PROBE", 4)
+    pools = []
+    real_pool = overlap.ThreadPoolExecutor
+    monkeypatch.setattr(overlap, "ThreadPoolExecutor",
+                        lambda *a, **k: pools.append(k) or real_pool(*a, **k))
+    found = discover(str(tmp_path), workers=threads)
+    assert found.addresses == serial.addresses and found.walked == serial.walked
+    assert found.listings == serial.listings
+    assert bool(pools) == (threads > 1)
+
+
+def test_a_busy_cpu_alone_does_not_look_like_a_slow_disk():
+    """Calls that return at once keep the work in one thread, however long the Python around
+    them takes (a loaded node), and calls that wait send it to threads."""
+    fast = overlap.Measurement(wall=1.0, in_calls=0.9, calls=100_000)  # 9 us per call
+    assert not fast.io_bound
+    slow = overlap.Measurement(wall=1.0, in_calls=0.8, calls=1000)  # 0.8 ms per call
+    assert slow.io_bound
+    waiting_but_rare = overlap.Measurement(wall=1.0, in_calls=0.2, calls=100)
+    assert not waiting_but_rare.io_bound

@@ -39,38 +39,20 @@ def test_set_order_is_string_order_like_deepmd(tmp_path):
 
 def test_build_reads_headers_not_arrays(tmp_path, monkeypatch):
     addr = make_system(tmp_path, natoms=50, nframes=40, nsets=2)
-    loads = []
+    loads, read_sizes, opened = [], [], []
     monkeypatch.setattr(np, "load", lambda *a, **k: loads.append(a) or None)
-    real_open = builtins.open
-    read_sizes = []
+    monkeypatch.setattr(builtins, "open", lambda *a, **k: opened.append(a))  # never used
+    for name in ("read", "pread"):
+        real = getattr(os, name)
 
-    class Spy:
-        def __init__(self, fh):
-            self.fh = fh
-
-        def __getattr__(self, name):
-            return getattr(self.fh, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.fh.close()
-
-        def read(self, n=-1):
-            data = self.fh.read(n)
+        def spy(*args, _real=real):
+            data = _real(*args)
             read_sizes.append(len(data))
             return data
-
-        def readline(self, *a):
-            data = self.fh.readline(*a)
-            read_sizes.append(len(data))
-            return data
-
-    monkeypatch.setattr(builtins, "open", lambda *a, **k: Spy(real_open(*a, **k)))
+        monkeypatch.setattr(os, name, spy)
     meta = build_system_meta(addr)
-    assert meta.nframes == 40 and not loads
-    assert max(read_sizes) < 1000  # no array body was read (coord alone is 40*150*4 bytes)
+    assert meta.nframes == 40 and not loads and not opened
+    assert 0 < max(read_sizes) < 1000  # no array body was read (coord alone is 40*150*4 bytes)
 
 
 BROKEN_CASES = [

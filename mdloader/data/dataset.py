@@ -25,8 +25,8 @@ from mdloader.data.schema import (
     output_key,
     stem_in,
 )
-from mdloader.data.system import SystemMeta, build_system_meta
-from mdloader.errors import MissingDataError, ShapeError, TypeMapError
+from mdloader.data.system import SetMeta, SystemMeta, build_system_meta
+from mdloader.errors import MissingDataError, ShapeError, StaleDataError, TypeMapError
 
 
 class DeepmdDataSetForLoader(Dataset):
@@ -39,11 +39,16 @@ class DeepmdDataSetForLoader(Dataset):
         :class:`SystemMeta` (what :func:`mdloader.build.build_systems` hands every rank).
     type_map
         The model's type map; system types are remapped to it (DeePMD-kit's rules).
+    origin
+        Where the description comes from (an index file), named when a read finds that a file
+        changed since; ``None``: described at start-up.
     """
 
-    def __init__(self, system: str | SystemMeta, type_map: Sequence[str] | None = None) -> None:
+    def __init__(self, system: str | SystemMeta, type_map: Sequence[str] | None = None, *,
+                 origin: str | None = None) -> None:
         meta = system if isinstance(system, SystemMeta) else build_system_meta(system, type_map)
         self._meta = meta
+        self._origin = origin
         self._extra: list[DataRequirementItem] = []
         self._reset()
 
@@ -61,11 +66,12 @@ class DeepmdDataSetForLoader(Dataset):
 
     # -- pickling: metadata and requirements only ------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        return {"meta": self._meta, "extra": self._extra}
+        return {"meta": self._meta, "extra": self._extra, "origin": self._origin}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._meta = state["meta"]
         self._extra = state["extra"]
+        self._origin = state.get("origin")
         self._reset()
 
     # -- DeePMD-kit's attributes -------------------------------------------------------------
@@ -221,7 +227,7 @@ class DeepmdDataSetForLoader(Dataset):
                                            system=meta.address,
                                            file=io.file_of(loc, s.name, req.key + ".npy"))
                 continue
-            rows = io.read_rows(loc, s.name, stem, fid_arr[pos] - starts[si], s.nframes)
+            rows = self._rows(io, s, stem, fid_arr[pos] - starts[si])
             where = (meta.address, io.file_of(loc, s.name, stem + ".npy"))
             out[pos] = transform(req, rows, order, where)
             found[pos] = True
@@ -239,13 +245,21 @@ class DeepmdDataSetForLoader(Dataset):
         types = np.empty((k, meta.natoms), dtype=np.int32)
         for si, pos in groups:
             s = meta.sets[si]
-            rows = io.read_rows(loc, s.name, "real_atom_types", fid_arr[pos] - starts[si],
-                                s.nframes).astype(np.int64)
+            rows = self._rows(io, s, "real_atom_types", fid_arr[pos] - starts[si]
+                              ).astype(np.int64)
             types[pos] = self._map_real_types(rows, io.file_of(loc, s.name,
                                                                "real_atom_types.npy"))
         counts = np.stack([np.bincount(t[t >= 0], minlength=meta.ntypes) for t in types])
         head = np.full((k, 2), meta.natoms)
         return types, {"real_natoms_vec": np.concatenate([head, counts], axis=1).astype(np.int32)}
+
+    def _rows(self, io: Any, s: SetMeta, stem: str, rows: np.ndarray) -> np.ndarray:
+        """Rows of ``stem`` in set ``s``; a file changed since the description is an error."""
+        try:
+            return io.read_rows(self._meta.location, s.name, stem, rows, s.nframes,
+                                s.width(stem))
+        except StaleDataError as exc:
+            raise exc.described_by(self._origin) from None
 
     def _map_real_types(self, rows: np.ndarray, file: str) -> np.ndarray:
         meta = self._meta

@@ -2,10 +2,10 @@
 
 Describing a system is a little Python and a few small reads. On a warm local disk a loop is
 fastest; where every ``open`` waits on the disk (a shared file system, a cold cache) threads
-overlap the waits; a very large CPU-bound build runs in spawned processes, one per core
-(never forked: rank 0 holds a process group). Results come back in input order, and the first
-failing system in that order stops the build. ``docs/benchmarks.md`` has the measurements
-behind the thresholds.
+overlap the waits -- decided by timing the calls themselves (:mod:`mdloader.data.overlap`); a
+very large CPU-bound build runs in spawned processes, one per core (never forked: rank 0 holds
+a process group). Results come back in input order, and the first failing system in that order
+stops the build. ``docs/benchmarks.md`` has the measurements behind the thresholds.
 """
 
 from __future__ import annotations
@@ -16,19 +16,19 @@ import os
 import pickle
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
+from mdloader.data.formats import Listing
+from mdloader.data.overlap import PROBE, measuring
 from mdloader.data.system import SystemMeta, build_system_meta
 from mdloader.errors import DataError
 
 log = logging.getLogger(__name__)
 
 CHUNK = 512  # systems per pool task
-PROBE = 32  # systems timed in the calling thread to decide on the pool
-IO_BOUND = 3.0  # wall / CPU time of the probe above which the pool is used
 PROCESS_MIN = 20_000  # CPU-bound builds at least this large use processes (all cores)
 PROCESS_CPU = 50e-6  # ... unless a system takes less CPU than this (LMDB groups, from memory)
 
@@ -48,36 +48,40 @@ class SystemFailed(Exception):
         return exc
 
 
-def describe_systems(addresses: list[str], type_map: Sequence[str] | None,
-               workers: int) -> Iterator[SystemMeta]:
+def describe_systems(addresses: list[str], type_map: Sequence[str] | None, workers: int,
+                     listings: Mapping[str, Listing] | None = None) -> Iterator[SystemMeta]:
     """Descriptions in input order; the first failing system (in order) stops the build.
 
-    The first :data:`PROBE` systems are described in this thread; the rest go to a pool of
-    ``workers`` threads only if that took :data:`IO_BOUND` times more wall than CPU time (the
-    opens wait on a remote or cold disk), else they are described here too. The pool gets the
-    addresses in chunks: one future per system cost more than the work.
+    The first :data:`~mdloader.data.overlap.PROBE` systems are described in this thread; the
+    rest go to a pool of ``workers`` threads only if more than half of that time was spent
+    waiting inside file-system calls, else they are described here too (or in processes, for a
+    very large build). The pool gets the addresses in chunks: one future per system cost more
+    than the work. ``listings`` are the system folders' listings made by discovery.
     """
-    stop = _Stop()
-    wall, cpu = time.monotonic(), time.thread_time()
-    probe = _build_chunk(0, addresses[:PROBE], type_map, stop)
-    wall, cpu = time.monotonic() - wall, time.thread_time() - cpu
+    stop, listings = _Stop(), listings or {}
+    cpu = time.thread_time()
+    with measuring() as probe_time:
+        probe = _build_chunk(0, addresses[:PROBE], type_map, stop, listings)
+    cpu = time.thread_time() - cpu
     yield from _in_order(iter([probe]))
     rest = addresses[PROBE:]
-    threads = workers if rest and workers > 1 and wall > IO_BOUND * cpu else 1
-    log.debug("the first %d systems took %.3f s (%.3f s of CPU): %d thread(s) for the other %d",
-              PROBE, wall, cpu, threads, len(rest))
+    threads = workers if rest and workers > 1 and probe_time.io_bound else 1
+    log.debug("the first %d systems took %.3f s, %.3f s of it in file-system calls: %d "
+              "thread(s) for the other %d", PROBE, probe_time.wall, probe_time.in_calls, threads,
+              len(rest))
     size = _chunk_size(len(rest), threads)
     chunks = [rest[i:i + size] for i in range(0, len(rest), size)]
     processes = min(workers, os.cpu_count() or 1)
     heavy = cpu > PROCESS_CPU * max(1, len(probe.metas))  # spawning costs seconds
     if threads == 1 and len(rest) >= PROCESS_MIN and processes > 1 and heavy:
-        yield from _in_processes(rest, type_map, processes, stop)
+        yield from _in_processes(rest, type_map, processes, stop, listings)
         return
     if threads == 1:
-        yield from _in_order(_build_chunk(0, c, type_map, stop) for c in chunks)
+        yield from _in_order(_build_chunk(0, c, type_map, stop, listings) for c in chunks)
         return
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mdloader-build") as pool:
-        futures = [pool.submit(_build_chunk, i, c, type_map, stop) for i, c in enumerate(chunks)]
+        futures = [pool.submit(_build_chunk, i, c, type_map, stop, listings)
+                   for i, c in enumerate(chunks)]
         try:
             yield from _in_order(f.result() for f in futures)
         finally:  # a failure, or the consumer stopped: do not build what nobody will read
@@ -86,7 +90,7 @@ def describe_systems(addresses: list[str], type_map: Sequence[str] | None,
 
 
 def _in_processes(addresses: list[str], type_map: Sequence[str] | None, processes: int,
-                  stop: _Stop) -> Iterator[SystemMeta]:
+                  stop: _Stop, listings: Mapping[str, Listing]) -> Iterator[SystemMeta]:
     """A large CPU-bound build on every core: spawned processes, chunks in order.
 
     If the pool itself breaks (e.g. an unguarded ``__main__`` that cannot be re-imported), the
@@ -96,18 +100,20 @@ def _in_processes(addresses: list[str], type_map: Sequence[str] | None, processe
     done = 0
     try:
         with ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as pool:
-            for chunk in pool.map(_process_chunk, chunks, [type_map] * len(chunks)):
+            parts = [{a: listings[a] for a in c if a in listings} for c in chunks]
+            for chunk in pool.map(_process_chunk, chunks, [type_map] * len(chunks), parts):
                 yield from _in_order(iter([chunk]))
                 done += 1
         return
     except BrokenProcessPool as exc:
         log.warning("the build's process pool failed (%s); building in this process", exc)
-    yield from _in_order(_build_chunk(0, c, type_map, stop) for c in chunks[done:])
+    yield from _in_order(_build_chunk(0, c, type_map, stop, listings) for c in chunks[done:])
 
 
-def _process_chunk(addresses: list[str], type_map: Sequence[str] | None) -> _Chunk:
+def _process_chunk(addresses: list[str], type_map: Sequence[str] | None,
+                   listings: Mapping[str, Listing]) -> _Chunk:
     """Runs in a pool process: a chunk whose failure, if any, can travel back by pickle."""
-    chunk = _build_chunk(0, addresses, type_map, _Stop())
+    chunk = _build_chunk(0, addresses, type_map, _Stop(), listings)
     if chunk.failed is not None:
         address, exc = chunk.failed
         try:
@@ -142,14 +148,16 @@ class _Chunk:
 
 
 def _build_chunk(index: int, addresses: list[str], type_map: Sequence[str] | None,
-                 stop: _Stop) -> _Chunk:
+                 stop: _Stop, listings: Mapping[str, Listing]) -> _Chunk:
     """Describe ``addresses`` in order up to the first failure."""
     metas = []
     for address in addresses:
         if stop.stopped(index):
             break
         try:
-            metas.append(build_system_meta(address, type_map))
+            listing = listings.get(address)
+            metas.append(build_system_meta(address, type_map, listing=listing) if listing
+                         else build_system_meta(address, type_map))
         except Exception as exc:  # noqa: BLE001 - raised again, in order, by _in_order
             stop.after(index)
             return _Chunk(metas, (address, exc))

@@ -1,4 +1,4 @@
-"""Finding systems: the only place that walks a directory tree.
+"""Finding systems: the only place (with :mod:`mdloader.data.walk`) that walks a directory tree.
 
 Each entry of ``systems`` expands in place (:func:`expand_entry`), in the order given: a list
 the user wrote keeps its order and its duplicates, because positional ``sys_probs`` and
@@ -7,15 +7,12 @@ it (DeePMD-kit does the same). What one entry finds -- a directory walk, a glob,
 an HDF5 file -- is sorted and de-duplicated, so it is the same on every run, file system and
 ``PYTHONHASHSEED`` (DeePMD-kit's walk order is not, which silently reassigns ``sys_probs``).
 
-A root is walked once with ``os.walk`` (``scandir`` under the hood: no ``stat`` per entry),
-not descending into the ``set.*`` folders of a system (a directory holding ``type.raw``): they
-hold frames. The one difference this makes: a ``type.raw`` *inside* a system's ``set.*`` folder
-is no longer taken for a system (DeePMD-kit's ``rglob`` would take it; such a tree mixes a set
-and a system). Systems nested in a system's other subfolders are found.
-
-An LMDB database (a path ending in ``.lmdb`` or a folder holding ``data.mdb``, given as an
-entry) expands into one address per group of frames, in the order of its system ids
-(:mod:`mdloader.data.lmdb_index`); ``rglob_patterns`` do not apply to it.
+The roots of all entries are walked together, one listing per folder (no ``stat`` per entry;
+the listings overlapped when the file system makes them wait), not descending into the
+``set.*`` folders of a system (a directory holding ``type.raw``): they hold frames. The one
+difference this makes: a ``type.raw`` *inside* a system's ``set.*`` folder is no longer taken
+for a system (DeePMD-kit's ``rglob`` would take it; such a tree mixes a set and a system).
+Systems nested in a system's other subfolders are found.
 """
 
 from __future__ import annotations
@@ -23,121 +20,154 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from collections.abc import Iterable, Sequence
-from pathlib import PurePosixPath
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from mdloader.data.formats import address_sort_key, parse_address
-from mdloader.data.lmdb_index import group_addresses
+from mdloader.data.formats import Listing, parse_address
+from mdloader.data.overlap import Overlap
+from mdloader.data.walk import KnownTree, matches, walk
 from mdloader.errors import NoSystemsFoundError
+from mdloader.settings import resolve
 
 log = logging.getLogger(__name__)
 
 _GLOB_CHARS = set("*?[")
 
+Systems = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
-def discover_systems(
-    systems: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-    rglob_patterns: Sequence[str] | None = None,
-) -> list[str]:
+
+@dataclass
+class Discovery:
+    """What discovery found, and what it looked at (for a later freshness check).
+
+    ``addresses`` are the systems, entries in the order given; ``listings`` the listing of each
+    system folder this walk listed, so that the build does not list it again; ``walked`` every
+    folder listed (``True`` for systems); ``files`` the HDF5 files listed; ``missing`` the
+    entries that did not exist; ``globs`` each pattern entry's matches.
+    """
+
+    addresses: list[str] = field(default_factory=list)
+    listings: dict[str, Listing] = field(default_factory=dict)
+    walked: dict[str, bool] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    globs: dict[str, list[str]] = field(default_factory=dict)
+
+
+def discover_systems(systems: Systems, rglob_patterns: Sequence[str] | None = None) -> list[str]:
     """Addresses of every system of ``systems``: entries in the order given, each expanded.
 
     Parameters
     ----------
     systems
         A path or a list of paths: system directories, roots to search recursively, glob
-        patterns, HDF5 files (every group holding ``type.raw``), ``file.h5#/group`` addresses,
-        LMDB databases (one address per group) or ``db.lmdb#system=S,natoms=N`` addresses.
+        patterns, HDF5 files (every group holding ``type.raw``) or ``file.h5#/group`` addresses.
         Each entry is replaced by what it finds (:func:`expand_entry`); entries keep their
         order and repeated entries their repetitions.
     rglob_patterns
         Keep only systems whose path below a root matches one of these patterns (at any depth,
         like ``pathlib.Path.rglob``), e.g. ``["data_*"]``.
     """
-    entries = [os.fspath(systems)] if isinstance(systems, (str, os.PathLike)) else [
-        os.fspath(s) for s in systems]
-    found = [address for entry in entries for address in expand_entry(entry, rglob_patterns)]
-    if not found:
+    return discover(systems, rglob_patterns).addresses
+
+
+def expand_entry(entry: str, rglob_patterns: Sequence[str] | None = None) -> list[str]:
+    """The systems one entry stands for, sorted and unique (empty when it finds none)."""
+    try:
+        return discover([entry], rglob_patterns).addresses
+    except NoSystemsFoundError:
+        return []
+
+
+def entries_of(systems: Systems) -> list[str]:
+    """The ``systems`` argument as a list of strings."""
+    if isinstance(systems, (str, os.PathLike)):
+        return [os.fspath(systems)]
+    return [os.fspath(s) for s in systems]
+
+
+def discover(systems: Systems, rglob_patterns: Sequence[str] | None = None, *,
+             workers: int | None = None, known: KnownTree | None = None,
+             known_files: dict[str, list[str]] | None = None) -> Discovery:
+    """:func:`discover_systems` with what it looked at; folders are listed in up to
+    ``workers`` threads when the file system makes them wait (``$MDLOADER_BUILD_WORKERS``).
+
+    ``known``/``known_files``: an earlier discovery's folders and HDF5 files that have not
+    changed since; they are not listed again.
+    """
+    entries = entries_of(systems)
+    threads = int(resolve("build_workers", workers, argument="num_workers"))
+    out = Discovery()
+    roots: dict[str, int] = {}
+    plan = [[_part(path, rglob_patterns, out, roots, known_files or {})
+             for path in _expand_globs(entry, out.globs)] for entry in entries]
+    tree = walk(list(roots), rglob_patterns, Overlap(threads), known)
+    for parts in plan:
+        found: set[str] = set()
+        for part in parts:
+            found.update(tree.under[part] if isinstance(part, int) else part)
+        out.addresses.extend(sorted(found))
+    if not out.addresses:
         where = ", ".join(entries) or "(no path given)"
         extra = f" matching {list(rglob_patterns)}" if rglob_patterns else ""
         raise NoSystemsFoundError(
             f"no DeePMD system (a directory or HDF5 group holding type.raw){extra} found under: "
             f"{where}")
-    return found
-
-
-def expand_entry(entry: str, rglob_patterns: Sequence[str] | None = None) -> list[str]:
-    """The systems one entry stands for, sorted and unique (empty when it finds none); the groups
-    of an LMDB database in the order of their system ids and atom counts."""
-    found: set[str] = set()
-    for path in _expand_globs([entry]):
-        found.update(_systems_under(path, rglob_patterns))
-    return sorted(found, key=address_sort_key)
-
-
-def _expand_globs(entries: Iterable[str]) -> list[str]:
-    out = []
-    for entry in entries:
-        path_part = entry.split("#", 1)[0]
-        if _GLOB_CHARS & set(path_part):
-            matches = sorted(glob.glob(path_part))
-            if not matches:
-                log.warning("the pattern %s matched nothing", entry)
-            suffix = entry[len(path_part):]
-            out.extend(m + suffix for m in matches)
-        else:
-            out.append(entry)
+    out.walked, out.listings = tree.walked, tree.listings
+    out.files = list(dict.fromkeys(out.files))
     return out
 
 
-def _systems_under(entry: str, patterns: Sequence[str] | None) -> list[str]:
-    loc = parse_address(entry)
-    if loc.backend == "lmdb":  # a path ending in .lmdb, or one group's address
-        return [os.path.abspath(loc.path) + "#" + loc.group] if loc.group else \
-            group_addresses(entry)
-    if "#" in entry or (loc.backend == "hdf5" and os.path.isfile(loc.path)):
-        return _hdf5_systems(loc.path, loc.group, patterns)
-    if os.path.isfile(entry):
-        return _hdf5_systems(entry, "/", patterns)  # DeePMD-kit: any existing file is HDF5
-    root = os.path.abspath(entry)
-    if not os.path.isdir(root):
-        log.warning("%s does not exist or is not a directory", entry)
-        return []
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        if dirpath == root and "data.mdb" in filenames:  # an LMDB database named otherwise
-            return group_addresses(root)
-        if "type.raw" not in filenames:
-            continue
-        # A system's set.* folders hold frames, not systems, and are most of the tree: skip
-        # them. Other subfolders of a system are still searched for nested systems.
-        dirnames[:] = [d for d in dirnames if not d.startswith("set.")]
-        if not patterns or _matches(os.path.relpath(dirpath, root), patterns):
-            out.append(os.path.normpath(dirpath))
-    return out
+def _expand_globs(entry: str, globs: dict[str, list[str]]) -> list[str]:
+    path_part = entry.split("#", 1)[0]
+    if not _GLOB_CHARS & set(path_part):
+        return [entry]
+    found = sorted(glob.glob(path_part))
+    if not found:
+        log.warning("the pattern %s matched nothing", entry)
+    suffix = entry[len(path_part):]
+    globs[entry] = [m + suffix for m in found]
+    return globs[entry]
 
 
-def _matches(relpath: str, patterns: Sequence[str] | None) -> bool:
-    if not patterns:
-        return True
-    rel = PurePosixPath(relpath.replace(os.sep, "/"))
-    return any(rel.match(p) for p in patterns)
+def _part(path: str, patterns: Sequence[str] | None, out: Discovery, roots: dict[str, int],
+          known_files: dict[str, list[str]]) -> int | list[str]:
+    """An HDF5 path's systems (listed now), or a folder's index among the roots of the walk."""
+    loc = parse_address(path)
+    if "#" in path or (loc.backend == "hdf5" and os.path.isfile(loc.path)):
+        file, group = loc.path, loc.group
+    elif os.path.isfile(path):
+        file, group = path, "/"  # DeePMD-kit: any existing file is HDF5
+    else:
+        root = os.path.normpath(os.path.abspath(path))
+        if not os.path.isdir(root):
+            log.warning("%s does not exist or is not a directory", path)
+            out.missing.append(root)
+            return []
+        return roots.setdefault(root, len(roots))
+    file = os.path.abspath(file)
+    out.files.append(file)
+    if file in known_files:
+        prefix = f"{file}#{group.rstrip('/')}"
+        return [a for a in known_files[file]
+                if group == "/" or a == prefix or a.startswith(prefix + "/")]
+    return _hdf5_systems(file, group, patterns)
 
 
 def _hdf5_systems(path: str, group: str, patterns: Sequence[str] | None) -> list[str]:
     from mdloader.data.formats.hdf5 import open_file
 
-    path = os.path.abspath(path)
     handle = open_file(path, f"{path}#{group}")
     top = handle[group] if group != "/" else handle
     out = []
-    if "type.raw" in top and _matches(".", patterns):
+    if "type.raw" in top and matches(".", patterns):
         out.append(f"{path}#{group}")
     prefix = group.rstrip("/")
 
     def visit(name: str, obj: object) -> None:
         if name.endswith("/type.raw") or name == "type.raw":
             grp = name[: -len("type.raw")].rstrip("/")
-            if grp and _matches(grp, patterns):
+            if grp and matches(grp, patterns):
                 out.append(f"{path}#{prefix}/{grp}")
 
     top.visititems(visit)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.data.formats import Location, backend_of, parse_address
+from mdloader.data.formats import Listing, Location, backend_of, parse_address
 from mdloader.data.layout import frames_and_width, known_width
 from mdloader.errors import DataError, MissingDataError, ShapeError, TypeMapError
 
@@ -47,7 +47,7 @@ class SetMeta:
     widths: tuple[int, ...]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_restore_set, (self.name, self.nframes, self.keys, self.widths))
+        return (restore_set, (self.name, self.nframes, self.keys, self.widths))
 
     def width(self, key: str) -> int | None:
         try:
@@ -121,7 +121,7 @@ class SystemMeta:
                            flags, self.sets, self.mixed_idx_map))
 
 
-def _restore_set(name: str, nframes: int, keys: tuple[str, ...],
+def restore_set(name: str, nframes: int, keys: tuple[str, ...],
                  widths: tuple[int, ...]) -> SetMeta:
     return shared(SetMeta(shared(name), nframes, shared(keys), shared(widths)))
 
@@ -137,20 +137,22 @@ def _restore(folder: str, name: str, types: bytes, tmap: tuple[str, ...] | None,
     )
 
 
-def build_system_meta(address: str, type_map: Sequence[str] | None = None) -> SystemMeta:
+def build_system_meta(address: str, type_map: Sequence[str] | None = None, *,
+                      listing: Listing | None = None) -> SystemMeta:
     """Describe the system at ``address``, reading ``type.raw``, ``type_map.raw`` and headers.
 
+    ``listing`` is the system folder's listing when discovery already made it (npy only).
     Raises the first :class:`~mdloader.errors.DataError` subclass :func:`inspect_system` finds,
     naming the system and the file (every problem that can be seen without reading frames).
     """
-    meta, problems = inspect_system(address, type_map)
+    meta, problems = inspect_system(address, type_map, listing=listing)
     if problems:
         raise problems[0]
     return meta  # type: ignore[return-value]
 
 
-def inspect_system(address: str, type_map: Sequence[str] | None = None
-                   ) -> tuple[SystemMeta | None, list[DataError]]:
+def inspect_system(address: str, type_map: Sequence[str] | None = None, *,
+                   listing: Listing | None = None) -> tuple[SystemMeta | None, list[DataError]]:
     """The description of a system and *every* problem found in it (``None`` if any).
 
     A problem that hides the rest (no directory, no ``type.raw``, no set, an unreadable set)
@@ -159,14 +161,14 @@ def inspect_system(address: str, type_map: Sequence[str] | None = None
     """
     problems: list[DataError] = []
     try:
-        meta = _describe_system(address, type_map, problems)
+        meta = _describe_system(address, type_map, problems, listing)
     except DataError as exc:
         problems.append(exc)
     return (None if problems else meta), problems
 
 
-def _describe_system(address: str, type_map: Sequence[str] | None,
-                     problems: list[DataError]) -> SystemMeta:
+def _describe_system(address: str, type_map: Sequence[str] | None, problems: list[DataError],
+                     listing: Listing | None = None) -> SystemMeta:
     """Raise what ends the inspection, append to ``problems`` what does not."""
     loc = parse_address(address)
     if loc.backend == "lmdb":  # a group of frames in a database: described from its metadata
@@ -174,7 +176,7 @@ def _describe_system(address: str, type_map: Sequence[str] | None,
 
         return describe_group(loc, type_map)
     io = backend_of(loc)
-    pbc, set_names = io.scan_system(loc)
+    pbc, set_names = io.scan_system(loc, listing) if listing else io.scan_system(loc)
     types = io.read_type_raw(loc)
     if types.size == 0:
         raise DataError("the system has no atoms (type.raw is empty)", system=loc.address,
@@ -189,7 +191,7 @@ def _describe_system(address: str, type_map: Sequence[str] | None,
         problems.append(DataError("the system has no frames", system=loc.address,
                                   file=io.file_of(loc, sets[0].name, "coord.npy"),
                                   expected=">= 1 frame", found="0 frames"))
-    sys_map = io.read_type_map(loc)
+    sys_map = io.read_type_map(loc, listing) if listing else io.read_type_map(loc)
     resolved = _collect(problems, _resolve_types, loc, io, types, sys_map, type_map, mixed)
     if resolved is None:
         resolved = (types, None, None)
@@ -232,7 +234,7 @@ def _describe_set(loc: Location, io: Any, name: str, natoms: int, pbc: bool,
             widths[key] = width
         else:
             problems.append(problem)
-    return _restore_set(name, nframes, tuple(widths), tuple(widths.values()))
+    return restore_set(name, nframes, tuple(widths), tuple(widths.values()))
 
 
 def _array_width(loc: Location, io: Any, set_name: str, key: str, shape: tuple[int, ...],

@@ -17,6 +17,10 @@ from types import ModuleType
 #: The fragment naming one group of an LMDB database (any other fragment is an HDF5 group).
 LMDB_GROUP = re.compile(r"(?:system=(\d+),)?natoms=(\d+)")
 
+#: One directory's listing: (file names, directory names, directory names that are symbolic
+#: links), each sorted. Discovery makes it; the build reuses it instead of listing again.
+Listing = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+
 
 @dataclass(frozen=True)
 class Location:

@@ -16,7 +16,8 @@ import numpy as np
 from mdloader.data.formats import Location
 from mdloader.data.formats.handles import HandleCache
 from mdloader.data.formats.npy import as_rows
-from mdloader.errors import CorruptFileError, MissingDataError
+from mdloader.data.layout import frames_and_width
+from mdloader.errors import CorruptFileError, MissingDataError, StaleDataError
 from mdloader.settings import cached
 
 _FILES: HandleCache[Any] = HandleCache(lambda: int(cached("max_open_h5")),
@@ -94,9 +95,17 @@ def set_shapes(loc: Location, set_name: str) -> dict[str, tuple[int, ...]]:
             for name in sorted(grp.keys()) if name.endswith(".npy")}
 
 
-def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray,
-              set_nframes: int) -> np.ndarray:
+def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray, set_nframes: int,
+              width: int | None = None) -> np.ndarray:
+    """As :func:`mdloader.data.formats.npy.read_rows`; the shape is checked on every read."""
     dset = _group(loc)[set_name][stem + ".npy"]
+    found = frames_and_width(dset.shape, set_nframes)
+    if width is not None and found != (set_nframes, width):
+        raise StaleDataError("the dataset changed after the system was described",
+                             system=loc.address, file=file_of(loc, set_name, stem + ".npy"),
+                             expected=f"{set_nframes} frames of width {width}",
+                             found=f"{found[0]} frames of width {found[1]} "
+                                   f"(shape {dset.shape})")
     if dset.ndim == 0 or dset.shape[0] != set_nframes:  # one-frame 0-D/1-D, or stored flat
         return as_rows(np.asarray(dset[()]), rows, set_nframes)
     # h5py wants increasing, unique indices: read those, then put them back in order.

@@ -1,24 +1,31 @@
 """The npy directory backend: text files, ``set.*`` folders, npy headers and memory-mapped rows.
 
-Building reads only headers (``np.lib.format``), never arrays. Frame reads go through memory maps
+Building reads only headers, never arrays: one listing per folder (the system's comes from
+discovery) and one ``open`` per file. Frame reads go through memory maps
 kept in a bounded per-process cache, because every open map holds a file descriptor and
 ``10 000 systems x 5 keys`` would exceed ``ulimit -n``.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import mmap
 import os
 import re
-from typing import BinaryIO
+from collections.abc import Callable
 
 import numpy as np
 
-from mdloader.data.formats import Location
+from mdloader.data.formats import Listing, Location
 from mdloader.data.formats.handles import HandleCache
-from mdloader.errors import CorruptFileError, MissingDataError
+from mdloader.data.layout import frames_and_width
+from mdloader.data.overlap import timed
+from mdloader.data.system import shared
+from mdloader.errors import CorruptFileError, MissingDataError, StaleDataError
 from mdloader.settings import cached
+
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 _MAPS: HandleCache[np.ndarray] = HandleCache(lambda: int(cached("max_open_files")))
 
@@ -28,11 +35,22 @@ def file_of(loc: Location, set_name: str | None, name: str) -> str:
     return os.path.join(loc.path, set_name, name) if set_name else os.path.join(loc.path, name)
 
 
+def read_small(path: str) -> bytes:
+    """The whole of a small file in one ``open`` (Python's ``open`` adds two ``fstat`` calls)."""
+    fd = timed(os.open, path, os.O_RDONLY | O_CLOEXEC)
+    try:
+        chunks = [timed(os.read, fd, 1 << 16)]
+        while chunks[-1]:
+            chunks.append(timed(os.read, fd, 1 << 20))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def read_type_raw(loc: Location) -> np.ndarray:
     path = file_of(loc, None, "type.raw")
     try:
-        with open(path, "rb") as fh:
-            text = fh.read().decode()
+        text = read_small(path).decode()
     except FileNotFoundError as exc:
         raise MissingDataError("the system has no type.raw", system=loc.address,
                                file=path) from exc
@@ -43,83 +61,116 @@ def read_type_raw(loc: Location) -> np.ndarray:
                                system=loc.address, file=path, found=str(exc)) from exc
 
 
-def read_type_map(loc: Location) -> list[str] | None:
-    path = file_of(loc, None, "type_map.raw")
+def read_type_map(loc: Location, listing: Listing | None = None) -> list[str] | None:
+    """``type_map.raw``'s names; not opened when the system's listing shows none."""
+    if listing is not None and "type_map.raw" not in listing[0]:
+        return None
     try:
-        with open(path, "rb") as fh:
-            return fh.read().decode().split()
+        return read_small(file_of(loc, None, "type_map.raw")).decode().split()
     except FileNotFoundError:
         return None
 
 
-def scan_system(loc: Location) -> tuple[bool, list[str]]:
-    """(periodic?, sorted set names) from one directory listing of the system."""
-    try:
-        entries = list(os.scandir(loc.path))
-    except FileNotFoundError as exc:
-        raise MissingDataError("the system directory does not exist", system=loc.address,
-                               file=loc.path) from exc
-    except NotADirectoryError as exc:
-        raise MissingDataError("the system path is not a directory", system=loc.address,
-                               file=loc.path) from exc
-    names = {e.name: e for e in entries}
-    sets = sorted(n for n, e in names.items() if n.startswith("set.") and e.is_dir())
-    return "nopbc" not in names, sets
+def list_dir(path: str) -> Listing:
+    """(file names, folder names, folders that are symbolic links) of ``path``, each sorted.
+
+    One listing (the entry types come with it); the tuples are shared between folders with the
+    same entries. A symbolic link to a folder counts as a folder (its ``set.*`` is read), and a
+    walk does not descend into it (as ``os.walk``).
+    """
+    files, dirs, links = [], [], []
+    with timed(os.scandir, path) as listing:
+        entries = timed(list, listing)
+    for entry in entries:
+        if entry.is_dir():
+            dirs.append(entry.name)
+            if entry.is_symlink():
+                links.append(entry.name)
+        else:
+            files.append(entry.name)
+    return (shared(tuple(sorted(files))), shared(tuple(sorted(dirs))),
+            shared(tuple(sorted(links))))
+
+
+def scan_system(loc: Location, listing: Listing | None = None) -> tuple[bool, list[str]]:
+    """(periodic?, sorted set names) from the system's listing (made here when not given)."""
+    if listing is None:
+        try:
+            listing = list_dir(loc.path)
+        except FileNotFoundError as exc:
+            raise MissingDataError("the system directory does not exist", system=loc.address,
+                                   file=loc.path) from exc
+        except NotADirectoryError as exc:
+            raise MissingDataError("the system path is not a directory", system=loc.address,
+                                   file=loc.path) from exc
+    files, dirs = listing[0], listing[1]
+    sets = [n for n in dirs if n.startswith("set.")]
+    return "nopbc" not in files and "nopbc" not in dirs, sets
 
 
 def set_shapes(loc: Location, set_name: str) -> dict[str, tuple[int, ...]]:
-    """Shapes of every ``*.npy`` in a set, from headers only."""
+    """Shapes of every ``*.npy`` in a set, from headers only: one listing, one open per file."""
     folder = os.path.join(loc.path, set_name)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if entry.name.endswith(".npy"):
-            shapes[entry.name[:-4]] = _header_shape(loc, entry.path)
-    return shapes
+    files = list_dir(folder)[0]
+    return {name[:-4]: _header_shape(loc, os.path.join(folder, name))
+            for name in files if name.endswith(".npy")}
 
 
 _HEADER_RE = re.compile(r"'descr':\s*'([^']+)',\s*'fortran_order':\s*(True|False),\s*"
                         r"'shape':\s*\(([\d,\s]*)\)")
 _DTYPES: dict[str, np.dtype] = {}
+_HEAD = 256  # bytes read first: the whole header numpy writes for DeePMD arrays
 
 
 def _header_shape(loc: Location, path: str) -> tuple[int, ...]:
     """Shape from the npy header; also checks that the file holds all the data it announces.
 
-    A small regex handles the headers numpy writes (numpy's own parser uses ``ast.literal_eval``,
-    slow for the thousands of headers of a build); anything unusual falls back to numpy's.
+    One ``open``, the first bytes read without read-ahead, the size from ``lseek``: a cold
+    build reads about one page per file.
     """
     try:
-        with open(path, "rb") as fh:
-            head = fh.read(256)
-            shape, dtype, offset, _ = _parse_header(fh, head)
-            data_bytes = os.fstat(fh.fileno()).st_size - offset
+        fd = timed(os.open, path, os.O_RDONLY | O_CLOEXEC)
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            shape, dtype, offset, _ = _parse_header(lambda n: timed(os.pread, fd, n, 0))
+            size = os.lseek(fd, 0, os.SEEK_END)
+        finally:
+            os.close(fd)
     except (ValueError, OSError, EOFError, SyntaxError) as exc:
         raise CorruptFileError("cannot read the npy header (corrupt or truncated file)",
                                system=loc.address, file=path, found=str(exc)) from exc
     needed = math.prod(shape) * dtype.itemsize
-    if data_bytes < needed:
+    if size - offset < needed:
         raise CorruptFileError("the npy file is shorter than its header says (truncated)",
                                system=loc.address, file=path,
                                expected=f"{needed} data bytes for shape {shape} {dtype}",
-                               found=f"{data_bytes} bytes")
+                               found=f"{size - offset} bytes")
     return shape
 
 
-def _parse_header(fh: BinaryIO, head: bytes) -> tuple[tuple[int, ...], np.dtype, int, bool]:
-    """(shape, dtype, data offset, Fortran order) of an open npy file whose first bytes are
-    ``head``."""
+def _parse_header(read: Callable[[int], bytes]) -> tuple[tuple[int, ...], np.dtype, int, bool]:
+    """(shape, dtype, data offset, Fortran order) of an npy file; ``read(n)`` gives its first
+    ``n`` bytes.
+
+    A small regex handles the headers numpy writes (numpy's own parser uses
+    ``ast.literal_eval``, slow for the thousands of headers of a build); anything unusual goes
+    to numpy's parser.
+    """
+    head = read(_HEAD)
     if head[:6] != b"\x93NUMPY" or len(head) < 10:
         raise ValueError(f"not an npy file (magic bytes {head[:8]!r})")
     start, hlen = (10, int.from_bytes(head[8:10], "little")) if head[6] == 1 else \
         (12, int.from_bytes(head[8:12], "little"))
-    if start + hlen <= len(head):
-        match = _HEADER_RE.search(head[start:start + hlen].decode("latin1"))
-        if match:
-            descr = match.group(1)
-            dtype = _DTYPES.get(descr) or _DTYPES.setdefault(descr, np.dtype(descr))
-            shape = tuple(int(x) for x in match.group(3).replace(",", " ").split())
-            return shape, dtype, start + hlen, match.group(2) == "True"
-    fh.seek(0)
+    if start + hlen > len(head):
+        head = read(start + hlen)
+    match = _HEADER_RE.search(head[start:start + hlen].decode("latin1"))
+    if match:
+        descr = match.group(1)
+        dtype = _DTYPES.get(descr) or _DTYPES.setdefault(descr, np.dtype(descr))
+        shape = tuple(int(x) for x in match.group(3).replace(",", " ").split())
+        return shape, dtype, start + hlen, match.group(2) == "True"
+    fh = io.BytesIO(head)
     version = np.lib.format.read_magic(fh)
     reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
         np.lib.format.read_array_header_2_0
@@ -127,15 +178,19 @@ def _parse_header(fh: BinaryIO, head: bytes) -> tuple[tuple[int, ...], np.dtype,
     return tuple(int(s) for s in shape), dtype, fh.tell(), bool(fortran)
 
 
-def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray,
-              set_nframes: int) -> np.ndarray:
+def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray, set_nframes: int,
+              width: int | None = None) -> np.ndarray:
     """Rows ``rows`` of ``set_name/stem.npy`` as a fresh ``(len(rows), width)`` array.
 
     DeePMD-kit allows a one-frame set to store 0-D/1-D arrays; they are that single frame. An
     array stored flat is read through a ``(set_nframes, -1)`` view of the same map
-    (:mod:`mdloader.data.layout`).
+    (:mod:`mdloader.data.layout`). ``width`` (the per-frame width in the system's description)
+    is checked, with the frame count and the file size, when the file is first mapped in this
+    process: a file that changed since the description raises
+    :class:`~mdloader.errors.StaleDataError`.
     """
-    arr = _memmap(os.path.join(loc.path, set_name, stem + ".npy"))
+    path = os.path.join(loc.path, set_name, stem + ".npy")
+    arr = _MAPS.get(path, lambda: _open_map(path, loc, set_nframes, width))
     return as_rows(arr, rows, set_nframes)
 
 
@@ -147,22 +202,39 @@ def as_rows(arr: np.ndarray, rows: np.ndarray, set_nframes: int) -> np.ndarray:
     return np.asarray(arr[rows]).reshape(len(rows), -1)
 
 
-def _memmap(path: str) -> np.ndarray:
-    return _MAPS.get(path, lambda: _open_map(path))
-
-
-def _open_map(path: str) -> np.ndarray:
-    with open(path, "rb") as fh:  # one open: the map keeps its own descriptor
-        shape, dtype, offset, fortran = _parse_header(fh, fh.read(256))
+def _open_map(path: str, loc: Location, nframes: int, width: int | None) -> np.ndarray:
+    fd = os.open(path, os.O_RDONLY | O_CLOEXEC)
+    try:  # one open: the map keeps its own descriptor
+        shape, dtype, offset, fortran = _parse_header(lambda n: os.pread(fd, n, 0))
         if dtype.hasobject:
             raise ValueError(f"{path} holds Python objects; DeePMD arrays are numeric")
         count = math.prod(shape)
+        size = os.lseek(fd, 0, os.SEEK_END)
+        _check_unchanged(loc, path, shape, nframes, width, size - offset,
+                         count * dtype.itemsize)
         if count == 0:
             return np.empty(shape, dtype=dtype)
         # a plain ndarray over an mmap: np.memmap's Python-level hooks cost more per read
-        buffer = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(
-            shape, order="F" if fortran else "C")
+        buffer = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+    return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(
+        shape, order="F" if fortran else "C")
+
+
+def _check_unchanged(loc: Location, path: str, shape: tuple[int, ...], nframes: int,
+                     width: int | None, data_bytes: int, needed: int) -> None:
+    """The file still has the frames and width it was described with, and all its data."""
+    found = frames_and_width(shape, nframes)
+    if width is not None and found != (nframes, width):
+        raise StaleDataError("the file changed after the system was described",
+                             system=loc.address, file=path,
+                             expected=f"{nframes} frames of width {width}",
+                             found=f"{found[0]} frames of width {found[1]} (shape {shape})")
+    if data_bytes < needed:
+        raise StaleDataError("the file changed after the system was described (it is shorter "
+                             "than its header says)", system=loc.address, file=path,
+                             expected=f"{needed} data bytes", found=f"{data_bytes} bytes")
 
 
 def open_map_count() -> int:

@@ -1,0 +1,178 @@
+"""A persistent system index: rank 0 describes the systems once and reuses that at every start.
+
+After a build, rank 0 saves the descriptions with what is needed to tell whether they are still
+true (:mod:`mdloader.data.index_file`); the next start, at any world size, loads them, checks
+them (:mod:`mdloader.data.freshness`) and describes again only what changed
+(:mod:`mdloader.data.survey`). Other ranks never read an index: they receive the descriptions in
+the build's broadcast, as always.
+
+Where: the file named by ``index=`` (``index`` in a data section of ``input.json``), else
+``$MDLOADER_CACHE_DIR/<name>-<key>.mdlidx``, where the key is a hash of the resolved system
+entries, the ``rglob`` patterns, the model ``type_map`` and the index format. Modes
+(``index_mode=`` or ``$MDLOADER_INDEX``): ``check`` (default), ``refresh`` (describe everything
+again), ``trust`` (no check: read-only archives), ``off``. A missing index is built; an index
+that cannot be used (corrupt, truncated, another format or mdloader version, another key,
+unreadable) costs one warning and a rebuild; an index that cannot be saved costs one warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mdloader import __version__
+from mdloader.data.discovery import entries_of
+from mdloader.data.index_file import (
+    FORMAT,
+    IndexFileError,
+    SavedIndex,
+    read_header,
+    read_index,
+    write_index,
+)
+from mdloader.data.survey import Survey, resurvey, survey
+from mdloader.settings import resolve
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".mdlidx"
+
+
+@dataclass(frozen=True)
+class IndexRequest:
+    """Which systems, described for which type map, and where their index lives."""
+
+    entries: tuple[str, ...]
+    rglob_patterns: tuple[str, ...] | None
+    type_map: tuple[str, ...] | None
+    key: str
+    path: str
+
+    def describe(self) -> dict[str, object]:
+        """What the key is made of, as saved in the index header."""
+        return {"format": FORMAT, "systems": list(self.entries),
+                "rglob_patterns": None if self.rglob_patterns is None else list(
+                    self.rglob_patterns),
+                "type_map": None if self.type_map is None else list(self.type_map)}
+
+
+def index_request(systems: object, rglob_patterns: Sequence[str] | None,
+                  type_map: Sequence[str] | None, index: str | os.PathLike[str] | None = None,
+                  cache_dir: str | None = None) -> IndexRequest:
+    """The request for ``systems``; its index is ``index`` if given, else in the cache folder."""
+    entries = tuple(_resolved(e) for e in entries_of(systems))  # type: ignore[arg-type]
+    patterns = tuple(rglob_patterns) if rglob_patterns else None
+    tmap = tuple(type_map) if type_map is not None else None
+    draft = IndexRequest(entries, patterns, tmap, "", "")
+    key = hashlib.sha256(json.dumps(draft.describe(), sort_keys=True).encode()).hexdigest()
+    if index is not None:
+        path = os.path.abspath(os.fspath(index))
+    else:
+        folder = str(resolve("cache_dir", cache_dir, argument="cache_dir"))
+        path = os.path.join(os.path.abspath(os.path.expanduser(folder)),
+                            f"{_slug(entries)}-{key[:20]}{SUFFIX}")
+    return IndexRequest(entries, patterns, tmap, key, path)
+
+
+def _resolved(entry: str) -> str:
+    head, sep, tail = entry.partition("#")
+    return os.path.normpath(os.path.abspath(os.path.expanduser(head))) + sep + tail
+
+
+def _slug(entries: tuple[str, ...]) -> str:
+    name = os.path.basename(entries[0].partition("#")[0].rstrip("/")) if entries else "none"
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)[:40] or "root"
+
+
+@dataclass
+class Described:
+    """The outcome on rank 0: the survey, where it came from, and how to save it."""
+
+    survey: Survey
+    source: str  # "built", "index", "index (updated)"
+    request: IndexRequest | None
+    mode: str
+    save_needed: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def save(self) -> None:
+        """Write the index if it changed; a failure is one warning, never an error."""
+        if not self.save_needed or self.request is None:
+            return
+        try:
+            write_index(self.request.path, self.survey.saved, _header(self.request,
+                                                                      self.survey.saved))
+        except OSError as exc:
+            log.warning("mdloader: could not save the system index %s (%s); the next start "
+                        "will describe the systems again", self.request.path, exc)
+            return
+        log.info("saved the system index %s", self.request.path)
+
+
+def describe(systems: object, type_map: Sequence[str] | None,
+             rglob_patterns: Sequence[str] | None, *, workers: int, progress: bool,
+             index: str | os.PathLike[str] | None = None, mode: str | None = None) -> Described:
+    """The systems' descriptions on rank 0: from the index when it is usable, else surveyed."""
+    mode = str(resolve("index_mode", mode, argument="index_mode"))
+    if mode == "off":
+        return Described(survey(systems, rglob_patterns, type_map, workers, progress), "built",
+                         None, mode)
+    request = index_request(systems, rglob_patterns, type_map, index)
+    start = time.monotonic()
+    saved = None if mode == "refresh" else load(request)
+    loaded = time.monotonic() - start
+    if saved is None:
+        done = survey(systems, rglob_patterns, type_map, workers, progress)
+        return Described(done, "built", request, mode, save_needed=True)
+    if mode == "trust":
+        return Described(Survey(saved, check_seconds=loaded, reused=len(saved.table)),
+                         "index (trusted)", request, mode)
+    settle = int(float(resolve("index_settle")) * 1e9)
+    done = resurvey(saved, systems, rglob_patterns, type_map, workers, progress, settle)
+    done.check_seconds += loaded
+    if done.saved is saved:
+        return Described(done, "index", request, mode)
+    return Described(done, "index (updated)", request, mode, save_needed=True)
+
+
+def load(request: IndexRequest) -> SavedIndex | None:
+    """The saved index of ``request``; ``None`` (after one warning) when it cannot be used."""
+    try:
+        header, saved = read_index(request.path)
+    except FileNotFoundError:
+        log.info("no system index at %s yet: describing the systems", request.path)
+        return None
+    except (OSError, IndexFileError) as exc:
+        return _unusable(str(exc) if isinstance(exc, IndexFileError)
+                         else f"the index {request.path} cannot be read ({exc})")
+    if header.get("key") != request.key:
+        return _unusable(f"the index {request.path} was made for other systems, patterns or "
+                         "type map")
+    if header.get("mdloader") != __version__:
+        return _unusable(f"the index {request.path} was made by mdloader "
+                         f"{header.get('mdloader')}, this is {__version__}")
+    return saved
+
+
+def _unusable(reason: str) -> None:
+    log.warning("mdloader: %s; describing the systems again", reason)
+    return None
+
+
+def _header(request: IndexRequest, saved: SavedIndex) -> dict[str, object]:
+    return {"format": FORMAT, "mdloader": __version__, "key": request.key,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
+            "systems": len(saved.table), "frames": int(saved.table.nframes().sum()),
+            "request": request.describe()}
+
+
+def inspect(path: str) -> dict[str, object]:
+    """An index file's header (what it indexes, who made it, when), without checking it."""
+    return read_header(path)
