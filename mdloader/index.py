@@ -146,7 +146,7 @@ def load(request: IndexRequest) -> SavedIndex | None:
     """The saved index of ``request``; ``None`` (after one warning) when it cannot be used."""
     try:
         header, saved = read_index(request.path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         log.info("no system index at %s yet: describing the systems", request.path)
         return None
     except (OSError, IndexFileError) as exc:

@@ -134,6 +134,18 @@ def _add_pack(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
                    help="replace DEST once the new database is complete")
 
 
+def _add_index(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("index", parents=[common], help="build, refresh or inspect system "
+                       "indexes", description="Describe the training and validation systems "
+                       "of an input.json once and save their indexes, so that every job "
+                       "starts from them (see the HPC guide).")
+    p.add_argument("action", choices=["build", "refresh", "inspect"],
+                   help="build: describe what changed and save; refresh: describe everything "
+                   "again; inspect: show what an index holds and what changed, write nothing")
+    p.add_argument("input", help="DeePMD-kit input.json (inspect: or an index file)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser (also used to render ``--help`` in the docs)."""
     common = _common_options()
@@ -142,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
         "benchmark, convert, and a reference training job.")
     parser.add_argument("--version", action="version", version=f"mdloader {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in (_add_check, _add_bench, _add_train, _add_convert, _add_pack, _add_dp):
+    for add in (_add_check, _add_bench, _add_train, _add_convert, _add_pack, _add_index,
+                _add_dp):
         add(sub, common)
     return parser
 
@@ -229,9 +242,25 @@ def _run_pack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_index(args: argparse.Namespace) -> int:
+    from mdloader.cli.index import build_indexes, format_summaries, inspect_target
+    from mdloader.config.input_json import load_config
+
+    if not World.from_env().is_main:  # under torchrun: rank 0 does it once
+        return 0
+    if args.action == "inspect":
+        rows = inspect_target(args.input)
+        print(format_summaries(rows, args.json))
+        return 0 if all(r["state"] == "unchanged" for r in rows) else 1
+    summaries = build_indexes(load_config(args.input), refresh=args.action == "refresh",
+                              progress=sys.stderr.isatty())
+    print(format_summaries(summaries, args.json))
+    return 0
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "check": _run_check, "bench": _run_bench, "train": _run_train, "convert": _run_convert,
-    "pack": _run_pack}
+    "pack": _run_pack, "index": _run_index}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -35,7 +35,8 @@ def configured_loader(data: DataConfig, *, type_map: Sequence[str] | None, seed:
     """Build the systems of ``data`` and the stateful loader over them (a collective)."""
     tmap = list(type_map) if type_map else None
     datasets, report = build_systems_with_report(list(data.systems), tmap,
-                                                 rglob_patterns=data.rglob_patterns)
+                                                 rglob_patterns=data.rglob_patterns,
+                                                 index=data.index)
     dataset = DpLoaderSet(datasets, data.batch_size_value(), tmap, seed=seed, world=world)
     dataset.add_data_requirement(labels)
     sampler = get_sampler_from_params(dataset, data.sampler_params(), num_workers=num_workers)

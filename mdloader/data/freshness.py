@@ -15,14 +15,19 @@ backend are always described again.
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from mdloader.data.formats import parse_address
+from mdloader.data.index_file import SavedIndex
 from mdloader.data.overlap import Overlap, timed
 from mdloader.data.table import SystemTable
+
+_HDF5 = (".h5", ".hdf5", ".hdf")  # parse_address's rule for a plain path
 
 
 def changed(paths: Sequence[str], since_ns: int, overlap: Overlap) -> np.ndarray:
@@ -46,17 +51,18 @@ def system_paths(table: SystemTable) -> tuple[list[str], np.ndarray, list[int]]:
     rows: list[int] = []
     uncheckable: list[int] = []
     suffixes: dict[tuple[bool, tuple[str, ...]], tuple[str, ...]] = {}
-    for row, address in enumerate(table.addresses()):
-        loc = parse_address(address)
-        if loc.backend == "npy":
-            key = (table.has_type_map(row), table.set_names(row))
-            ends = suffixes.get(key)
+    for row, (address, layout) in enumerate(zip(table.addresses(), table.layouts())):
+        if "#" not in address and not address.lower().endswith(_HDF5):
+            ends = suffixes.get(layout)
             if ends is None:
-                extra = ("/type_map.raw",) if key[0] else ()
-                ends = suffixes[key] = ("", "/type.raw", *extra, *("/" + s for s in key[1]))
-            paths.extend(address + end for end in ends)
+                extra = ("/type_map.raw",) if layout[0] else ()
+                ends = suffixes[layout] = ("", "/type.raw", *extra,
+                                           *("/" + s for s in layout[1]))
+            paths.extend([address + end for end in ends])
             rows.extend([row] * len(ends))
-        elif loc.backend == "hdf5":
+            continue
+        loc = parse_address(address)
+        if loc.backend == "hdf5":
             paths.append(loc.path)
             rows.append(row)
         else:
@@ -73,3 +79,38 @@ def stale_systems(table: SystemTable, since_ns: int, overlap: Overlap) -> np.nda
     stale[rows[np.fromiter((flags[p] for p in paths), dtype=bool, count=len(paths))]] = True
     stale[uncheckable] = True
     return stale
+
+
+@dataclass
+class Check:
+    """What changed since an index was saved: systems (by row), other folders walked (in the
+    order of ``SavedIndex.walked``), HDF5 files, and entries (a missing path now exists, a
+    pattern matches other paths)."""
+
+    systems: np.ndarray
+    folders: np.ndarray
+    files: np.ndarray
+    entries: bool
+
+    @property
+    def unchanged(self) -> bool:
+        return not (self.systems.any() or self.folders.any() or self.files.any()
+                    or self.entries)
+
+
+def check_saved(saved: SavedIndex, before_ns: int, overlap: Overlap) -> Check:
+    """Check everything ``saved`` depends on against ``before_ns`` (see the module docstring)."""
+    return Check(stale_systems(saved.table, before_ns, overlap),
+                 changed(list(saved.walked), before_ns, overlap),
+                 changed(saved.files, before_ns, overlap),
+                 any(os.path.exists(p) for p in saved.missing) or _globs_moved(saved.globs))
+
+
+def _globs_moved(globs: dict[str, list[str]]) -> bool:
+    """Whether a pattern entry now matches other paths than it did."""
+    for entry, matched in globs.items():
+        path_part = entry.split("#", 1)[0]
+        suffix = entry[len(path_part):]
+        if [m + suffix for m in sorted(glob.glob(path_part))] != matched:
+            return True
+    return False

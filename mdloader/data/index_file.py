@@ -17,8 +17,8 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 import struct
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,7 +63,9 @@ def write_index(path: str, saved: SavedIndex, header: dict[str, Any]) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     _remove_dead_temporaries(folder, os.path.basename(path))
-    fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    temp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}."
+                                f"{secrets.token_hex(4)}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(_HEAD.pack(MAGIC, FORMAT, len(head), len(body), len(blob), digest))

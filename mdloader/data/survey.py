@@ -8,9 +8,7 @@ systems that are new or changed; the others are copied from the index.
 
 from __future__ import annotations
 
-import glob
 import logging
-import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -19,7 +17,7 @@ from dataclasses import dataclass
 from mdloader.data.describe import describe_systems
 from mdloader.data.discovery import Discovery, discover
 from mdloader.data.formats import parse_address
-from mdloader.data.freshness import changed, stale_systems
+from mdloader.data.freshness import check_saved
 from mdloader.data.index_file import SavedIndex
 from mdloader.data.overlap import Overlap
 from mdloader.data.system import SystemMeta
@@ -63,27 +61,21 @@ def resurvey(saved: SavedIndex, systems: object, rglob_patterns: Sequence[str] |
     """``saved`` if nothing it depends on changed, else an updated survey (see the module)."""
     since = time.time_ns()
     start = time.monotonic()
-    overlap = Overlap(workers)
-    before = saved.since_ns - settle_ns
-    stale = stale_systems(saved.table, before, overlap)
-    others = list(saved.walked)
-    others_stale = changed(others, before, overlap)
-    files_stale = changed(saved.files, before, overlap)
-    moved = any(os.path.exists(path) for path in saved.missing) or _globs_moved(saved.globs)
+    check = check_saved(saved, saved.since_ns - settle_ns, Overlap(workers))
     checked = time.monotonic()
-    if not (stale.any() or others_stale.any() or files_stale.any() or moved):
+    if check.unchanged:
         return Survey(saved, check_seconds=checked - start, reused=len(saved.table))
-    table = saved.table
+    stale, table = check.systems, saved.table
     addresses = table.addresses()
     npy = {a: i for i, a in enumerate(addresses) if parse_address(a).backend == "npy"}
     walked = {**saved.walked, **dict.fromkeys(npy, True)}
-    unchanged = {p for p, s in zip(others, others_stale) if not s}
+    unchanged = {p for p, s in zip(saved.walked, check.folders) if not s}
     unchanged.update(a for a, i in npy.items() if not stale[i])
     by_file: dict[str, list[str]] = {}
     for address in addresses:
         if "#" in address:
             by_file.setdefault(parse_address(address).path, []).append(address)
-    known_files = {f: by_file.get(f, []) for f, s in zip(saved.files, files_stale) if not s}
+    known_files = {f: by_file.get(f, []) for f, s in zip(saved.files, check.files) if not s}
     found = discover(systems, rglob_patterns, workers=workers,  # type: ignore[arg-type]
                      known=KnownTree(walked, unchanged), known_files=known_files)
     found_at = time.monotonic()
@@ -122,13 +114,3 @@ def _described(addresses: list[str], found: Discovery, type_map: Sequence[str] |
 
     yield from tqdm(items, total=len(addresses), desc="mdloader: building systems", unit="sys",
                     file=sys.stderr, dynamic_ncols=True)
-
-
-def _globs_moved(globs: dict[str, list[str]]) -> bool:
-    """Whether a pattern entry now matches other paths than it did."""
-    for entry, matched in globs.items():
-        path_part = entry.split("#", 1)[0]
-        suffix = entry[len(path_part):]
-        if [m + suffix for m in sorted(glob.glob(path_part))] != matched:
-            return True
-    return False

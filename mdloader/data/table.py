@@ -176,7 +176,31 @@ class SystemTable(Sequence):
         return self._folders[c["folder_id"][row]] + name
 
     def addresses(self) -> list[str]:
-        return [self.address(i) for i in range(len(self))]
+        """Every system's address, in order (decoded in one pass)."""
+        text = self._names.decode()
+        folders = [self._folders[i] for i in self._columns["folder_id"].tolist()]
+        ends = self._name_ends.tolist()
+        if len(text) != len(self._names):  # not ASCII: byte offsets are not string offsets
+            return [self.address(i) for i in range(len(self))]
+        starts = [0] + ends[:-1]
+        return [f + text[a:b] for f, a, b in zip(folders, starts, ends)]
+
+    def layouts(self) -> list[tuple[bool, tuple[str, ...]]]:
+        """Per system: (has a ``type_map.raw`` of its own, its set names); shared tuples."""
+        has_map = [m is not None for m in self._type_maps]
+        names = [s.name for s in self._sets]
+        ids = self._columns["set_ids"].tolist()
+        ends = self._set_ends.tolist()
+        maps = self._columns["type_map_id"].tolist()
+        seen: dict[tuple[int, tuple[int, ...]], tuple[bool, tuple[str, ...]]] = {}
+        out = []
+        for row, (end, count) in enumerate(zip(ends, self._columns["nsets"].tolist())):
+            key = (maps[row], tuple(ids[end - count:end]))
+            layout = seen.get(key)
+            if layout is None:
+                layout = seen[key] = (has_map[key[0]], tuple(names[j] for j in key[1]))
+            out.append(layout)
+        return out
 
     def meta(self, row: int) -> SystemMeta:
         """System ``row``'s description (a new object on each call; callers keep it)."""

@@ -1,0 +1,117 @@
+"""``mdloader index``: build, refresh or inspect the system indexes of an ``input.json``.
+
+For people who prepare data once and train many times: ``mdloader index build input.json`` on a
+login node describes every training and validation system and saves their indexes (the files
+named by ``index`` in the data sections, else in ``$MDLOADER_CACHE_DIR``), so that every job
+starts from them; ``refresh`` describes everything again; ``inspect`` says what an index holds and
+what changed since, without writing anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mdloader.config.input_json import Config, DataConfig, load_config
+from mdloader.data.freshness import check_saved
+from mdloader.data.index_file import MAGIC, read_index
+from mdloader.data.overlap import Overlap
+from mdloader.index import describe, index_request, inspect, load
+from mdloader.settings import resolve
+
+
+@dataclass
+class IndexSummary:
+    """One data section's index after ``build``/``refresh``, or as ``inspect`` found it."""
+
+    section: str
+    path: str
+    state: str  # built, unchanged, updated, missing, unusable, changed
+    systems: int = 0
+    frames: int = 0
+    changed: int = 0  # systems changed since the index was saved (inspect)
+    described: int = 0
+    reused: int = 0
+    seconds: float = 0.0
+
+
+def build_indexes(config: Config, *, refresh: bool = False,
+                  progress: bool = False) -> list[IndexSummary]:
+    """Describe the systems of every data section and save their indexes (rank 0's job)."""
+    out = []
+    for data in _sections(config):
+        start = time.monotonic()
+        done = describe(list(data.systems), config.type_map, data.rglob_patterns,
+                        workers=int(resolve("build_workers")), progress=progress,
+                        index=data.index, mode="refresh" if refresh else "check")
+        done.save()
+        table = done.survey.saved.table
+        state = {"built": "built", "index": "unchanged"}.get(done.source, "updated")
+        out.append(IndexSummary(data.json_path, done.request.path if done.request else "",
+                                state, len(table), int(table.nframes().sum()),
+                                described=done.survey.described, reused=done.survey.reused,
+                                seconds=time.monotonic() - start))
+    return out
+
+
+def inspect_target(target: str) -> list[dict[str, Any]]:
+    """Header and freshness of an index file, or of every index of an ``input.json``."""
+    if _is_index(target):
+        return [_inspect_file(target, section=None)]
+    config = load_config(target)
+    rows = []
+    for data in _sections(config):
+        request = index_request(list(data.systems), data.rglob_patterns, config.type_map,
+                                data.index)
+        if not os.path.exists(request.path):
+            rows.append(asdict(IndexSummary(data.json_path, request.path, "missing")))
+        elif load(request) is None:
+            rows.append(asdict(IndexSummary(data.json_path, request.path, "unusable")))
+        else:
+            rows.append(_inspect_file(request.path, section=data.json_path))
+    return rows
+
+
+def _inspect_file(path: str, section: str | None) -> dict[str, Any]:
+    header = inspect(path)
+    _, saved = read_index(path)
+    settle = int(float(resolve("index_settle")) * 1e9)
+    check = check_saved(saved, saved.since_ns - settle, Overlap(int(resolve("build_workers"))))
+    return {"section": section, "path": path, "state": "unchanged" if check.unchanged
+            else "changed", "systems": len(saved.table),
+            "frames": int(saved.table.nframes().sum()), "changed": int(check.systems.sum()),
+            "folders_changed": int(check.folders.sum()), "files_changed": int(check.files.sum()),
+            "entries_changed": check.entries, "header": header}
+
+
+def format_summaries(rows: list[IndexSummary] | list[dict[str, Any]], as_json: bool) -> str:
+    items = [asdict(r) if isinstance(r, IndexSummary) else r for r in rows]
+    if as_json:
+        return json.dumps(items, indent=2)
+    lines = []
+    for item in items:
+        what = f"{item['systems']} systems, {item['frames']} frames"
+        if item.get("header"):
+            head = item["header"]
+            what += (f"; made by mdloader {head.get('mdloader')} on {head.get('host')} at "
+                     f"{head.get('created')}; {item['changed']} systems changed since")
+        elif "seconds" in item and item["state"] in ("built", "updated", "unchanged"):
+            what += (f"; {item['described']} described, {item['reused']} reused, "
+                     f"{item['seconds']:.2f} s")
+        lines.append(f"{item['section'] or 'index'}: {item['state']}: {item['path']} ({what})")
+    return "\n".join(lines)
+
+
+def _sections(config: Config) -> list[DataConfig]:
+    return [d for d in (config.training_data, config.validation_data) if d is not None]
+
+
+def _is_index(path: str) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
