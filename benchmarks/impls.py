@@ -89,7 +89,9 @@ class MdloaderAdapter(Adapter):
                            "build_s": report.build_seconds,
                            "broadcast_s": report.broadcast_seconds,
                            "payload_bytes": report.payload_bytes,
-                           "build_threads": report.num_workers}
+                           "build_threads": report.num_workers,
+                           "source": report.source, "index_s": report.index_seconds,
+                           "described": report.described, "reused": report.reused}
             return datasets, report
 
         build.build_systems_with_report = recording

@@ -95,6 +95,19 @@ def proc_status_kib(field_name: str) -> int:
     return -1
 
 
+def read_bytes() -> int:
+    """Bytes this process (all its threads) caused to be read from storage
+    (``/proc/self/io`` ``read_bytes``; page-cache hits are not counted); -1 if unavailable."""
+    try:
+        with open("/proc/self/io") as fh:
+            for line in fh:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
 def reset_peak_rss() -> bool:
     """Reset the kernel's peak-RSS counter of this process (Linux ``clear_refs`` value 5)."""
     try:

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from benchmarks import aggregate as agg
+from benchmarks.startup_report import section as startup_section
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MD, DP = "mdloader", "deepmd"
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
     images = plots.write_all(med, img_dir)
     body = render(meta, med, agg.errors(rows), images,
-                  ", ".join(os.path.relpath(r, REPO) for r in args.results))
+                  ", ".join(os.path.relpath(r, REPO) for r in args.results), rows)
     os.makedirs(os.path.dirname(args.docs), exist_ok=True)
     with open(args.docs, "w") as fh:
         fh.write(body)
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
-           results: str) -> str:
+           results: str, rows: list[dict[str, Any]] | None = None) -> str:
     with open(TEXT) as fh:
         text = fh.read()
     cfg = meta.get("cfg", {})
@@ -196,7 +197,9 @@ def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
     figs = "\n\n".join(f"![{os.path.basename(i)}](img/{os.path.basename(i)})" for i in images)
     from benchmarks import lmdb_report
 
-    return text.format(run=run, targets="\n".join(targets(med)),
+    return text.format(run=run, startup=startup_section(rows or []),
+                       targets="
+".join(targets(med)),
                        setup="\n".join(setup_table(med)), costs="\n".join(cost_table(med)),
                        throughput="\n".join(throughput_table(med)), figures=figs,
                        lmdb=lmdb_report.section())

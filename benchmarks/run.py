@@ -49,8 +49,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, help="override the mode's repetitions")
     p.add_argument("--seconds", type=float, help="timed window per throughput measurement")
     p.add_argument("--impls", default="mdloader,deepmd")
-    p.add_argument("--peer-python", default=os.environ.get("MDLOADER_DEEPMD_PYTHON") or str(
-        REPO / ".venv-deepmd" / "bin" / "python"))
+    p.add_argument("--peer-python", default=os.environ.get("MDLOADER_DEEPMD_PYTHON")
+                   or os.path.join(REPO, ".venv-deepmd", "bin", "python"))
     p.add_argument("--data-base", default=DEFAULT_BASE)
     p.add_argument("--no-strace", action="store_true")
     p.add_argument("--timeout", type=float, help="seconds per launch (default: the mode's, "
@@ -75,8 +75,10 @@ def _python_for(impl: str, args: argparse.Namespace) -> str | None:
 
 
 def launch(python: str, impl: str, root: str, world: int, *, seconds: float, build_only: bool,
-           strace_to: str | None, timeout: float, rep: int = 0) -> tuple[list[dict[str, Any]], str]:
-    """One torchrun launch; returns the ranks' records and the tail of its output."""
+           strace_to: str | None, timeout: float, rep: int = 0,
+           env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], str]:
+    """One torchrun launch (``env`` added to this process's); returns the ranks' records and
+    the tail of its output."""
     tmp = tempfile.mkdtemp(prefix="mdl-bench-")
     out = os.path.join(tmp, "r")
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
@@ -87,10 +89,10 @@ def launch(python: str, impl: str, root: str, world: int, *, seconds: float, bui
     if strace_to:
         cmd = ["strace", "-f", "-y", "-ttt", "--seccomp-bpf", "-e", "trace=%file,%process",
                "-o", strace_to] + cmd
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
+    full_env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                    OMP_NUM_THREADS="1", **(env or {}))
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+        proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
                               timeout=timeout)
         tail = (proc.stdout + proc.stderr)[-3000:] if proc.returncode else ""
     except subprocess.TimeoutExpired as exc:

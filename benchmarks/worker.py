@@ -47,6 +47,7 @@ def build_phase(adapter: Any, args: argparse.Namespace, rank: int, dist: Any,
                 coll: probes.CollectiveLog) -> tuple[Any, dict[str, Any]]:
     """Discovery + build + broadcast between two barriers, with memory before and after."""
     rss0 = probes.proc_status_kib("VmRSS")
+    read0 = probes.read_bytes()
     peak_reset = probes.reset_peak_rss()
     probes.marker("build-begin", rank)
     t0 = _barrier(dist)
@@ -54,6 +55,7 @@ def build_phase(adapter: Any, args: argparse.Namespace, rank: int, dist: Any,
     t_disc = time.monotonic()
     loader_set = adapter.build(systems, _batch_size(args.batch_size), args.seed, rank)
     t_built = time.monotonic()
+    read1 = probes.read_bytes()
     t1 = _barrier(dist)
     probes.marker("build-end", rank)
     rec = {
@@ -61,14 +63,23 @@ def build_phase(adapter: Any, args: argparse.Namespace, rank: int, dist: Any,
         "discovery_s": t_disc - t0, "constructor_s": t_built - t_disc, "total_s": t1 - t0,
         "rss_base_kib": rss0, "rss_after_kib": probes.proc_status_kib("VmRSS"),
         "peak_kib": probes.proc_status_kib("VmHWM"), "peak_reset": peak_reset,
+        "read_bytes": read1 - read0 if read0 >= 0 and read1 >= 0 else None,
         "nsys": len(loader_set.systems),
-        "nframes": int(sum(len(s) for s in loader_set.systems)),
+        "nframes": _nframes(loader_set),
         **coll.summary(since=t0),
         "impl_report": dict(adapter.report),
     }
     rec["rss_growth_kib"] = rec["rss_after_kib"] - rss0
     rec["peak_growth_kib"] = rec["peak_kib"] - rss0
     return loader_set, rec
+
+
+def _nframes(loader_set: Any) -> int:
+    """Frames in the set-up's systems, without making a dataset object per system."""
+    frames = getattr(loader_set, "nframes", None)
+    if frames is not None and not callable(frames):
+        return int(sum(frames))
+    return int(sum(len(s) for s in loader_set.systems))
 
 
 def _batch_size(text: str) -> Any:

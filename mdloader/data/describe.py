@@ -53,10 +53,11 @@ def describe_systems(addresses: list[str], type_map: Sequence[str] | None, worke
     """Descriptions in input order; the first failing system (in order) stops the build.
 
     The first :data:`~mdloader.data.overlap.PROBE` systems are described in this thread; the
-    rest go to a pool of ``workers`` threads only if more than half of that time was spent
-    waiting inside file-system calls, else they are described here too (or in processes, for a
-    very large build). The pool gets the addresses in chunks: one future per system cost more
-    than the work. ``listings`` are the system folders' listings made by discovery.
+    rest go to a pool of threads only if more than half of that time was spent waiting inside
+    file-system calls (as many threads as keep this core busy, at most ``workers``), else they
+    are described here too (or in processes, for a very large build). The pool gets the
+    addresses in chunks: one future per system cost more than the work. ``listings`` are the
+    system folders' listings made by discovery.
     """
     stop, listings = _Stop(), listings or {}
     cpu = time.thread_time()
@@ -65,7 +66,7 @@ def describe_systems(addresses: list[str], type_map: Sequence[str] | None, worke
     cpu = time.thread_time() - cpu
     yield from _in_order(iter([probe]))
     rest = addresses[PROBE:]
-    threads = workers if rest and workers > 1 and probe_time.io_bound else 1
+    threads = probe_time.threads(workers) if rest else 1
     log.debug("the first %d systems took %.3f s, %.3f s of it in file-system calls: %d "
               "thread(s) for the other %d", PROBE, probe_time.wall, probe_time.in_calls, threads,
               len(rest))

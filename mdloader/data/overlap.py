@@ -58,6 +58,14 @@ class Measurement:
         return (self.calls > 0 and self.in_calls > IO_SHARE * self.wall
                 and self.in_calls > WAIT * self.calls)
 
+    def threads(self, most: int) -> int:
+        """Threads that keep one core busy while the others wait: one per call in flight,
+        ``waiting / working + 1``, at least 2 and at most ``most`` (1 when not waiting)."""
+        if not self.io_bound or most <= 1:
+            return 1
+        working = max(self.wall - self.in_calls, 1e-9)
+        return max(2, min(most, round(self.in_calls / working) + 1))
+
     def add(self, other: Measurement) -> None:
         self.wall += other.wall
         self.in_calls += other.in_calls
@@ -85,7 +93,8 @@ class Overlap:
     """Maps a function over items in order: in this thread, or in threads once measured useful.
 
     The first :data:`PROBE` items (over all calls of :meth:`map`) run here and are timed; the
-    rest run in up to ``workers`` threads if the probe was waiting on the file system.
+    rest run in threads if the probe was waiting on the file system, as many as
+    :meth:`Measurement.threads` says, at most ``workers``.
     """
 
     def __init__(self, workers: int, probe: int | None = None) -> None:
@@ -103,7 +112,7 @@ class Overlap:
         self.probed += head
         rest = items[head:]
         if rest and self.threads is None:
-            self.threads = self.workers if self.measured.io_bound else 1
+            self.threads = self.measured.threads(self.workers)
         if not rest:
             return out
         if self.threads == 1:

@@ -1,0 +1,155 @@
+"""Tables of the start-up runs (:mod:`benchmarks.startup`) for ``docs/benchmarks.md``.
+
+Per (systems, W, condition, loader): medians over repetitions of the set-up time (barrier before
+discovery to barrier after ``DpLoaderSet(...)`` on every rank), of rank 0's phases, and of the
+bytes rank 0 read from disk during the set-up (``/proc/<pid>/io`` ``read_bytes``; spawned
+build processes are not included, a cold build does not use them).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+MD, DP = "mdloader", "deepmd"
+ORDER = ("warm", "cold", "index", "trust", "slow", "slow-index", "synthetic")
+LABEL = {"warm": "warm cache, no index", "cold": "cold cache, no index",
+         "index": "warm index (checked)", "trust": "warm index (trusted)",
+         "slow": "slow FS, no index", "slow-index": "slow FS, index (checked)",
+         "synthetic": "synthetic index (trusted)"}
+PEER = {"index": "warm", "trust": "warm", "slow-index": "slow"}  # DeePMD-kit has no index
+
+
+def medians(rows: list[dict[str, Any]]) -> dict[tuple[str, int, int, str], dict[str, float]]:
+    runs: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r.get("kind") == "startup" and "build" in r:
+            runs[(r["condition"], r["nsys"], r["world"], r["impl"], r["rep"])].append(r)
+    per: dict[tuple, list[dict[str, float]]] = defaultdict(list)
+    for (cond, nsys, world, impl, _), ranks in runs.items():
+        if len(ranks) == world:
+            per[(impl, nsys, world, cond)].append(_figures(sorted(ranks, key=lambda r: r["rank"])))
+    out = {}
+    for key, figs in per.items():
+        names = set().union(*figs)
+        out[key] = {n: statistics.median([f[n] for f in figs if n in f]) for n in names}
+        out[key]["reps"] = len(figs)
+    return out
+
+
+def _figures(ranks: list[dict[str, Any]]) -> dict[str, float]:
+    b0 = ranks[0]["build"]
+    rep = b0.get("impl_report") or {}
+    out = {"setup_s": max(r["build"]["total_s"] for r in ranks),
+           "discovery_s": rep.get("discovery_s", max(r["build"]["discovery_s"] for r in ranks)),
+           "build_s": rep.get("build_s", b0["constructor_s"]), "index_s": rep.get("index_s", 0.0),
+           "payload": float(b0.get("bcast_bytes", 0)), "load": ranks[0].get("loadavg_1min", 0)}
+    if b0.get("read_bytes") is not None:
+        out["read_r0_mb"] = b0["read_bytes"] / 1e6
+        out["read_all_mb"] = sum(r["build"].get("read_bytes") or 0 for r in ranks) / 1e6
+    first, ends = b0.get("bcast_first_start"), [r["build"].get("bcast_last_end") for r in ranks]
+    if first is not None and None not in ends:
+        out["broadcast_s"] = max(ends) - first
+    return out
+
+
+def fs_calls(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str], dict[int, float]]:
+    out: dict[tuple, dict[int, float]] = defaultdict(dict)
+    for r in rows:
+        if r.get("kind") == "startup-fs" and r.get("fs_calls") is not None:
+            out[(r["impl"], r["nsys"], r["condition"])][r["rank"]] = r["fs_calls"] / r["nsys"]
+    return out
+
+
+def _f(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "–"
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.{digits}g}"
+
+
+def _ratio(num: float | None, den: float | None) -> str:
+    return "–" if not num or not den else f"{num / den:.1f}×"
+
+
+def setup_table(med: dict) -> list[str]:
+    lines = ["| systems | W | condition | mdloader s | DeePMD-kit s | DeePMD ÷ md | mdloader "
+             "discovery / build / index / broadcast s | MB read rank 0 (md / dp) | reps | load |",
+             "|---:|---:|---|---:|---:|---:|---|---|---:|---:|"]
+    keys = sorted({(n, w, c) for (_i, n, w, c) in med},
+                  key=lambda k: (k[0], k[1], ORDER.index(k[2])))
+    for n, w, cond in keys:
+        md = med.get((MD, n, w, cond), {})
+        peer = PEER.get(cond, cond)
+        dp = med.get((DP, n, w, peer), {})
+        dp_text = _f(dp.get("setup_s")) + ("" if peer == cond or not dp else f" ({peer})")
+        phases = " / ".join(_f(md.get(k)) for k in ("discovery_s", "build_s", "index_s",
+                                                     "broadcast_s"))
+        lines.append(
+            f"| {n:,} | {w} | {LABEL[cond]} | {_f(md.get('setup_s'))} | {dp_text} | "
+            f"{_ratio(dp.get('setup_s'), md.get('setup_s'))} | {phases} | "
+            f"{_f(md.get('read_r0_mb'))} / {_f(dp.get('read_r0_mb') if peer == cond else None)}"
+            f" | {int(md.get('reps', dp.get('reps', 0)))} | {_f(md.get('load', 0), 2)} |")
+    return lines
+
+
+def fs_table(rows: list[dict[str, Any]]) -> list[str]:
+    calls = fs_calls(rows)
+    lines = ["| systems | first start, rank 0 (md / dp) | from the index, rank 0 (md) | "
+             "other ranks (md / dp) |", "|---:|---|---|---|"]
+    for n in sorted({k[1] for k in calls}):
+        md, dp, ix = calls.get((MD, n, "warm"), {}), calls.get((DP, n, "warm"), {}), calls.get(
+            (MD, n, "index"), {})
+        rest = lambda c: max((v for r, v in c.items() if r), default=None)  # noqa: E731
+        lines.append(f"| {n:,} | {_f(md.get(0))} / {_f(dp.get(0))} | {_f(ix.get(0))} | "
+                     f"{_f(rest(md))} / {_f(rest(dp))} |")
+    return lines
+
+
+def targets(med: dict, rows: list[dict[str, Any]]) -> list[str]:
+    g = lambda i, n, c, k="setup_s": med.get((i, n, 2, c), {}).get(k)  # noqa: E731
+    calls = fs_calls(rows)
+    synth = max((n for (i, n, w, c) in med if c == "synthetic"), default=None)
+    items = [
+        ("warm index, 10 000 systems ready < 0.3 s", g(MD, 10000, "index"), lambda v: v < 0.3),
+        ("warm index, 100 000 systems ready < 1 s", g(MD, 100000, "index"), lambda v: v < 1),
+        ("same, trusted index, 100 000 systems", g(MD, 100000, "trust"), lambda v: v < 1),
+        (f"index of {_f(synth)} systems loads and broadcasts < 5 s",
+         g(MD, synth, "synthetic") if synth else None, lambda v: v < 5),
+        ("slow FS (1 ms per call), 2 000 systems ≤ 2 s", g(MD, 2000, "slow"), lambda v: v <= 2),
+        ("slow FS (1 ms per call), 10 000 systems ≤ 8 s", g(MD, 10000, "slow"), lambda v: v <= 8),
+        ("cold, 100 000 systems ready < 30 s", g(MD, 100000, "cold"), lambda v: v < 30),
+    ]
+    out = ["| target (W = 2) | measured | met? |", "|---|---:|:---:|"]
+    for label, value, ok in items:
+        out.append(f"| {label} | {_f(value)} s | {_mark(None if value is None else ok(value))} |")
+    for n in (10000,):
+        md, dp = g(MD, n, "cold"), g(DP, n, "cold")
+        out.append(f"| cold, {n:,} systems ≥ 10× DeePMD-kit | {_ratio(dp, md)} | "
+                   f"{_mark(None if not md or not dp else dp / md >= 10)} |")
+    worst = max((v.get(0, 0) for (i, _n, c), v in calls.items() if i == MD and c == "warm"),
+                default=None)
+    out.append(f"| rank 0 ≤ 12 file-system calls per system (first start) | {_f(worst)} | "
+               f"{_mark(None if worst is None else worst <= 12)} |")
+    return out
+
+
+def _mark(ok: bool | None) -> str:
+    return "–" if ok is None else ("yes" if ok else "**no**")
+
+
+def section(rows: list[dict[str, Any]]) -> str:
+    """The start-up section of the benchmarks page (empty when there are no start-up runs)."""
+    med = medians(rows)
+    if not med:
+        return "No start-up runs in these results (`python -m benchmarks.startup`)."
+    evictions = sorted({r["eviction"] for r in rows if r.get("eviction")})
+    latency = sorted({r["latency_us"] for r in rows if r.get("latency_us")})
+    started = sorted({r["started"] for r in rows if r.get("kind") == "startup-meta"})
+    head = (f"Runs started {', '.join(started)}. Cold: {'; '.join(evictions) or '–'}. "
+            f"Slow FS: {', '.join(f'{u / 1000:g} ms' for u in latency) or '–'} added to "
+            "every metadata call under the data tree.")
+    return "\n".join([head, "", "### Targets (reported, not asserted)", "", *targets(med, rows),
+                      "", "### Set-up by condition", "", *setup_table(med), "",
+                      "### File-system calls per system under the data tree", "",
+                      *fs_table(rows)])
