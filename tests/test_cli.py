@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -144,6 +145,36 @@ def test_config_errors_exit_2_without_traceback(tmp_path: Path,
     assert capsys.readouterr().err.strip() == ("mdloader: error: --stop-after: must be a "
                                                "positive step, got 0")
     assert main(["train", str(good), "--numb-steps", "-1", "--rcut", "2.5"]) == 2
+
+
+def test_index_build_inspect_refresh(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    _data(tmp_path)
+    monkeypatch.setenv("MDLOADER_INDEX_SETTLE", "0.05")
+    time.sleep(0.1)  # the data's file times fall behind the build by the settling margin
+    named = tmp_path / "indexes" / "train.mdlidx"
+    inp = _input(tmp_path, data={"index": "indexes/train.mdlidx"})
+    assert main(["index", "inspect", str(inp)]) == 1  # nothing built yet
+    assert "training.training_data: missing: " + str(named) in capsys.readouterr().out
+    assert main(["index", "build", str(inp)]) == 0
+    out = capsys.readouterr().out
+    assert f"training.training_data: built: {named} (2 systems, 16 frames; 2 described" in out
+    assert "training.validation_data: built: " in out and named.is_file()
+    assert main(["index", "inspect", str(inp), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["state"], r["systems"], r["changed"]) for r in rows] == [("unchanged", 2, 0),
+                                                                         ("unchanged", 1, 0)]
+    assert rows[0]["header"]["request"]["type_map"] == ["O", "H"]
+    assert main(["index", "inspect", str(named)]) == 0
+    assert capsys.readouterr().out.startswith(f"index: unchanged: {named} (2 systems")
+    (tmp_path / "data" / "train1" / "nopbc").touch()
+    assert main(["index", "inspect", str(named)]) == 1
+    assert "1 systems changed since" in capsys.readouterr().out
+    assert main(["index", "build", str(inp)]) == 0
+    assert f"updated: {named} (2 systems, 16 frames; 1 described, 1 reused" in (
+        capsys.readouterr().out)
+    assert main(["index", "refresh", str(inp)]) == 0
+    assert "2 described, 0 reused" in capsys.readouterr().out
 
 
 def test_bench_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

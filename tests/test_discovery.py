@@ -160,3 +160,5 @@ def test_a_busy_cpu_alone_does_not_look_like_a_slow_disk():
     assert slow.io_bound
     waiting_but_rare = overlap.Measurement(wall=1.0, in_calls=0.2, calls=100)
     assert not waiting_but_rare.io_bound
+    assert (fast.threads(32), slow.threads(32), slow.threads(3), slow.threads(1)) == (1, 5, 3, 1)
+    assert overlap.Measurement(wall=1.0, in_calls=0.99, calls=100).threads(32) == 32

@@ -200,6 +200,25 @@ def test_an_array_rewritten_in_place_fails_its_first_read(tmp_path: Path, mode: 
         changed[0]
 
 
+def test_an_hdf5_dataset_rewritten_later_fails_its_read(tmp_path: Path) -> None:
+    import h5py
+
+    make_system(tmp_path, "g0", backend="hdf5", h5_file="d.h5", nframes=3, natoms=4)
+    _settle()
+    h5 = str(tmp_path / "d.h5")
+    _build([h5])
+    datasets = build.build_systems([h5], TYPE_MAP, index_mode="trust")
+    hdf5._FILES.clear()
+    with h5py.File(h5, "a") as fh:
+        del fh["g0/set.000/coord.npy"]
+        fh["g0/set.000/coord.npy"] = np.zeros((2, 12), np.float32)
+    with pytest.raises(StaleDataError, match=r"the dataset changed after the system was "
+                                             r"described \(described by the index .*; file: "
+                                             rf"{h5}#/g0/set.000/coord.npy; expected: 3 frames "
+                                             r"of width 12; found: 2 frames of width 12"):
+        datasets[0][0]
+
+
 # ----------------------------------------------------------------------------- faults
 
 
