@@ -22,7 +22,7 @@ def synthesize_index(root: str, nsys: int, cache_dir: str, seed: int = 0) -> str
     from mdloader.data.index_file import SavedIndex, write_index
     from mdloader.data.system import restore_set
     from mdloader.data.table import SystemTable
-    from mdloader.index import _header, index_request
+    from mdloader.index import index_header, index_request
 
     rng = np.random.default_rng(seed)
     natoms = rng.integers(NATOMS_RANGE[0], NATOMS_RANGE[1] + 1, size=nsys)
@@ -44,5 +44,5 @@ def synthesize_index(root: str, nsys: int, cache_dir: str, seed: int = 0) -> str
                         (None,))
     request = index_request(root, None, TYPE_MAP, cache_dir=cache_dir)
     saved = SavedIndex(table, time.time_ns())
-    write_index(request.path, saved, _header(request, saved))
+    write_index(request.path, saved, index_header(request, saved))
     return request.path
