@@ -25,7 +25,7 @@ import re
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mdloader import __version__
 from mdloader.data.discovery import entries_of
@@ -96,19 +96,17 @@ class Described:
     """The outcome on rank 0: the survey, where it came from, and how to save it."""
 
     survey: Survey
-    source: str  # "built", "index", "index (updated)"
+    source: str  # "built", "index", "index (updated)", "index (trusted)"
     request: IndexRequest | None
-    mode: str
     save_needed: bool = False
-    notes: list[str] = field(default_factory=list)
 
     def save(self) -> None:
         """Write the index if it changed; a failure is one warning, never an error."""
         if not self.save_needed or self.request is None:
             return
         try:
-            write_index(self.request.path, self.survey.saved, _header(self.request,
-                                                                      self.survey.saved))
+            write_index(self.request.path, self.survey.saved,
+                        index_header(self.request, self.survey.saved))
         except OSError as exc:
             log.warning("mdloader: could not save the system index %s (%s); the next start "
                         "will describe the systems again", self.request.path, exc)
@@ -123,23 +121,23 @@ def describe(systems: object, type_map: Sequence[str] | None,
     mode = str(resolve("index_mode", mode, argument="index_mode"))
     if mode == "off":
         return Described(survey(systems, rglob_patterns, type_map, workers, progress), "built",
-                         None, mode)
+                         None)
     request = index_request(systems, rglob_patterns, type_map, index)
     start = time.monotonic()
     saved = None if mode == "refresh" else load(request)
     loaded = time.monotonic() - start
     if saved is None:
         done = survey(systems, rglob_patterns, type_map, workers, progress)
-        return Described(done, "built", request, mode, save_needed=True)
+        return Described(done, "built", request, save_needed=True)
     if mode == "trust":
         return Described(Survey(saved, check_seconds=loaded, reused=len(saved.table)),
-                         "index (trusted)", request, mode)
+                         "index (trusted)", request)
     settle = int(float(resolve("index_settle")) * 1e9)
     done = resurvey(saved, systems, rglob_patterns, type_map, workers, progress, settle)
     done.check_seconds += loaded
     if done.saved is saved:
-        return Described(done, "index", request, mode)
-    return Described(done, "index (updated)", request, mode, save_needed=True)
+        return Described(done, "index", request)
+    return Described(done, "index (updated)", request, save_needed=True)
 
 
 def load(request: IndexRequest) -> SavedIndex | None:
@@ -166,7 +164,8 @@ def _unusable(reason: str) -> None:
     return None
 
 
-def _header(request: IndexRequest, saved: SavedIndex) -> dict[str, object]:
+def index_header(request: IndexRequest, saved: SavedIndex) -> dict[str, object]:
+    """The JSON header of ``saved``'s file: format, mdloader version, key, when and where."""
     return {"format": FORMAT, "mdloader": __version__, "key": request.key,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
             "systems": len(saved.table), "frames": int(saved.table.nframes().sum()),
