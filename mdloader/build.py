@@ -53,7 +53,7 @@ class BuildReport:
     num_workers: int  # the most threads the build may use (it runs serially on a fast disk)
     world_size: int
     source: str = "built"  # or "index", "index (updated)", "index (trusted)"
-    index: str | None = None  # the index file read or written (rank 0)
+    index_file: str | None = None  # the index file read or written (rank 0)
     index_seconds: float = 0.0  # loading and checking the index
     described: int = 0  # systems whose headers rank 0 read
     reused: int = 0  # systems taken from the index
@@ -65,8 +65,8 @@ class BuildReport:
                 f"{self.build_seconds:.2f} s, broadcast {self.broadcast_seconds:.2f} s of "
                 f"{self.payload_bytes} bytes to {self.world_size} ranks, verification "
                 f"{self.verify_seconds:.2f} s")
-        if self.index is not None:
-            line += (f"; {self.source} {self.index}: checked in {self.index_seconds:.2f} s, "
+        if self.index_file is not None:
+            line += (f"; {self.source} {self.index_file}: checked in {self.index_seconds:.2f} s, "
                      f"{self.reused} reused, {self.described} described")
         return line
 
@@ -74,19 +74,20 @@ class BuildReport:
 def build_systems(systems: str | Sequence[str], type_map: Sequence[str] | None = None, *,
                   rglob_patterns: Sequence[str] | None = None, num_workers: int | None = None,
                   timeout: float | None = None, progress: bool | None = None,
-                  index: str | os.PathLike[str] | None = None,
+                  index_file: str | os.PathLike[str] | None = None,
                   index_mode: str | None = None) -> SystemDatasets:
     """One dataset per system, the same list on every rank (:func:`build_systems_with_report`)."""
     return build_systems_with_report(systems, type_map, rglob_patterns=rglob_patterns,
                                      num_workers=num_workers, timeout=timeout,
-                                     progress=progress, index=index, index_mode=index_mode)[0]
+                                     progress=progress, index_file=index_file,
+                                     index_mode=index_mode)[0]
 
 
 def build_systems_with_report(
     systems: str | Sequence[str], type_map: Sequence[str] | None = None, *,
     rglob_patterns: Sequence[str] | None = None, num_workers: int | None = None,
     timeout: float | None = None, progress: bool | None = None,
-    index: str | os.PathLike[str] | None = None, index_mode: str | None = None,
+    index_file: str | os.PathLike[str] | None = None, index_mode: str | None = None,
 ) -> tuple[SystemDatasets, BuildReport]:
     """Discover and describe the systems on rank 0, share them, verify them on every rank.
 
@@ -103,7 +104,7 @@ def build_systems_with_report(
         Seconds the other ranks wait for rank 0 (``$MDLOADER_BUILD_TIMEOUT``, default 1800).
     progress
         Show a progress bar on rank 0; default: when stderr is a terminal.
-    index, index_mode
+    index_file, index_mode
         The system index file (default: one in ``$MDLOADER_CACHE_DIR`` named after the
         request) and what to do with it: ``check``, ``refresh``, ``trust`` or ``off``
         (``$MDLOADER_INDEX``, default ``check``); see :mod:`mdloader.index`.
@@ -124,7 +125,7 @@ def build_systems_with_report(
     """
     world = current_world()
     show = sys.stderr.isatty() if progress is None else progress
-    options = {"workers": resolve_workers(num_workers), "progress": show, "index": index,
+    options = {"workers": resolve_workers(num_workers), "progress": show, "index_file": index_file,
                "mode": index_mode}
     if not world.distributed:
         try:
@@ -217,6 +218,6 @@ def _report(table: SystemTable, described: Described | None, times: tuple[float,
         done.discovery_seconds if done else 0.0, done.build_seconds if done else 0.0,
         *times, payload_bytes=nbytes, num_workers=workers,
         world_size=world_size, source=described.source if described else "received",
-        index=described.request.path if described and described.request else None,
+        index_file=described.request.path if described and described.request else None,
         index_seconds=done.check_seconds if done else 0.0,
         described=done.described if done else 0, reused=done.reused if done else 0)

@@ -6,7 +6,8 @@ them (:mod:`mdloader.data.freshness`) and describes again only what changed
 (:mod:`mdloader.data.survey`). Other ranks never read an index: they receive the descriptions in
 the build's broadcast, as always.
 
-Where: the file named by ``index=`` (``index`` in a data section of ``input.json``), else
+Where: the file named by ``index_file=`` (``index_file`` in a data section of ``input.json``),
+else
 ``$MDLOADER_CACHE_DIR/<name>-<key>.mdlidx``, where the key is a hash of the resolved system
 entries, the ``rglob`` patterns, the model ``type_map`` and the index format. Modes
 (``index_mode=`` or ``$MDLOADER_INDEX``): ``check`` (default), ``refresh`` (describe everything
@@ -64,16 +65,17 @@ class IndexRequest:
 
 
 def index_request(systems: object, rglob_patterns: Sequence[str] | None,
-                  type_map: Sequence[str] | None, index: str | os.PathLike[str] | None = None,
+                  type_map: Sequence[str] | None,
+                  index_file: str | os.PathLike[str] | None = None,
                   cache_dir: str | None = None) -> IndexRequest:
-    """The request for ``systems``; its index is ``index`` if given, else in the cache folder."""
+    """The request for ``systems``; its index is ``index_file`` if given, else in the cache."""
     entries = tuple(_resolved(e) for e in entries_of(systems))  # type: ignore[arg-type]
     patterns = tuple(rglob_patterns) if rglob_patterns else None
     tmap = tuple(type_map) if type_map is not None else None
     draft = IndexRequest(entries, patterns, tmap, "", "")
     key = hashlib.sha256(json.dumps(draft.describe(), sort_keys=True).encode()).hexdigest()
-    if index is not None:
-        path = os.path.abspath(os.fspath(index))
+    if index_file is not None:
+        path = os.path.abspath(os.fspath(index_file))
     else:
         folder = str(resolve("cache_dir", cache_dir, argument="cache_dir"))
         path = os.path.join(os.path.abspath(os.path.expanduser(folder)),
@@ -116,13 +118,14 @@ class Described:
 
 def describe(systems: object, type_map: Sequence[str] | None,
              rglob_patterns: Sequence[str] | None, *, workers: int, progress: bool,
-             index: str | os.PathLike[str] | None = None, mode: str | None = None) -> Described:
+             index_file: str | os.PathLike[str] | None = None,
+             mode: str | None = None) -> Described:
     """The systems' descriptions on rank 0: from the index when it is usable, else surveyed."""
     mode = str(resolve("index_mode", mode, argument="index_mode"))
     if mode == "off":
         return Described(survey(systems, rglob_patterns, type_map, workers, progress), "built",
                          None)
-    request = index_request(systems, rglob_patterns, type_map, index)
+    request = index_request(systems, rglob_patterns, type_map, index_file)
     start = time.monotonic()
     saved = None if mode == "refresh" else load(request)
     loaded = time.monotonic() - start

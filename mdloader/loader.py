@@ -59,7 +59,7 @@ def default_num_workers() -> int:
 
 
 def _build(systems: Any, type_map: Sequence[str] | None, rglob_patterns: Sequence[str] | None,
-           index: Any, index_mode: str | None) -> Sequence[DeepmdDataSetForLoader]:
+           index_file: Any, index_mode: str | None) -> Sequence[DeepmdDataSetForLoader]:
     """Built datasets for ``systems``: prebuilt objects pass through, paths go to the build."""
     if isinstance(systems, SystemDatasets):
         return systems
@@ -67,8 +67,8 @@ def _build(systems: Any, type_map: Sequence[str] | None, rglob_patterns: Sequenc
             isinstance(s, (DeepmdDataSetForLoader, SystemMeta)) for s in systems):
         return [s if isinstance(s, DeepmdDataSetForLoader) else DeepmdDataSetForLoader(s)
                 for s in systems]
-    return build_systems(systems, type_map, rglob_patterns=rglob_patterns, index=index,
-                         index_mode=index_mode)
+    return build_systems(systems, type_map, rglob_patterns=rglob_patterns,
+                         index_file=index_file, index_mode=index_mode)
 
 
 def _agree_seed(seed: int | None, world: World) -> int:
@@ -105,7 +105,7 @@ class DpLoaderSet(Dataset):
         All ranks draw the same system at each step (see :mod:`mdloader.sampling.order`).
     world
         Rank and size; default: the initialised process group, else a single process.
-    index, index_mode
+    index_file, index_mode
         The system index file and what to do with it (``check``, ``refresh``, ``trust``,
         ``off``); see :func:`mdloader.build.build_systems`.
     modifier
@@ -117,7 +117,7 @@ class DpLoaderSet(Dataset):
                  shuffle: bool = True, modifier: Any = None, *,
                  rglob_patterns: Sequence[str] | None = None,
                  same_system_across_ranks: bool = False, world: World | None = None,
-                 index: str | None = None, index_mode: str | None = None) -> None:
+                 index_file: str | None = None, index_mode: str | None = None) -> None:
         if modifier is not None:
             raise ConfigError("data modifiers are not supported by mdloader", path="modifier")
         if world is None:
@@ -129,7 +129,7 @@ class DpLoaderSet(Dataset):
         self.seed = _agree_seed(user_seed, world)
         self.shuffle = bool(shuffle)
         self.same_system_across_ranks = bool(same_system_across_ranks)
-        built = _build(systems, type_map, rglob_patterns, index, index_mode)
+        built = _build(systems, type_map, rglob_patterns, index_file, index_mode)
         plan = resolve_batch_sizes(batch_size, natoms_of(built))
         self._nsys_original = len(built)
         self._kept = plan.kept

@@ -153,7 +153,7 @@ def test_index_build_inspect_refresh(tmp_path: Path, capsys: pytest.CaptureFixtu
     monkeypatch.setenv("MDLOADER_INDEX_SETTLE", "0.05")
     time.sleep(0.1)  # the data's file times fall behind the build by the settling margin
     named = tmp_path / "indexes" / "train.mdlidx"
-    inp = _input(tmp_path, data={"index": "indexes/train.mdlidx"})
+    inp = _input(tmp_path, data={"index_file": "indexes/train.mdlidx"})
     assert main(["index", "inspect", str(inp)]) == 1  # nothing built yet
     assert "training.training_data: missing: " + str(named) in capsys.readouterr().out
     assert main(["index", "build", str(inp)]) == 0

@@ -133,12 +133,12 @@ def test_data_aliases_and_sampler_params() -> None:
 def test_paths_resolve_against_the_json_folder() -> None:
     cfg = parse_config({"training": {"training_data": {
         "systems": ["rel/sys", "/abs/sys", "../up/f.h5#/grp/a", "f.h5#/"],
-        "index": "../indexes/train.mdlidx"}, "validation_data": {"systems": "v"}}},
+        "index_file": "../indexes/train.mdlidx"}, "validation_data": {"systems": "v"}}},
         base_dir="/data/job")
     assert cfg.training_data.systems == (
         "/data/job/rel/sys", "/abs/sys", "/data/up/f.h5#/grp/a", "/data/job/f.h5#/")
-    assert cfg.training_data.index == "/data/indexes/train.mdlidx"
-    assert cfg.validation_data is not None and cfg.validation_data.index is None
+    assert cfg.training_data.index_file == "/data/indexes/train.mdlidx"
+    assert cfg.validation_data is not None and cfg.validation_data.index_file is None
 
 
 @pytest.mark.parametrize("rule", ["auto", "auto:64", "max:300", "filter:200", 4, [1, 2]])
@@ -191,12 +191,13 @@ BAD_CASES = [
      r"^training\.validation_data\.numb_btch: bad value 0: expected a positive integer$"),
     ("training.validation_data.systems", _DELETE,
      r"training\.validation_data\.systems: required key is missing"),
-    ("training.training_data.index", " ",
-     r"^training\.training_data\.index: bad value \" \": expected a non-empty path or null$"),
-    ("training.validation_data.index", 3,
-     r"^training\.validation_data\.index: wrong type: expected null \| str, found int 3$"),
-    ("training.training_data.indx", "a",
-     r"^training\.training_data\.indx: unknown key \(did you mean: index\?\)$"),
+    ("training.training_data.index_file", " ",
+     r"^training\.training_data\.index_file: bad value \" \": expected a non-empty path or "
+     r"null$"),
+    ("training.validation_data.index_file", 3,
+     r"^training\.validation_data\.index_file: wrong type: expected null \| str, found int 3$"),
+    ("training.training_data.index", "a",
+     r"^training\.training_data\.index: unknown key \(did you mean: index_file\?\)$"),
     ("training.training_data.set_prefix", "frames",
      r"training\.training_data\.set_prefix: bad value \"frames\": expected 'set'"),
     ("training.training_data", _DELETE, r"^training\.training_data: required key is missing$"),

@@ -77,7 +77,7 @@ def test_the_second_start_reads_no_header(tmp_path: Path) -> None:
     opened: list[str] = []
     first = _build(root, spy=opened)
     assert (first.source, first.described, first.reused) == ("built", 4, 0)
-    assert os.path.isfile(first.index) and first.index.startswith(str(tmp_path / "cache"))
+    assert os.path.isfile(first.index_file) and first.index_file.startswith(str(tmp_path / "cache"))
     assert len([p for p in opened if p.endswith(".npy")]) == 4 * 5  # each file once
     opened.clear()
     second = _build(root, spy=opened)
@@ -89,7 +89,7 @@ def test_trust_checks_nothing_and_off_writes_nothing(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     root = _tree(tmp_path / "data")
     off = _build(root, index_mode="off")
-    assert off.index is None and not (tmp_path / "cache").exists()
+    assert off.index_file is None and not (tmp_path / "cache").exists()
     _build(root)
     stats: list[str] = []
     real_stat = os.stat
@@ -111,12 +111,12 @@ def test_refresh_describes_everything_again(tmp_path: Path) -> None:
 def test_an_index_named_explicitly_and_a_changed_type_map(tmp_path: Path) -> None:
     root = _tree(tmp_path / "data")
     named = tmp_path / "mine" / "data.mdlidx"
-    assert _build(root, index=str(named)).index == str(named) and named.is_file()
-    assert _build(root, index=str(named)).source == "index"
-    other = build.build_systems_with_report(str(root), ["H", "O"], index=str(named))[1]
+    assert _build(root, index_file=str(named)).index_file == str(named) and named.is_file()
+    assert _build(root, index_file=str(named)).source == "index"
+    other = build.build_systems_with_report(str(root), ["H", "O"], index_file=str(named))[1]
     assert other.source == "built"  # another type map: another key (one warning, rebuilt)
     cached = build.build_systems_with_report(str(root), ["H", "O"])[1]
-    assert cached.index != _build(root).index  # the cache keys the type map
+    assert cached.index_file != _build(root).index_file  # the cache keys the type map
 
 
 # ----------------------------------------------------------------------------- freshness
@@ -194,8 +194,9 @@ def test_an_array_rewritten_in_place_fails_its_first_read(tmp_path: Path, mode: 
     changed.add_data_requirement([{"key": "force", "ndof": 3, "atomic": True}])
     with pytest.raises(StaleDataError, match=(
             rf"the file changed after the system was described \(described by the index "
-            rf"{report.index}; refresh it with `mdloader index refresh`, MDLOADER_INDEX=refresh "
-            rf"or index_mode='refresh'\); system: {root / 'b' / 'sys.0'}; file: {force}; "
+            rf"{report.index_file}; refresh it with `mdloader index refresh`, "
+            rf"MDLOADER_INDEX=refresh or index_mode='refresh'\); "
+            rf"system: {root / 'b' / 'sys.0'}; file: {force}; "
             r"expected: 4 frames of width 9; found: 4 frames of width 12")):
         changed[0]
 
@@ -215,7 +216,8 @@ def test_an_hdf5_dataset_rewritten_later_fails_its_read(tmp_path: Path) -> None:
     with pytest.raises(StaleDataError, match=r"the dataset changed after the system was "
                                              r"described \(described by the index .*; file: "
                                              rf"{h5}#/g0/set.000/coord.npy; expected: 3 frames "
-                                             r"of width 12; found: 2 frames of width 12"):
+                                             r"of width 12; found: 3 frames of width 8 "
+                                             r"\(shape \(2, 12\)\)"):
         datasets[0][0]
 
 
@@ -249,7 +251,7 @@ FAULTS = {
 def test_a_damaged_index_costs_one_warning_and_a_rebuild(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, fault: str) -> None:
     root = _tree(tmp_path / "data")
-    path = _build(root).index
+    path = _build(root).index_file
     _damage(path, fault)
     with caplog.at_level(logging.INFO, logger="mdloader"):
         report = _build(root)
@@ -286,7 +288,7 @@ def test_an_unwritable_cache_folder(tmp_path: Path, caplog: pytest.LogCaptureFix
 
 def test_a_writer_killed_half_way_leaves_the_old_index(tmp_path: Path) -> None:
     root = _tree(tmp_path / "data")
-    path = _build(root).index
+    path = _build(root).index_file
     leftover = Path(path).with_name(f".{Path(path).name}.12345.dead.tmp")
     leftover.write_bytes(Path(path).read_bytes()[:100])  # what a killed writer leaves
     assert _build(root).source == "index"
@@ -312,12 +314,12 @@ def test_two_jobs_writing_the_same_index_at_once(tmp_path: Path) -> None:
     assert [job.wait(timeout=120) for job in jobs] == [0] * 4
     report = _build(root)
     assert (report.source, report.nsys) == ("index", 40)
-    assert [n for n in os.listdir(Path(report.index).parent) if n.endswith(".tmp")] == []
+    assert [n for n in os.listdir(Path(report.index_file).parent) if n.endswith(".tmp")] == []
 
 
 def test_the_file_format(tmp_path: Path) -> None:
     root = _tree(tmp_path / "data")
-    path = _build(root).index
+    path = _build(root).index_file
     header = index.inspect(path)
     assert header["systems"] == 4 and header["request"]["type_map"] == TYPE_MAP
     assert header["request"]["systems"] == [str(root)] and header["format"] == 1

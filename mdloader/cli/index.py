@@ -2,7 +2,7 @@
 
 For people who prepare data once and train many times: ``mdloader index build input.json`` on a
 login node describes every training and validation system and saves their indexes (the files
-named by ``index`` in the data sections, else in ``$MDLOADER_CACHE_DIR``), so that every job
+named by ``index_file`` in the data sections, else in ``$MDLOADER_CACHE_DIR``), so that every job
 starts from them; ``refresh`` describes everything again; ``inspect`` says what an index holds and
 what changed since, without writing anything.
 """
@@ -46,7 +46,7 @@ def build_indexes(config: Config, *, refresh: bool = False,
         start = time.monotonic()
         done = describe(list(data.systems), config.type_map, data.rglob_patterns,
                         workers=int(resolve("build_workers")), progress=progress,
-                        index=data.index, mode="refresh" if refresh else "check")
+                        index_file=data.index_file, mode="refresh" if refresh else "check")
         done.save()
         table = done.survey.saved.table
         state = {"built": "built", "index": "unchanged"}.get(done.source, "updated")
@@ -65,7 +65,7 @@ def inspect_target(target: str) -> list[dict[str, Any]]:
     rows = []
     for data in _sections(config):
         request = index_request(list(data.systems), data.rglob_patterns, config.type_map,
-                                data.index)
+                                data.index_file)
         if not os.path.exists(request.path):
             rows.append(asdict(IndexSummary(data.json_path, request.path, "missing")))
         elif load(request) is None:

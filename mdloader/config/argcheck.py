@@ -104,7 +104,7 @@ def _data_args(validation: bool) -> list[Argument]:
              "as the system list); a negative entry shares the remaining mass by size. "
              "Takes priority over `auto_prob`.", alias=["sys_weights"],
              check=_check_sys_probs, expect="a non-empty list of finite numbers"),
-        _arg("index", [str, None], "mdloader: the system index file of these systems (their "
+        _arg("index_file", [str, None], "mdloader: the system index file of these systems (their "
              "descriptions, saved by rank 0 after a build and reused at the next start; see "
              "the HPC guide). Default: a file in `$MDLOADER_CACHE_DIR` named after the systems. "
              "A relative path is taken from the folder of input.json.",

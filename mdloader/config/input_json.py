@@ -49,7 +49,7 @@ class DataConfig:
     sys_probs: tuple[float, ...] | None = None
     numb_btch: int = 1
     json_path: str = "training.training_data"
-    index: str | None = None
+    index_file: str | None = None
 
     def sampler_params(self) -> dict[str, Any]:
         """The dict DeePMD-kit's ``get_sampler_from_params`` reads (sys_probs wins)."""
@@ -240,7 +240,7 @@ def _data_config(raw: Mapping[str, Any], base_dir: str, json_path: str) -> DataC
     check_style(raw["auto_prob"], key=f"{json_path}.auto_prob")
     patterns = raw.get("rglob_patterns")
     probs = raw.get("sys_probs")
-    index = raw.get("index")
+    index = raw.get("index_file")
     return DataConfig(
         systems=tuple(_resolve_system(s, base_dir) for s in entries),
         rglob_patterns=tuple(patterns) if patterns is not None else None,
@@ -249,7 +249,7 @@ def _data_config(raw: Mapping[str, Any], base_dir: str, json_path: str) -> DataC
         sys_probs=tuple(float(p) for p in probs) if probs is not None else None,
         numb_btch=int(raw.get("numb_btch", 1)),
         json_path=json_path,
-        index=(os.path.normpath(os.path.join(base_dir, os.path.expanduser(index)))
+        index_file=(os.path.normpath(os.path.join(base_dir, os.path.expanduser(index)))
                if index is not None else None),
     )
 

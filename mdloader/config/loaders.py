@@ -36,7 +36,7 @@ def configured_loader(data: DataConfig, *, type_map: Sequence[str] | None, seed:
     tmap = list(type_map) if type_map else None
     datasets, report = build_systems_with_report(list(data.systems), tmap,
                                                  rglob_patterns=data.rglob_patterns,
-                                                 index=data.index)
+                                                 index_file=data.index_file)
     dataset = DpLoaderSet(datasets, data.batch_size_value(), tmap, seed=seed, world=world)
     dataset.add_data_requirement(labels)
     sampler = get_sampler_from_params(dataset, data.sampler_params(), num_workers=num_workers)
