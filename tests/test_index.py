@@ -170,6 +170,20 @@ def test_entries_that_appear_and_patterns_that_match_more(tmp_path: Path) -> Non
     assert (_build(entries).nsys, _build(entries).source) == (4, "index")
 
 
+def test_entries_keep_their_order_and_repetitions_through_the_index(tmp_path: Path) -> None:
+    root = _tree(tmp_path / "data")
+    entries = [root / "b", root, root / "b" / "sys.0"]
+    datasets, first = build.build_systems_with_report([str(e) for e in entries], TYPE_MAP)
+    names = [os.path.relpath(d.system, root) for d in datasets]
+    assert names == ["b/sys.0", "b/sys.2", "a/sys.1", "a/sys.3", "b/sys.0", "b/sys.2",
+                     "b/sys.0"] and first.described == 4
+    again, second = build.build_systems_with_report([str(e) for e in entries], TYPE_MAP)
+    assert second.source == "index" and [d.system for d in again] == [d.system for d in datasets]
+    (root / "a" / "sys.1" / "nopbc").touch()
+    _, third = build.build_systems_with_report([str(e) for e in entries], TYPE_MAP)
+    assert (third.source, third.described, third.nsys) == ("index (updated)", 1, 7)
+
+
 def test_a_changed_hdf5_file_is_described_again(tmp_path: Path) -> None:
     make_system(tmp_path, "g0", backend="hdf5", h5_file="d.h5", nframes=3)
     _settle()
