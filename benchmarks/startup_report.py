@@ -22,19 +22,26 @@ PEER = {"index": "warm", "trust": "warm", "slow-index": "slow"}  # DeePMD-kit ha
 
 
 def medians(rows: list[dict[str, Any]]) -> dict[tuple[str, int, int, str], dict[str, float]]:
+    """Per (loader, systems, W, condition): medians of the latest run that has it; ``run`` is
+    that run's start (runs are told apart by their ``startup-meta`` line)."""
     runs: dict[tuple, list[dict]] = defaultdict(list)
+    started = ""
     for r in rows:
-        if r.get("kind") == "startup" and "build" in r:
-            runs[(r["condition"], r["nsys"], r["world"], r["impl"], r["rep"])].append(r)
+        if r.get("kind") == "startup-meta":
+            started = r.get("started", "")
+        elif r.get("kind") == "startup" and "build" in r:
+            runs[(started, r["condition"], r["nsys"], r["world"], r["impl"], r["rep"])].append(r)
     per: dict[tuple, list[dict[str, float]]] = defaultdict(list)
-    for (cond, nsys, world, impl, _), ranks in runs.items():
+    for (run, cond, nsys, world, impl, _), ranks in sorted(runs.items()):
         if len(ranks) == world:
-            per[(impl, nsys, world, cond)].append(_figures(sorted(ranks, key=lambda r: r["rank"])))
-    out = {}
-    for key, figs in per.items():
+            per[(impl, nsys, world, cond, run)].append(
+                _figures(sorted(ranks, key=lambda r: r["rank"])))
+    out: dict[tuple[str, int, int, str], dict[str, Any]] = {}
+    for (impl, nsys, world, cond, run), figs in sorted(per.items(), key=lambda kv: kv[0][4]):
         names = set().union(*figs)
-        out[key] = {n: statistics.median([f[n] for f in figs if n in f]) for n in names}
-        out[key]["reps"] = len(figs)
+        out[(impl, nsys, world, cond)] = {
+            **{n: statistics.median([f[n] for f in figs if n in f]) for n in names},
+            "reps": len(figs), "run": run}
     return out
 
 
@@ -74,8 +81,8 @@ def _ratio(num: float | None, den: float | None) -> str:
 
 def setup_table(med: dict) -> list[str]:
     lines = ["| systems | W | condition | mdloader s | DeePMD-kit s | DeePMD ÷ md | mdloader "
-             "discovery / build / index / broadcast s | MB read rank 0 (md / dp) | reps | load |",
-             "|---:|---:|---|---:|---:|---:|---|---|---:|---:|"]
+             "discovery / build / index / broadcast s | MB read rank 0 (md / dp) | reps | load "
+             "| run |", "|---:|---:|---|---:|---:|---:|---|---|---:|---:|---|"]
     keys = sorted({(n, w, c) for (_i, n, w, c) in med},
                   key=lambda k: (k[0], k[1], ORDER.index(k[2])))
     for n, w, cond in keys:
@@ -89,7 +96,8 @@ def setup_table(med: dict) -> list[str]:
             f"| {n:,} | {w} | {LABEL[cond]} | {_f(md.get('setup_s'))} | {dp_text} | "
             f"{_ratio(dp.get('setup_s'), md.get('setup_s'))} | {phases} | "
             f"{_f(md.get('read_r0_mb'))} / {_f(dp.get('read_r0_mb') if peer == cond else None)}"
-            f" | {int(md.get('reps', dp.get('reps', 0)))} | {_f(md.get('load', 0), 2)} |")
+            f" | {int(md.get('reps', dp.get('reps', 0)))} | {_f(md.get('load', 0), 2)} | "
+            f"{md.get('run', dp.get('run', ''))[5:16]} |")
     return lines
 
 
@@ -146,9 +154,11 @@ def section(rows: list[dict[str, Any]]) -> str:
     evictions = sorted({r["eviction"] for r in rows if r.get("eviction")})
     latency = sorted({r["latency_us"] for r in rows if r.get("latency_us")})
     started = sorted({r["started"] for r in rows if r.get("kind") == "startup-meta"})
-    head = (f"Runs started {', '.join(started)}. Cold: {'; '.join(evictions) or '–'}. "
-            f"Slow FS: {', '.join(f'{u / 1000:g} ms' for u in latency) or '–'} added to "
-            "every metadata call under the data tree.")
+    head = (f"Runs started {', '.join(started)}; where a configuration ran more than once, the "
+            "latest run is shown (column \"run\"). Cold: "
+            f"{'; '.join(evictions) or '–'}. Slow FS: "
+            f"{', '.join(f'{u / 1000:g} ms' for u in latency) or '–'} added to every metadata "
+            "call under the data tree.")
     return "\n".join([head, "", "### Targets (reported, not asserted)", "", *targets(med, rows),
                       "", "### Set-up by condition", "", *setup_table(med), "",
                       "### File-system calls per system under the data tree", "",
