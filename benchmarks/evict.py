@@ -17,6 +17,7 @@ reclaim page out what was not touched for a minute or so), so "warm" launches ar
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 FADVISE = "posix_fadvise DONTNEED on every file (data pages; folder and inode caches stay warm)"
 DROP = "drop_caches 3 (data, folders and inodes of the whole machine)"
@@ -27,6 +28,18 @@ def evict(root: str, how: str = "fadvise") -> str:
     if how == "drop" and _drop_caches():
         return DROP
     os.sync()  # dirty pages cannot be dropped
+    _each_file(root, lambda fd: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED))
+    return FADVISE
+
+
+def warm(root: str) -> None:
+    """List every folder and read the first page of every file of ``root`` (what a build reads:
+    the headers; frame data is not part of a build)."""
+    _each_file(root, lambda fd: os.pread(fd, 4096, 0))
+
+
+def _each_file(root: str, action: Callable[[int], object]) -> None:
+    """``action(fd)`` on every file below ``root`` (files that cannot be opened are skipped)."""
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
             try:
@@ -34,10 +47,9 @@ def evict(root: str, how: str = "fadvise") -> str:
             except OSError:
                 continue
             try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                action(fd)
             finally:
                 os.close(fd)
-    return FADVISE
 
 
 def _drop_caches() -> bool:
@@ -48,18 +60,3 @@ def _drop_caches() -> bool:
         return True
     except OSError:
         return False
-
-
-def warm(root: str) -> None:
-    """List every folder and read the first page of every file of ``root`` (what a build reads:
-    the headers; frame data is not part of a build)."""
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.pread(fd, 4096, 0)
-            finally:
-                os.close(fd)
