@@ -198,8 +198,7 @@ def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
     from benchmarks import lmdb_report
 
     return text.format(run=run, startup=startup_section(rows or []),
-                       targets="
-".join(targets(med)),
+                       targets="\n".join(targets(med)),
                        setup="\n".join(setup_table(med)), costs="\n".join(cost_table(med)),
                        throughput="\n".join(throughput_table(med)), figures=figs,
                        lmdb=lmdb_report.section())

@@ -109,7 +109,7 @@ class Described:
         try:
             write_index(self.request.path, self.survey.saved,
                         index_header(self.request, self.survey.saved))
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - the build succeeded; an index is an extra
             log.warning("mdloader: could not save the system index %s (%s); the next start "
                         "will describe the systems again", self.request.path, exc)
             return
@@ -138,7 +138,7 @@ def describe(systems: object, type_map: Sequence[str] | None,
     settle = int(float(resolve("index_settle")) * 1e9)
     done = resurvey(saved, systems, rglob_patterns, type_map, workers, progress, settle)
     done.check_seconds += loaded
-    if done.saved is saved:
+    if done.saved is saved or not done.save:  # unchanged (LMDB groups are always described)
         return Described(done, "index", request)
     return Described(done, "index (updated)", request, save_needed=True)
 

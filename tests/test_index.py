@@ -184,6 +184,27 @@ def test_entries_keep_their_order_and_repetitions_through_the_index(tmp_path: Pa
     assert (third.source, third.described, third.nsys) == ("index (updated)", 1, 7)
 
 
+def test_lmdb_groups_are_described_at_every_start_and_the_rest_reused(tmp_path: Path) -> None:
+    """An index file holds npy and HDF5 descriptions; an LMDB group is described again from its
+    database's metadata at every start (cheap), so a list mixing both still uses the index."""
+    from mdloader.testing import make_lmdb
+
+    root = _tree(tmp_path / "data")
+    db = make_lmdb(tmp_path / "db.lmdb", [make_system(tmp_path / "src", "s", nframes=3)])
+    _settle()
+    entries = [root, Path(db)]
+    first = _build(entries)
+    assert (first.source, first.nsys) == ("built", 5)
+    head, saved = index_file.read_index(first.index_file)
+    assert len(saved.table) == 4 and saved.partial and head["systems"] == 5
+    second = _build(entries)
+    assert (second.source, second.nsys, second.described, second.reused) == ("index", 5, 1, 4)
+    (root / "b" / "sys.0" / "nopbc").touch()
+    third = _build(entries)
+    assert (third.source, third.nsys, third.described, third.reused) == (
+        "index (updated)", 5, 2, 3)
+
+
 def test_a_changed_hdf5_file_is_described_again(tmp_path: Path) -> None:
     make_system(tmp_path, "g0", backend="hdf5", h5_file="d.h5", nframes=3)
     _settle()

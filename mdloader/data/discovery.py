@@ -13,6 +13,10 @@ the listings overlapped when the file system makes them wait), not descending in
 difference this makes: a ``type.raw`` *inside* a system's ``set.*`` folder is no longer taken
 for a system (DeePMD-kit's ``rglob`` would take it; such a tree mixes a set and a system).
 Systems nested in a system's other subfolders are found.
+
+An LMDB database (a path ending in ``.lmdb`` or a folder holding ``data.mdb``, given as an
+entry) expands into one address per group of frames, in the order of its system ids
+(:mod:`mdloader.data.lmdb_index`); ``rglob_patterns`` do not apply to it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mdloader.data.formats import Listing, parse_address
+from mdloader.data.formats import Listing, address_sort_key, parse_address
+from mdloader.data.lmdb_index import group_addresses
 from mdloader.data.overlap import Overlap
 from mdloader.data.walk import KnownTree, matches, walk
 from mdloader.errors import NoSystemsFoundError
@@ -61,7 +66,8 @@ def discover_systems(systems: Systems, rglob_patterns: Sequence[str] | None = No
     ----------
     systems
         A path or a list of paths: system directories, roots to search recursively, glob
-        patterns, HDF5 files (every group holding ``type.raw``) or ``file.h5#/group`` addresses.
+        patterns, HDF5 files (every group holding ``type.raw``), ``file.h5#/group`` addresses,
+        LMDB databases (one address per group) or ``db.lmdb#system=S,natoms=N`` addresses.
         Each entry is replaced by what it finds (:func:`expand_entry`); entries keep their
         order and repeated entries their repetitions.
     rglob_patterns
@@ -72,7 +78,8 @@ def discover_systems(systems: Systems, rglob_patterns: Sequence[str] | None = No
 
 
 def expand_entry(entry: str, rglob_patterns: Sequence[str] | None = None) -> list[str]:
-    """The systems one entry stands for, sorted and unique (empty when it finds none)."""
+    """The systems one entry stands for, sorted and unique (empty when it finds none); the groups
+    of an LMDB database in the order of their system ids and atom counts."""
     try:
         return discover([entry], rglob_patterns).addresses
     except NoSystemsFoundError:
@@ -106,7 +113,7 @@ def discover(systems: Systems, rglob_patterns: Sequence[str] | None = None, *,
         found: set[str] = set()
         for part in parts:
             found.update(tree.under[part] if isinstance(part, int) else part)
-        out.addresses.extend(sorted(found))
+        out.addresses.extend(sorted(found, key=address_sort_key))
     if not out.addresses:
         where = ", ".join(entries) or "(no path given)"
         extra = f" matching {list(rglob_patterns)}" if rglob_patterns else ""
@@ -132,8 +139,12 @@ def _expand_globs(entry: str, globs: dict[str, list[str]]) -> list[str]:
 
 def _part(path: str, patterns: Sequence[str] | None, out: Discovery, roots: dict[str, int],
           known_files: dict[str, list[str]]) -> int | list[str]:
-    """An HDF5 path's systems (listed now), or a folder's index among the roots of the walk."""
+    """An HDF5 file's or LMDB database's systems (listed now), or a folder's index among the
+    roots of the walk."""
     loc = parse_address(path)
+    if loc.backend == "lmdb":  # a path ending in .lmdb, or one group's address
+        return [os.path.abspath(loc.path) + "#" + loc.group] if loc.group else \
+            group_addresses(path)
     if "#" in path or (loc.backend == "hdf5" and os.path.isfile(loc.path)):
         file, group = loc.path, loc.group
     elif os.path.isfile(path):
@@ -144,6 +155,8 @@ def _part(path: str, patterns: Sequence[str] | None, out: Discovery, roots: dict
             log.warning("%s does not exist or is not a directory", path)
             out.missing.append(root)
             return []
+        if os.path.isfile(os.path.join(root, "data.mdb")):  # an LMDB database named otherwise
+            return group_addresses(root)
         return roots.setdefault(root, len(roots))
     file = os.path.abspath(file)
     out.files.append(file)

@@ -85,17 +85,23 @@ def stale_systems(table: SystemTable, since_ns: int, overlap: Overlap) -> np.nda
 class Check:
     """What changed since an index was saved: systems (by row), other folders walked (in the
     order of ``SavedIndex.walked``), HDF5 files, and entries (a missing path now exists, a
-    pattern matches other paths)."""
+    pattern matches other paths). ``partial``: the file left systems out (LMDB groups), which
+    must be found and described again even when nothing changed."""
 
     systems: np.ndarray
     folders: np.ndarray
     files: np.ndarray
     entries: bool
+    partial: bool = False
+
+    @property
+    def nothing_stored_changed(self) -> bool:
+        return not (self.systems.any() or self.folders.any() or self.files.any()
+                    or self.entries)
 
     @property
     def unchanged(self) -> bool:
-        return not (self.systems.any() or self.folders.any() or self.files.any()
-                    or self.entries)
+        return self.nothing_stored_changed and not self.partial
 
 
 def check_saved(saved: SavedIndex, before_ns: int, overlap: Overlap) -> Check:
@@ -103,7 +109,8 @@ def check_saved(saved: SavedIndex, before_ns: int, overlap: Overlap) -> Check:
     return Check(stale_systems(saved.table, before_ns, overlap),
                  changed(list(saved.walked), before_ns, overlap),
                  changed(saved.files, before_ns, overlap),
-                 any(os.path.exists(p) for p in saved.missing) or _globs_moved(saved.globs))
+                 any(os.path.exists(p) for p in saved.missing) or _globs_moved(saved.globs),
+                 saved.partial)
 
 
 def _globs_moved(globs: dict[str, list[str]]) -> bool:

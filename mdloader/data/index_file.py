@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from mdloader.data.system import SetMeta, restore_set
-from mdloader.data.table import SystemTable
+from mdloader.data.table import SystemTable, TableBuilder
 
 MAGIC = b"MDLINDEX"
 FORMAT = 1
@@ -45,7 +45,9 @@ class SavedIndex:
     ``since_ns``: when the build that made it started (files changed later are stale);
     ``walked``: folders the walk listed that are not indexed systems (``True``: a system left
     out by the patterns); ``files``: HDF5 files listed; ``missing``: entries that did not exist;
-    ``globs``: each pattern entry's matches.
+    ``globs``: each pattern entry's matches; ``partial``: systems of a backend whose description
+    a file does not hold (LMDB groups, described from their database's metadata) were left out,
+    so they are described at every start.
     """
 
     table: SystemTable
@@ -54,6 +56,7 @@ class SavedIndex:
     files: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     globs: dict[str, list[str]] = field(default_factory=dict)
+    partial: bool = False
 
 
 def write_index(path: str, saved: SavedIndex, header: dict[str, Any]) -> None:
@@ -135,8 +138,22 @@ def _json(raw: bytes | memoryview, path: str, part: str) -> Any:
         raise IndexFileError(f"the {part} of the index {path} is not valid JSON") from exc
 
 
+def _storable(table: SystemTable) -> tuple[SystemTable, bool]:
+    """The rows a file holds (those described by npy/HDF5 sets), and whether some were left out."""
+    sets = table.parts()["sets"]
+    other = {i for i, s in enumerate(sets) if not isinstance(s, SetMeta)}
+    if not other:
+        return table, False
+    builder = TableBuilder()
+    for row in range(len(table)):
+        if not other.intersection(table.set_ids(row).tolist()):
+            builder.add_row(table, row)
+    return builder.table(), True
+
+
 def _encode(saved: SavedIndex, header: dict[str, Any]) -> tuple[bytes, bytes, bytes]:
-    parts = saved.table.parts()
+    table, partial = _storable(saved.table)
+    parts = table.parts()
     columns, offset, chunks = [], 0, []
     for name, array in parts["columns"].items():
         raw = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
@@ -149,7 +166,7 @@ def _encode(saved: SavedIndex, header: dict[str, Any]) -> tuple[bytes, bytes, by
             "sets": [[s.name, s.nframes, list(s.keys), list(s.widths)] for s in parts["sets"]],
             "idx_maps": _lists(parts["idx_maps"]), "since_ns": saved.since_ns,
             "walked": saved.walked, "files": saved.files, "missing": saved.missing,
-            "globs": saved.globs}
+            "globs": saved.globs, "partial": partial or saved.partial}
     return (json.dumps(header).encode(), json.dumps(body).encode(), b"".join(chunks))
 
 
@@ -172,7 +189,8 @@ def _decode(body: dict[str, Any], blob: memoryview) -> SavedIndex:
         folders=tuple(body["folders"]), type_maps=_tuples(body["type_maps"]), sets=sets,
         idx_maps=_tuples(body["idx_maps"]))
     return SavedIndex(table, int(body["since_ns"]), dict(body["walked"]), list(body["files"]),
-                      list(body["missing"]), {k: list(v) for k, v in body["globs"].items()})
+                      list(body["missing"]), {k: list(v) for k, v in body["globs"].items()},
+                      bool(body["partial"]))
 
 
 def _remove_dead_temporaries(folder: str, name: str) -> None:

@@ -37,6 +37,7 @@ class Survey:
     check_seconds: float = 0.0
     described: int = 0  # systems whose headers were read
     reused: int = 0  # systems copied from the index
+    save: bool = True  # whether what an index file holds changed
 
 
 def survey(systems: object, rglob_patterns: Sequence[str] | None,
@@ -93,7 +94,7 @@ def resurvey(saved: SavedIndex, systems: object, rglob_patterns: Sequence[str] |
              len(new), len(set(addresses) - set(found.addresses)))
     return Survey(_saved(builder, since, found), found_at - checked,
                   time.monotonic() - found_at, checked - start, described=len(new),
-                  reused=reused)
+                  reused=reused, save=not check.nothing_stored_changed)
 
 
 def _saved(builder: TableBuilder, since: int, found: Discovery) -> SavedIndex:

@@ -149,8 +149,11 @@ class SystemTable(Sequence):
                            self._sets, self._idx_maps, origin)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (SystemTable, (self._columns, self._names, self._folders, self._type_maps,
-                              self._sets, self._idx_maps, self.origin))
+        # Columns as raw bytes: a pickled ndarray costs ~100 bytes of framing, noticeable for
+        # the few systems of a small job.
+        raw = tuple((name, col.dtype.str, col.tobytes()) for name, col in self._columns.items())
+        return (_from_raw, (raw, self._names, self._folders, self._type_maps, self._sets,
+                            self._idx_maps, self.origin))
 
     def __len__(self) -> int:
         return len(self._columns["natoms"])
@@ -216,6 +219,11 @@ class SystemTable(Sequence):
                           sets=shared(tuple(self._sets[j] for j in c["set_ids"][s0:s1])),
                           mixed_idx_map=self._idx_maps[c["idx_map_id"][row]])
 
+    def set_ids(self, row: int) -> np.ndarray:
+        """Positions of system ``row``'s sets in the table of distinct sets (``parts()``)."""
+        return self._columns["set_ids"][self._set_ends[row] - self._columns["nsets"][row]:
+                                        self._set_ends[row]]
+
     def set_names(self, row: int) -> tuple[str, ...]:
         s0, s1 = self._set_ends[row] - self._columns["nsets"][row], self._set_ends[row]
         return tuple(self._sets[j].name for j in self._columns["set_ids"][s0:s1])
@@ -239,3 +247,10 @@ class SystemTable(Sequence):
         if has.any():
             out[has] = np.add.reduceat(frames, starts[has])
         return out
+
+
+def _from_raw(raw: tuple[tuple[str, str, bytes], ...], names: bytes, folders: tuple[str, ...],
+              type_maps: tuple[Any, ...], sets: tuple[SetMeta, ...], idx_maps: tuple[Any, ...],
+              origin: str | None) -> SystemTable:
+    columns = {name: np.frombuffer(data, dtype=np.dtype(dtype)) for name, dtype, data in raw}
+    return SystemTable(columns, names, folders, type_maps, sets, idx_maps, origin)
