@@ -70,7 +70,7 @@ SETTINGS: dict[str, Setting] = {
         "one (off).", choices=("check", "refresh", "trust", "off")),
     "cache_dir": Setting(
         "MDLOADER_CACHE_DIR", _index_cache, str, None, "folder",
-        "Where system indexes are kept when input.json or the index= argument names none."),
+        "Where system indexes are kept when input.json or the index_file= argument names none."),
     "index_settle": Setting(
         "MDLOADER_INDEX_SETTLE", lambda: 2.0, float, 0.0, "second",
         "A file changed less than this long before an index was built counts as changed at "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from mdloader.data.index_file import MAGIC, read_index
 from mdloader.data.overlap import Overlap
 from mdloader.index import describe, index_request, inspect, load
 from mdloader.settings import resolve
+from mdloader.world import World
 
 
 @dataclass
@@ -36,6 +38,21 @@ class IndexSummary:
     described: int = 0
     reused: int = 0
     seconds: float = 0.0
+
+
+def run_index(action: str, target: str, *, as_json: bool) -> int:
+    """``mdloader index ACTION TARGET``: print the summary; the exit code (inspect: 1 when an
+    index is missing, unusable or out of date)."""
+    if not World.from_env().is_main:  # under torchrun: rank 0 does it once
+        return 0
+    if action == "inspect":
+        rows = inspect_target(target)
+        print(format_summaries(rows, as_json))
+        return 0 if all(r["state"] == "unchanged" for r in rows) else 1
+    summaries = build_indexes(load_config(target), refresh=action == "refresh",
+                              progress=sys.stderr.isatty())
+    print(format_summaries(summaries, as_json))
+    return 0
 
 
 def build_indexes(config: Config, *, refresh: bool = False,

@@ -243,19 +243,9 @@ def _run_pack(args: argparse.Namespace) -> int:
 
 
 def _run_index(args: argparse.Namespace) -> int:
-    from mdloader.cli.index import build_indexes, format_summaries, inspect_target
-    from mdloader.config.input_json import load_config
+    from mdloader.cli.index import run_index
 
-    if not World.from_env().is_main:  # under torchrun: rank 0 does it once
-        return 0
-    if args.action == "inspect":
-        rows = inspect_target(args.input)
-        print(format_summaries(rows, args.json))
-        return 0 if all(r["state"] == "unchanged" for r in rows) else 1
-    summaries = build_indexes(load_config(args.input), refresh=args.action == "refresh",
-                              progress=sys.stderr.isatty())
-    print(format_summaries(summaries, args.json))
-    return 0
+    return run_index(args.action, args.input, as_json=args.json)
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {

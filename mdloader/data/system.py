@@ -122,7 +122,7 @@ class SystemMeta:
 
 
 def restore_set(name: str, nframes: int, keys: tuple[str, ...],
-                 widths: tuple[int, ...]) -> SetMeta:
+                widths: tuple[int, ...]) -> SetMeta:
     return shared(SetMeta(shared(name), nframes, shared(keys), shared(widths)))
 
 
@@ -141,7 +141,6 @@ def build_system_meta(address: str, type_map: Sequence[str] | None = None, *,
                       listing: Listing | None = None) -> SystemMeta:
     """Describe the system at ``address``, reading ``type.raw``, ``type_map.raw`` and headers.
 
-    ``listing`` is the system folder's listing when discovery already made it (npy only).
     Raises the first :class:`~mdloader.errors.DataError` subclass :func:`inspect_system` finds,
     naming the system and the file (every problem that can be seen without reading frames).
     """
@@ -192,9 +191,8 @@ def _describe_system(address: str, type_map: Sequence[str] | None, problems: lis
                                   file=io.file_of(loc, sets[0].name, "coord.npy"),
                                   expected=">= 1 frame", found="0 frames"))
     sys_map = io.read_type_map(loc, listing) if listing else io.read_type_map(loc)
-    resolved = _collect(problems, _resolve_types, loc, io, types, sys_map, type_map, mixed)
-    if resolved is None:
-        resolved = (types, None, None)
+    resolved = _collect(problems, _resolve_types, loc, io, types, sys_map, type_map,
+                        mixed) or (types, None, None)
     atom_types, final_map, idx_map = resolved
     atom_types = atom_types.astype(np.int32)
     atom_types.flags.writeable = False
