@@ -75,12 +75,12 @@ def build_systems(systems: str | Sequence[str], type_map: Sequence[str] | None =
                   rglob_patterns: Sequence[str] | None = None, num_workers: int | None = None,
                   timeout: float | None = None, progress: bool | None = None,
                   index_file: str | os.PathLike[str] | None = None,
-                  index_mode: str | None = None) -> SystemDatasets:
+                  index_mode: str | None = None, key: str = "systems") -> SystemDatasets:
     """One dataset per system, the same list on every rank (:func:`build_systems_with_report`)."""
     return build_systems_with_report(systems, type_map, rglob_patterns=rglob_patterns,
                                      num_workers=num_workers, timeout=timeout,
                                      progress=progress, index_file=index_file,
-                                     index_mode=index_mode)[0]
+                                     index_mode=index_mode, key=key)[0]
 
 
 def build_systems_with_report(
@@ -88,6 +88,7 @@ def build_systems_with_report(
     rglob_patterns: Sequence[str] | None = None, num_workers: int | None = None,
     timeout: float | None = None, progress: bool | None = None,
     index_file: str | os.PathLike[str] | None = None, index_mode: str | None = None,
+    key: str = "systems",
 ) -> tuple[SystemDatasets, BuildReport]:
     """Discover and describe the systems on rank 0, share them, verify them on every rank.
 
@@ -108,6 +109,8 @@ def build_systems_with_report(
         The system index file (default: one in ``$MDLOADER_CACHE_DIR`` named after the
         request) and what to do with it: ``check``, ``refresh``, ``trust`` or ``off``
         (``$MDLOADER_INDEX``, default ``check``); see :mod:`mdloader.index`.
+    key
+        The JSON path of ``systems``, named by the error for an entry that does not exist.
 
     Returns
     -------
@@ -126,7 +129,7 @@ def build_systems_with_report(
     world = current_world()
     show = sys.stderr.isatty() if progress is None else progress
     options = {"workers": resolve_workers(num_workers), "progress": show, "index_file": index_file,
-               "mode": index_mode}
+               "mode": index_mode, "key": key}
     if not world.distributed:
         try:
             described = describe(systems, type_map, rglob_patterns, **options)

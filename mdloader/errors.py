@@ -18,6 +18,10 @@ class MdloaderError(Exception):
     pickle rebuilds the same error in another process (DataLoader workers, other ranks).
     """
 
+    every_rank = False
+    """True for errors that every rank of a job raises at the same point (a framed error, a
+    failed agreement): the ranks can then meet once more to tear the job down together."""
+
     def _arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return self.args, {}
 
@@ -110,6 +114,14 @@ class StaleDataError(DataError):
                               expected=self.expected, found=self.found)
 
 
+class UnreadableFileError(DataError):
+    """A file of a built system cannot be read any more (permissions, I/O error)."""
+
+
+class NonFiniteError(DataError):
+    """NaN or infinity where training needs finite numbers: labels, a loss, the weights."""
+
+
 class NoSystemsFoundError(MdloaderError, FileNotFoundError):
     """Discovery found no directory or HDF5 group holding ``type.raw``."""
 
@@ -133,12 +145,24 @@ class DistributedError(MdloaderError, RuntimeError):
     """Something went wrong in a collective step (verification, protocol, timeout)."""
 
 
+class AgreementError(DistributedError):
+    """The ranks compared what they hold and disagree; every rank raises it at once."""
+
+    every_rank = True
+
+
+class WorkerLostError(MdloaderError, RuntimeError):
+    """A DataLoader worker of this rank died (killed, out of memory, a crash in native code)."""
+
+
 class RemoteError(DistributedError):
     """Rank 0 (or a source rank) failed; this rank re-raises its failure.
 
     The attributes carry what the failing rank knew: the exception type name, its message, the
     system and file concerned (for :class:`DataError`), and its formatted traceback.
     """
+
+    every_rank = True
 
     def __init__(
         self,
@@ -177,6 +201,17 @@ class RemoteError(DistributedError):
 
     def _arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return (), {name: getattr(self, name) for name in self.FIELDS}
+
+
+class RankFailedError(RemoteError):
+    """One rank failed on its own during the job (a read error, a lost worker, any exception in
+    its step); the rank itself and every rank that learned of it raise this.
+
+    The ranks did not fail together, so they do not meet again: the process should exit, and the
+    launcher stops the ranks that have not noticed yet.
+    """
+
+    every_rank = False
 
 
 class CollectiveTimeoutError(DistributedError, TimeoutError):

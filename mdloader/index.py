@@ -119,24 +119,24 @@ class Described:
 def describe(systems: object, type_map: Sequence[str] | None,
              rglob_patterns: Sequence[str] | None, *, workers: int, progress: bool,
              index_file: str | os.PathLike[str] | None = None,
-             mode: str | None = None) -> Described:
+             mode: str | None = None, key: str = "systems") -> Described:
     """The systems' descriptions on rank 0: from the index when it is usable, else surveyed."""
     mode = str(resolve("index_mode", mode, argument="index_mode"))
     if mode == "off":
-        return Described(survey(systems, rglob_patterns, type_map, workers, progress), "built",
-                         None)
+        return Described(survey(systems, rglob_patterns, type_map, workers, progress, key),
+                         "built", None)
     request = index_request(systems, rglob_patterns, type_map, index_file)
     start = time.monotonic()
     saved = None if mode == "refresh" else load(request)
     loaded = time.monotonic() - start
     if saved is None:
-        done = survey(systems, rglob_patterns, type_map, workers, progress)
+        done = survey(systems, rglob_patterns, type_map, workers, progress, key)
         return Described(done, "built", request, save_needed=True)
     if mode == "trust":
         return Described(Survey(saved, check_seconds=loaded, reused=len(saved.table)),
                          "index (trusted)", request)
     settle = int(float(resolve("index_settle")) * 1e9)
-    done = resurvey(saved, systems, rglob_patterns, type_map, workers, progress, settle)
+    done = resurvey(saved, systems, rglob_patterns, type_map, workers, progress, settle, key)
     done.check_seconds += loaded
     if done.saved is saved or not done.save:  # unchanged (LMDB groups are always described)
         return Described(done, "index", request)

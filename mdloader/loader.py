@@ -257,13 +257,15 @@ class DpLoaderSet(Dataset):
 
 def get_weighted_sampler(training_data: DpLoaderSet, prob_style: str | Sequence[float],
                          sys_prob: bool = False, *, num_samples: int | None = None,
-                         num_workers: int | None = None) -> WeightedSystemSampler:
+                         num_workers: int | None = None,
+                         key: str | None = None) -> WeightedSystemSampler:
     """DeePMD-kit's ``get_weighted_sampler``, yielding batch keys; attached to ``training_data``.
 
     One ``iter()`` yields ``total_batch * max(num_workers, 1)`` keys unless ``num_samples`` is
-    given; ``num_workers`` defaults to ``NUM_WORKERS`` as in DeePMD-kit.
+    given; ``num_workers`` defaults to ``NUM_WORKERS`` as in DeePMD-kit. ``key`` is the JSON path
+    of ``prob_style``, named in its errors.
     """
-    rule = training_data.probability_rule(prob_style, sys_prob)
+    rule = training_data.probability_rule(prob_style, sys_prob, key)
     if num_samples is None:
         workers = default_num_workers() if num_workers is None else int(num_workers)
         num_samples = training_data.total_batch * max(workers, 1)
@@ -286,11 +288,17 @@ def get_validation_sampler(data: DpLoaderSet) -> ShardedValidationSampler:
                                     world_size=data.world.world_size)
 
 
-def get_sampler_from_params(data: DpLoaderSet, params: Mapping[str, Any], **kwargs: Any
+def get_sampler_from_params(data: DpLoaderSet, params: Mapping[str, Any], *,
+                            json_path: str | None = None, **kwargs: Any
                             ) -> WeightedSystemSampler:
-    """``sys_probs`` if present and not None, else ``auto_prob``, else ``prob_sys_size``."""
-    value, is_sys_probs, _ = select_prob_source(params)
-    return get_weighted_sampler(data, value, sys_prob=is_sys_probs, **kwargs)
+    """``sys_probs`` if present and not None, else ``auto_prob``, else ``prob_sys_size``.
+
+    ``json_path`` is where ``params`` sit in the ``input.json`` (``training.training_data``),
+    so that an error names the full path of the key.
+    """
+    value, is_sys_probs, name = select_prob_source(params)
+    key = f"{json_path}.{name}" if json_path else None
+    return get_weighted_sampler(data, value, sys_prob=is_sys_probs, key=key, **kwargs)
 
 
 __all__ = ["DpLoaderSet", "get_weighted_sampler", "get_validation_sampler",

@@ -1,8 +1,12 @@
-"""How batches cross process boundaries: CPU tensors travel as numpy arrays.
+"""How batches cross process boundaries: CPU tensors travel as numpy arrays, errors as errors.
 
 Pickling a tensor through numpy is far cheaper than torch's per-tensor storage pickling and
 shared memory, and a DeePMD batch is many small tensors (``docs/benchmarks.md`` has the figures).
 Used by the packets of :mod:`mdloader.distributed` and by DataLoader workers.
+
+A DataLoader re-raises a worker's exception in the main process as ``type(exc)(text)``, the
+worker's traceback as the only argument: an mdloader error would arrive without its system and
+file. :class:`CarryErrors` sends the error itself instead, in place of the batch.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from mdloader.errors import MdloaderError
 
 
 def tensor_as_numpy(value: Any) -> Any:
@@ -64,3 +70,33 @@ class NumpyTransport:
     def __call__(self, batch: Any) -> Any:
         out = self.collate_fn(batch)
         return TransportBatch(out) if type(out) is dict else out
+
+
+class CarriedError:
+    """An mdloader error raised in a DataLoader worker, travelling to the main process in place
+    of the batch it failed to read (the error pickles with its system and file)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: MdloaderError) -> None:
+        self.error = error
+
+    def __reduce__(self) -> tuple[Any, tuple[MdloaderError]]:
+        return CarriedError, (self.error,)
+
+
+class CarryErrors:
+    """Worker side: a dataset whose mdloader errors come back as :class:`CarriedError` values;
+    the main process raises them (:class:`~mdloader.sampling.stateful_loader.StatefulLoader`)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, key: Any) -> Any:
+        try:
+            return self.dataset[key]
+        except MdloaderError as exc:
+            return CarriedError(exc)
+
+    def __len__(self) -> int:
+        return len(self.dataset)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -69,7 +70,7 @@ def test_check_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert row.split()[1:] == ["5", "8", "2", "4", "0.500", "T"]
     assert main(["check", str(_input(tmp_path)), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["ok"] is True and report["problems"] == []
+    assert report["ok"] is True and report["problems"] == [] and report["deep"] is False
     assert report["sections"]["training_data"]["totals"] == {
         "systems": 2, "frames": 16, "atoms": 88, "batches": 8, "prob": 1.0}
 
@@ -89,8 +90,10 @@ def test_check_deep_finds_nan_frames(tmp_path: Path, capsys: pytest.CaptureFixtu
     arr = np.load(force)
     arr[[2, 5], 4] = [np.nan, np.inf]
     np.save(force, arr)
-    assert main(["check", str(_input(tmp_path))]) == 0  # headers are fine
-    capsys.readouterr()
+    assert main(["check", str(_input(tmp_path))]) == 0  # headers are fine, and it says so
+    assert capsys.readouterr().out.endswith(
+        "OK: no problem found\n(headers only: the values were not read; --deep reads every "
+        "array and finds NaN/inf)\n")
     assert main(["check", str(_input(tmp_path)), "--deep", "--json"]) == 1
     problems = json.loads(capsys.readouterr().out)["problems"]
     assert problems == [{"section": "training_data", "system": str(data / "train1"),
@@ -122,6 +125,10 @@ def test_check_reports_config_level_problems(tmp_path: Path,
     path = _input(tmp_path, data={"rglob_patterns": ["nothing*"]})
     assert main(["check", str(path)]) == 1
     assert "no DeePMD system" in capsys.readouterr().out
+    path = _input(tmp_path, data={"systems": ["data", "nope"]})
+    assert main(["check", str(path)]) == 1
+    assert (f"[training_data] training.training_data.systems[1]: {tmp_path / 'nope'} does not "
+            "exist") in capsys.readouterr().out
 
 
 def test_config_errors_exit_2_without_traceback(tmp_path: Path,
@@ -306,7 +313,8 @@ def test_torchrun_bench_gathers_rows(tmp_path: Path) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
 def test_torchrun_train_fails_together(tmp_path: Path) -> None:
-    """A label missing on disk: every rank reports the same error (from the shared metadata)."""
+    """A label missing on disk: every rank reports the same error (from the shared metadata):
+    each rank finds it on its own, the first to publish it in the store names itself."""
     data = tmp_path / "data"
     make_system(data, "train0", natoms=5, nframes=4, keys=("energy",))  # no force.npy
     path = _input(tmp_path)
@@ -315,7 +323,8 @@ def test_torchrun_train_fails_together(tmp_path: Path) -> None:
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("mdloader: error:")]
     assert len(errors) == 2 and errors[0] == errors[1], done.stderr
-    assert errors[0].startswith("mdloader: error: a required key is missing: force; system: ")
+    assert re.match(r"mdloader: error: rank [01] failed \(building the loader\): "
+                    r"MissingDataError: a required key is missing: force; system: ", errors[0])
     assert errors[0].endswith("train0/set.000/force.npy")
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from distributed_utils import RankError, errors, run_ranks, values
 
-from mdloader.distributed import channel, collectives, group
+from mdloader.distributed import channel, collectives, failure, group
 from mdloader.distributed import packets as pk
 from mdloader.errors import (
     CollectiveTimeoutError,
@@ -300,3 +300,71 @@ def test_gather_with_an_unpicklable_object_fails_every_rank() -> None:
         assert err.exc_type == "RemoteError"
         assert "rank 2 failed (gathering loader states): TypeError: cannot pickle" in err.message
     assert max(e.finished_at for e in errs) - min(e.finished_at for e in errs) < 5
+
+
+# ------------------------------------------------------------- failures during a job
+
+
+def _flags_and_failures(rank: int, world: int) -> tuple[list[bool], str]:
+    flags = collectives.any_rank([rank == 1, False, rank == 0], activity="a test step")
+    mine = MissingDataError("gone", system="/d/s", file="/d/s/set.001/force.npy") \
+        if rank == 1 else None
+    try:
+        collectives.fail_together(mine, context="training step 9")
+    except RemoteError as exc:
+        return flags, exc.summary
+    raise AssertionError("fail_together did not raise")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_any_rank_and_fail_together() -> None:
+    got = values(run_ranks(_flags_and_failures, 3))
+    assert [flags for flags, _ in got] == [[True, False, True]] * 3
+    assert {line for _, line in got} == {
+        "rank 1 failed (training step 9): MissingDataError: gone; system: /d/s; "
+        "file: /d/s/set.001/force.npy"}
+
+
+def _settle(rank: int, world: int) -> tuple[bool, float, bool, float]:
+    start = time.monotonic()
+    alone = failure.settle(100, world, seconds=1.0) if rank == 0 else time.sleep(1.5)
+    waited = time.monotonic() - start
+    start = time.monotonic()
+    together = failure.settle(101, world, seconds=30.0)
+    return bool(alone), waited, together, time.monotonic() - start
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_the_failure_barrier_is_bounded_on_every_rank() -> None:
+    """A rank that does not come is waited for ``seconds`` at most (gloo's monitored_barrier
+    bounds rank 0 only: the others wait for the whole group timeout)."""
+    (alone, waited, together, quick), _ = values(run_ranks(_settle, 2))
+    assert not alone and 1.0 <= waited < 1.4
+    assert together and quick < 1.0
+
+
+def _fail_alone(rank: int, world: int) -> tuple[str, str, bool]:
+    import torch
+    import torch.distributed as dist
+
+    with group.process_group(failure.Activity("training step 3")):
+        if rank == 1:
+            raise MissingDataError("gone", system="/d/s", file="/d/s/set.001/force.npy")
+        dist.all_reduce(torch.ones(1))  # waits for rank 1, which failed and left
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_a_rank_that_fails_alone_names_itself_on_every_rank() -> None:
+    """Rank 1 publishes its failure and leaves; rank 0's collective breaks at once and it raises
+    rank 1's failure from the store, not its own broken connection."""
+    errs = errors(run_ranks(_fail_alone, 2, init_group=False))  # process_group starts it
+    for err in errs:
+        assert err.exc_type == "RankFailedError", str(err)
+        assert err.message.startswith(
+            "rank 1 failed (training step 3): MissingDataError: gone; system: /d/s; "
+            "file: /d/s/set.001/force.npy")
+    assert errs[0].finished_at - errs[1].finished_at < 5  # not the group's timeout (600 s)

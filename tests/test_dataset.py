@@ -12,7 +12,14 @@ import torch
 from mdloader.data.collate import collate_batch
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.data.formats import npy as npy_backend
+from mdloader.data.formats import release_handles
 from mdloader.data.schema import DataRequirementItem as Req
+from mdloader.errors import (
+    CorruptFileError,
+    MissingDataError,
+    ShapeError,
+    UnreadableFileError,
+)
 from mdloader.testing import make_system
 
 BACKENDS = ["npy", "hdf5"]
@@ -268,3 +275,71 @@ def test_source_policy_survives_conversion_and_must_is_tracked_only():
     with pytest.raises(ConfigError, match=r"^data requirement 'energy': a mandatory requirement "
                        r"\(must=True\) cannot use source_policy='derived', only 'tracked'$"):
         Req("energy", 1, must=True, source_policy="derived")
+
+
+# -- files that change after the build: errors that name the system and the file --------------
+def _built(tmp_path, backend="npy"):
+    addr = make_system(tmp_path, "s", natoms=4, nframes=6, nsets=2, backend=backend)
+    ds = DeepmdDataSetForLoader(addr)
+    ds.add_data_requirement(ENERGY_FORCE)
+    release_handles()  # the build's handles: the edits below happen "after the build"
+    return addr, ds
+
+
+def test_a_truncated_npy_file_is_an_error_not_sigbus(tmp_path):
+    """Mapping a file shorter than its header says and reading past its end kills the process
+    with SIGBUS; the size check at opening names the file instead."""
+    addr, ds = _built(tmp_path)
+    path = os.path.join(addr, "set.001", "force.npy")
+    os.truncate(path, os.path.getsize(path) - 8)
+    with pytest.raises(CorruptFileError, match=rf"^the npy file is shorter than its header says "
+                       rf"\(truncated after the build\?\); system: {addr}; file: {path}; "
+                       r"expected: 272 bytes for shape \(3, 12\) float32; found: 264 bytes$"):
+        ds.get_batch([4])
+    assert ds.get_batch([0])["force"].shape == (1, 4, 3)  # the other set still reads
+
+
+def test_a_moved_npy_file_is_a_missing_data_error(tmp_path):
+    addr, ds = _built(tmp_path)
+    path = os.path.join(addr, "set.000", "energy.npy")
+    os.rename(path, path + ".away")
+    with pytest.raises(MissingDataError, match=rf"^the npy file is gone \(moved or deleted after "
+                       rf"the build\); system: {addr}; file: {path}$"):
+        ds.get_batch([1])
+
+
+def test_an_unreadable_or_rewritten_npy_file(tmp_path):
+    addr, ds = _built(tmp_path)
+    path = os.path.join(addr, "set.000", "force.npy")
+    os.remove(path)
+    os.mkdir(path)  # open() fails with an OSError that is not FileNotFoundError
+    with pytest.raises(UnreadableFileError, match=rf"^cannot read the npy file; system: {addr}; "
+                       rf"file: {path}; found: IsADirectoryError: Is a directory$"):
+        ds.get_batch([0])
+    os.rmdir(path)
+    np.save(path, np.zeros((2, 13), dtype=np.float32))  # cannot be the 3 frames of the build
+    with pytest.raises(CorruptFileError, match=rf"^the npy file changed after the systems were "
+                       rf"built; system: {addr}; file: {path}; expected: 3 frames; found: shape "
+                       r"\(2, 13\)$"):
+        ds.get_batch([0])
+    np.save(path, np.zeros((2, 12), dtype=np.float32))  # 3 frames of 8 values, read flat
+    with pytest.raises(ShapeError, match=rf"^per-frame width of force does not match the "
+                       rf"requirement; system: {addr}; file: {path}; expected: 12; found: 8$"):
+        ds.get_batch([0])
+
+
+def test_hdf5_datasets_that_vanish_or_break_after_the_build(tmp_path):
+    import h5py
+
+    addr, ds = _built(tmp_path, backend="hdf5")
+    path = addr.split("#")[0]
+    with h5py.File(path, "a") as fh:
+        del fh["s/set.001/force.npy"]
+    release_handles()
+    with pytest.raises(MissingDataError, match=r"^the dataset is gone \(the file changed after the "
+                       rf"build\); system: {addr}; file: {path}#/s/set.001/force.npy$"):
+        ds.get_batch([4])
+    os.truncate(path, 100)
+    release_handles()
+    with pytest.raises(CorruptFileError, match=rf"^cannot open the file as HDF5; system: {addr}"):
+        ds.get_batch([0])

@@ -12,7 +12,7 @@ import pytest
 from mdloader.data import overlap
 from mdloader.data.discovery import discover, discover_systems
 from mdloader.data.system import build_system_meta
-from mdloader.errors import NoSystemsFoundError
+from mdloader.errors import ConfigError, NoSystemsFoundError
 from mdloader.testing import make_system
 
 
@@ -76,11 +76,29 @@ def test_hdf5_groups_and_root_system(tmp_path):
 
 
 def test_nothing_found_says_where(tmp_path):
-    with pytest.raises(NoSystemsFoundError, match=r"no DeePMD system .* found under: .*nowhere"):
-        discover_systems([str(tmp_path / "nowhere")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(NoSystemsFoundError, match=r"no DeePMD system .* found under: .*empty"):
+        discover_systems([str(tmp_path / "empty")])
     make_system(tmp_path, "sys")
     with pytest.raises(NoSystemsFoundError, match=r"matching \['zzz\*'\]"):
         discover_systems(str(tmp_path), rglob_patterns=["zzz*"])
+
+
+def test_an_entry_that_does_not_exist_is_an_error_naming_its_json_path(tmp_path):
+    """DeePMD-kit fails on it too (FileNotFoundError, without the key); a warning would train on
+    the other entries, the data of this one silently dropped."""
+    good = make_system(tmp_path, "sys")
+    key = "training.training_data.systems"
+    with pytest.raises(ConfigError, match=r"^training\.training_data\.systems\[1\]: .*/nope "
+                                          r"does not exist$"):
+        discover_systems([good, str(tmp_path / "nope")], key=key)
+    with pytest.raises(ConfigError, match=r"^training\.training_data\.systems: .*/nope "
+                                          r"does not exist$"):
+        discover_systems(str(tmp_path / "nope"), key=key)
+    with pytest.raises(ConfigError, match=r"^systems\[0\]: .*/nope\.h5#/g does not exist$"):
+        discover_systems([str(tmp_path / "nope.h5#/g"), good])
+    with pytest.raises(ConfigError, match=r"^systems\[1\]: the pattern .*/zz\* matches nothing$"):
+        discover_systems([good, str(tmp_path / "zz*")])
 
 
 def _count_listings(monkeypatch) -> list[str]:

@@ -25,9 +25,11 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -362,10 +364,13 @@ def _free_port() -> int:
 
 @pytest.mark.timeout(300)
 def test_job_slurm_script_runs_with_a_stand_in_srun(tmp_path: Path) -> None:
+    """The script runs; its time-limit signal (SIGUSR1, from ``--signal=B:USR1@120``) stops the
+    ranks after a step with a checkpoint and requeues the job, which then continues from it."""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "srun").write_text(FAKE_SRUN)
-    (fake / "scontrol").write_text("#!/bin/bash\necho localhost\n")
+    (fake / "scontrol").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path}/scontrol.log\n'
+                                   'echo localhost\n')
     for tool in fake.iterdir():
         tool.chmod(0o755)
     (tmp_path / "examples").symlink_to(REPO / "examples")
@@ -374,16 +379,34 @@ def test_job_slurm_script_runs_with_a_stand_in_srun(tmp_path: Path) -> None:
                NPROC_PER_NODE="2", NUM_WORKERS="0", RDZV_PORT=str(_free_port()))
     env.pop("OMP_NUM_THREADS")
     script = REPO / "examples" / "water" / "job_slurm.sh"
-    out = subprocess.run(["bash", str(script), "--numb-steps", "2"], cwd=tmp_path, env=env,
-                         text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         timeout=COMMAND_TIMEOUT)
-    assert out.returncode == 0, out.stdout[-4000:]
-    assert "1 node(s) x 2 rank(s)" in out.stdout and "OMP_NUM_THREADS=1" in out.stdout
     run = tmp_path / "runs" / "water-7"
-    assert (run / "lcurve.out").read_text().splitlines()[-1].split()[0] == "2"
+    job = subprocess.Popen(["bash", str(script), "--numb-steps", "400"], cwd=tmp_path, env=env,
+                           text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        while not ((run / "lcurve.out").exists() and
+                   len((run / "lcurve.out").read_text().splitlines()) > 1):
+            assert job.poll() is None, job.communicate()[0][-4000:]
+            time.sleep(0.1)
+        job.send_signal(signal.SIGUSR1)  # what Slurm sends 120 s before the time limit
+        out = job.communicate(timeout=COMMAND_TIMEOUT)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert "1 node(s) x 2 rank(s)" in out and "OMP_NUM_THREADS=1" in out
+    assert "requeueing job 7" in out, out[-4000:]
+    assert (tmp_path / "scontrol.log").read_text().splitlines()[-1] == "requeue 7"
+    step = int(os.readlink(run / "model.ckpt.pt")[len("model.ckpt-"):-len(".pt")])
     assert "saved checkpoint" in (run / "train.log").read_text()
     assert sorted(p.parent.name for p in run.glob("torchrun/*/attempt_0/*/stderr.log")) == [
         "0", "1"]
+    again = subprocess.run(["bash", str(script), "--numb-steps", str(step + 1)], cwd=tmp_path,
+                           env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           timeout=COMMAND_TIMEOUT)  # the requeued job: same id, same folder
+    assert again.returncode == 0, again.stdout[-4000:]
+    assert f"restarted from {run.relative_to(tmp_path)}/model.ckpt.pt at step {step}" in \
+        (run / "train.log").read_text()
+    steps = [line.split()[0] for line in (run / "lcurve.out").read_text().splitlines()[1:]]
+    assert steps == ["1", str(step + 1)]
 
 
 def test_job_slurm_script_is_valid_bash() -> None:

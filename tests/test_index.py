@@ -163,9 +163,11 @@ def test_entries_that_appear_and_patterns_that_match_more(tmp_path: Path) -> Non
     root = _tree(tmp_path / "data")
     later = tmp_path / "later"
     entries = [str(root / "b" / "sys.*"), str(later)]
-    assert _build(entries).nsys == 2  # the missing entry is warned about, not an error
-    make_system(root / "b", "sys.7", nframes=2)
+    with pytest.raises(ConfigError, match=r"systems\[1\]: .*later does not exist"):
+        _build(entries)
     make_system(later, "x", nframes=2)
+    assert _build(entries).nsys == 3
+    make_system(root / "b", "sys.7", nframes=2)
     _settle()
     assert (_build(entries).nsys, _build(entries).source) == (4, "index")
 
@@ -277,7 +279,7 @@ FAULTS = {
     "corrupt": r"is corrupt \(its checksum does not match\)",
     "truncated": r"is truncated \(\d+ bytes, expected \d+\)",
     "not an index": "is not an mdloader index",
-    "other format": "has format 99; this mdloader reads format 1",
+    "other format": "has format 99; this mdloader reads format 2",
     "empty": "is not an mdloader index",
 }
 

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -11,10 +15,10 @@ from torch.utils.data import DataLoader
 from mdloader.data.collate import collate_batch
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.data.schema import DataRequirementItem
-from mdloader.errors import ConfigError, StateDictError
+from mdloader.errors import ConfigError, CorruptFileError, StateDictError, WorkerLostError
 from mdloader.loader import DpLoaderSet, get_sampler_from_params, get_weighted_sampler
 from mdloader.sampling.samplers import BatchKey
-from mdloader.sampling.stateful_loader import StatefulLoader
+from mdloader.sampling.stateful_loader import StatefulLoader, lost_worker
 from mdloader.testing import make_system
 from mdloader.world import World
 
@@ -330,3 +334,65 @@ def test_unseeded_loader_adopts_the_saved_seed(systems):
     b.load_state_dict(state)
     assert b.seed == a.seed and b.sampler.next_key() == sa.next_key()
     assert [x["fid"] for x in b.dataloaders[0]] == [x["fid"] for x in a.dataloaders[0]]
+
+
+# -- failures inside DataLoader workers ----------------------------------------------------------
+def _loader_over(root, workers: int) -> StatefulLoader:
+    path = make_system(root, "s", natoms=4, nframes=6, nsets=2, keys=("energy", "force"))
+    ls = DpLoaderSet([path], 1, TYPE_MAP, seed=1)
+    ls.add_data_requirement([DataRequirementItem("force", 3, atomic=True, must=True)])
+    return StatefulLoader(ls, get_sampler_from_params(ls, {}, num_workers=workers),
+                          num_workers=workers)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_error_reaches_the_main_process_with_its_system_and_file(tmp_path):
+    """torch re-raises a worker's exception as ``type(exc)(traceback text)``: a DataError would
+    arrive without system and file, its message a traceback. The loader carries it whole."""
+    loader = _loader_over(tmp_path, workers=1)
+    path = tmp_path / "s" / "set.001" / "force.npy"
+    os.truncate(path, path.stat().st_size - 8)
+    with pytest.raises(CorruptFileError, match=r"^the npy file is shorter than its header") as info:
+        list(loader)
+    assert (info.value.system, info.value.file) == (str(tmp_path / "s"), str(path))
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_worker_is_a_worker_lost_error(tmp_path):
+    loader = _loader_over(tmp_path, workers=1)
+    batches = iter(loader)
+    next(batches)
+    for child in multiprocessing.active_children():
+        os.kill(child.pid, signal.SIGKILL)
+    with pytest.raises(WorkerLostError, match=r"^DataLoader worker \(pid(\(s\))? \d+\) (is killed "
+                       r"by signal: Killed|exited unexpectedly) \(killed from outside or out of "
+                       r"memory: see the kernel log \(dmesg\)\)$"):
+        try:
+            for _ in batches:
+                time.sleep(0.05)
+        except RuntimeError as exc:  # torch's SIGCHLD handler may raise it outside the loader
+            raise lost_worker(exc) from exc
+
+
+def test_lost_worker_finds_torch_s_error_behind_a_collective_error():
+    torch_error = RuntimeError("DataLoader worker (pid 12) is killed by signal: Bus error. ")
+    try:
+        raise ConfigError("wrapped") from torch_error
+    except ConfigError as wrapped:
+        lost = lost_worker(wrapped)
+    assert str(lost) == ("DataLoader worker (pid 12) is killed by signal: Bus error (a "
+                         "memory-mapped file may have been truncated while it was read)")
+    assert lost_worker(RuntimeError("something else")) is None
+
+
+def test_probability_errors_name_the_full_json_path(systems):
+    """As ``mdloader check`` does: the key under its section, not a bare ``sys_probs``."""
+    paths, _, _ = systems
+    ls = DpLoaderSet(paths, 1, TYPE_MAP, seed=0)
+    with pytest.raises(ConfigError, match=r"^training\.training_data\.sys_probs: sys_probs has 3 "
+                       r"entries but there are 4 systems"):
+        get_sampler_from_params(ls, {"sys_probs": [0.2, 0.3, 0.5]},
+                                json_path="training.training_data")
+    with pytest.raises(ConfigError, match=r"^training\.validation_data\.auto_prob: "):
+        get_sampler_from_params(ls, {"auto_prob": "prob_sys_sze"},
+                                json_path="training.validation_data")

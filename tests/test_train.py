@@ -136,7 +136,7 @@ def test_loss_prefactors_and_values() -> None:
 
 
 def test_lcurve_has_deepmd_columns(tmp_path: Path) -> None:
-    curve = Lcurve(str(tmp_path / "lcurve.out"), with_validation=True, append=False)
+    curve = Lcurve(str(tmp_path / "lcurve.out"), with_validation=True)
     curve.write(100, 1e-3, {"rmse": 2.0, "rmse_e": 0.01, "rmse_f": 0.3},
                 {"rmse": 2.5, "rmse_e": 0.02, "rmse_f": 0.4})
     curve.close()

@@ -79,6 +79,7 @@ class CheckReport:
 
     sections: list[SectionReport]
     problems: list[Problem]
+    deep: bool = False  # were the values read (NaN/inf found), or the headers only?
 
     @property
     def ok(self) -> bool:
@@ -86,7 +87,7 @@ class CheckReport:
 
     def to_json(self) -> str:
         return json.dumps({
-            "ok": self.ok,
+            "ok": self.ok, "deep": self.deep,
             "sections": {s.name: {"systems": [asdict(r) for r in s.rows],
                                   "filtered": s.filtered, "notes": s.notes,
                                   "totals": s.totals()}
@@ -121,7 +122,7 @@ def check_input(config: Config, *, deep: bool = False, threads: int = 4) -> Chec
         if deep:
             for meta in dict.fromkeys(metas):
                 problems.extend(Problem(name, msg, meta.address) for msg in deep_check(meta))
-    return CheckReport(sections, problems)
+    return CheckReport(sections, problems, deep)
 
 
 def _build_all(data: DataConfig, type_map: tuple[str, ...] | None, section: SectionReport,
@@ -129,7 +130,8 @@ def _build_all(data: DataConfig, type_map: tuple[str, ...] | None, section: Sect
     """The systems of ``data`` in order (a repeated entry repeats its system), every problem
     of each system in ``problems``, the reshaped arrays in ``section.notes``."""
     try:
-        addresses = discover_systems(list(data.systems), data.rglob_patterns)
+        addresses = discover_systems(list(data.systems), data.rglob_patterns,
+                                     key=f"{data.json_path}.systems")
     except MdloaderError as exc:
         problems.append(Problem(section.name, str(exc)))
         return None
@@ -243,6 +245,9 @@ def format_check_report(report: CheckReport) -> str:
         lines.append(f"{len(report.problems)} problem(s):")
         for p in report.problems:
             lines.append(f"  [{p.section}] {p.message}")
+    if not report.deep:
+        lines.append("(headers only: the values were not read; --deep reads every array and "
+                     "finds NaN/inf)")
     return "\n".join(lines)
 
 

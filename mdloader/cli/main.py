@@ -7,11 +7,14 @@ prints, and turns exceptions into exit codes:
 * 0 — success;
 * 1 — failure: bad data, a failed check, a distributed error;
 * 2 — usage or configuration error (bad arguments, a bad ``input.json``);
-* 130 — interrupted.
+* 130 — interrupted;
+* 143 — ``train`` stopped by SIGTERM or SIGUSR1 after writing a checkpoint.
 
 User errors (:class:`~mdloader.errors.MdloaderError`) print one ``mdloader: error: ...`` line
 on stderr without a traceback unless ``--debug``; anything else is a bug and keeps its
-traceback. Everything after ``mdloader dp`` goes unparsed to DeePMD-kit's own ``dp`` (see
+traceback. After a rank failed alone in a job of several ranks, the process leaves at once
+(:func:`mdloader.distributed.failure.exit_now`) instead of tearing the group down. Everything
+after ``mdloader dp`` goes unparsed to DeePMD-kit's own ``dp`` (see
 :mod:`mdloader.integrations.deepmd`).
 """
 
@@ -26,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from mdloader import __version__
-from mdloader.errors import ConfigError, MdloaderError
+from mdloader.errors import ConfigError, MdloaderError, RemoteError
 from mdloader.logs import LEVELS, setup_logging
 from mdloader.world import World
 
@@ -102,6 +105,9 @@ def _add_train(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
     p.add_argument("--full-validation", action="store_true",
                    help="at every checkpoint, validate every validation frame once, shared by "
                    "the ranks; results in full_valid.out")
+    p.add_argument("--nonfinite", choices=["stop", "skip"], default="stop",
+                   help="a NaN/inf loss on any rank stops every rank with the step, system and "
+                   "file (stop, the default), or every rank skips that step's update (skip)")
 
 
 def _add_convert(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -212,14 +218,15 @@ def _run_bench(args: argparse.Namespace) -> int:
 def _run_train(args: argparse.Namespace) -> int:
     from mdloader.config.input_json import load_config
     from mdloader.train.job import ModelOptions, train
+    from mdloader.train.signals import EXIT_STOPPED
 
     if not args.rcut > 0:
         raise ConfigError(f"must be a positive number, got {args.rcut}", path="--rcut")
-    train(load_config(args.input), output=args.output, restart=args.restart,
-          numb_steps=args.numb_steps, stop_after=args.stop_after,
-          num_workers=args.num_workers, options=ModelOptions(rcut=args.rcut),
-          full_validation=args.full_validation)
-    return 0
+    result = train(load_config(args.input), output=args.output, restart=args.restart,
+                   numb_steps=args.numb_steps, stop_after=args.stop_after,
+                   num_workers=args.num_workers, options=ModelOptions(rcut=args.rcut),
+                   full_validation=args.full_validation, nonfinite=args.nonfinite)
+    return EXIT_STOPPED if result.stopped_by else 0
 
 
 def _run_convert(args: argparse.Namespace) -> int:
@@ -285,10 +292,33 @@ def _guarded(job: Callable[[], int], *, debug: bool) -> int:
         return job()
     except KeyboardInterrupt:
         _tell("mdloader: interrupted")
-        return 130
+        return _leave(130)
     except MdloaderError as exc:
-        if debug:
+        if debug or _is_bug(exc):
             traceback.print_exc()
         text = str(exc) if debug else getattr(exc, "summary", str(exc))
         _tell(f"mdloader: error: {text}")
-        return 2 if isinstance(exc, ConfigError) else 1
+        return _leave(2 if _is_config_error(exc) else 1)
+
+
+def _is_config_error(exc: MdloaderError) -> bool:
+    """A ConfigError, here or on the rank whose failure this rank reports."""
+    return isinstance(exc, ConfigError) or getattr(exc, "exc_type", None) == "ConfigError"
+
+
+def _is_bug(exc: BaseException) -> bool:
+    """A failure of this very rank that is no mdloader error: its traceback is what a bug
+    report needs (the line alone would hide where it came from)."""
+    cause = exc.__cause__
+    return (isinstance(exc, RemoteError) and cause is not None
+            and not isinstance(cause, MdloaderError) and exc.exc_type == type(cause).__name__
+            and exc.origin_rank == World.from_env().rank)
+
+
+def _leave(code: int) -> int:
+    """``code``, or leave the process now when a failed job left its process group behind
+    (only a job that started a group imported the module that knows)."""
+    failure = sys.modules.get("mdloader.distributed.failure")
+    if failure is not None and failure.abandoned():
+        failure.exit_now(code)
+    return code

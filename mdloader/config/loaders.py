@@ -36,9 +36,11 @@ def configured_loader(data: DataConfig, *, type_map: Sequence[str] | None, seed:
     tmap = list(type_map) if type_map else None
     datasets, report = build_systems_with_report(list(data.systems), tmap,
                                                  rglob_patterns=data.rglob_patterns,
-                                                 index_file=data.index_file)
+                                                 index_file=data.index_file,
+                                                 key=f"{data.json_path}.systems")
     dataset = DpLoaderSet(datasets, data.batch_size_value(), tmap, seed=seed, world=world)
     dataset.add_data_requirement(labels)
-    sampler = get_sampler_from_params(dataset, data.sampler_params(), num_workers=num_workers)
+    sampler = get_sampler_from_params(dataset, data.sampler_params(), num_workers=num_workers,
+                                      json_path=data.json_path)
     loader = StatefulLoader(dataset, sampler, num_workers=num_workers, **dataloader_kwargs)
     return ConfiguredLoader(dataset, sampler, loader, report)

@@ -22,7 +22,6 @@ entry) expands into one address per group of frames, in the order of its system 
 from __future__ import annotations
 
 import glob
-import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,10 +30,8 @@ from mdloader.data.formats import Listing, address_sort_key, parse_address
 from mdloader.data.lmdb_index import group_addresses
 from mdloader.data.overlap import Overlap
 from mdloader.data.walk import KnownTree, matches, walk
-from mdloader.errors import NoSystemsFoundError
+from mdloader.errors import ConfigError, NoSystemsFoundError
 from mdloader.settings import resolve
-
-log = logging.getLogger(__name__)
 
 _GLOB_CHARS = set("*?[")
 
@@ -47,19 +44,19 @@ class Discovery:
 
     ``addresses`` are the systems, entries in the order given; ``listings`` the listing of each
     system folder this walk listed, so that the build does not list it again; ``walked`` every
-    folder listed (``True`` for systems); ``files`` the HDF5 files listed; ``missing`` the
-    entries that did not exist; ``globs`` each pattern entry's matches.
+    folder listed (``True`` for systems); ``files`` the HDF5 files listed; ``globs`` each
+    pattern entry's matches.
     """
 
     addresses: list[str] = field(default_factory=list)
     listings: dict[str, Listing] = field(default_factory=dict)
     walked: dict[str, bool] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
     globs: dict[str, list[str]] = field(default_factory=dict)
 
 
-def discover_systems(systems: Systems, rglob_patterns: Sequence[str] | None = None) -> list[str]:
+def discover_systems(systems: Systems, rglob_patterns: Sequence[str] | None = None, *,
+                     key: str = "systems") -> list[str]:
     """Addresses of every system of ``systems``: entries in the order given, each expanded.
 
     Parameters
@@ -73,15 +70,21 @@ def discover_systems(systems: Systems, rglob_patterns: Sequence[str] | None = No
     rglob_patterns
         Keep only systems whose path below a root matches one of these patterns (at any depth,
         like ``pathlib.Path.rglob``), e.g. ``["data_*"]``.
+    key
+        The JSON path of ``systems`` (``training.training_data.systems``): an entry that does
+        not exist, or a pattern that matches nothing, is a :class:`ConfigError` naming it
+        (``...systems[1]`` for the second entry of a list).
     """
-    return discover(systems, rglob_patterns).addresses
+    return discover(systems, rglob_patterns, key=key).addresses
 
 
-def expand_entry(entry: str, rglob_patterns: Sequence[str] | None = None) -> list[str]:
+def expand_entry(entry: str, rglob_patterns: Sequence[str] | None = None, *,
+                 where: str = "systems") -> list[str]:
     """The systems one entry stands for, sorted and unique (empty when it finds none); the groups
-    of an LMDB database in the order of their system ids and atom counts."""
+    of an LMDB database in the order of their system ids and atom counts. An entry that does
+    not exist is a :class:`ConfigError` naming ``where``, its JSON path."""
     try:
-        return discover([entry], rglob_patterns).addresses
+        return discover([entry], rglob_patterns, key=where).addresses
     except NoSystemsFoundError:
         return []
 
@@ -95,7 +98,8 @@ def entries_of(systems: Systems) -> list[str]:
 
 def discover(systems: Systems, rglob_patterns: Sequence[str] | None = None, *,
              workers: int | None = None, known: KnownTree | None = None,
-             known_files: dict[str, list[str]] | None = None) -> Discovery:
+             known_files: dict[str, list[str]] | None = None, key: str = "systems"
+             ) -> Discovery:
     """:func:`discover_systems` with what it looked at; folders are listed in up to
     ``workers`` threads when the file system makes them wait (``$MDLOADER_BUILD_WORKERS``).
 
@@ -106,8 +110,10 @@ def discover(systems: Systems, rglob_patterns: Sequence[str] | None = None, *,
     threads = int(resolve("build_workers", workers, argument="num_workers"))
     out = Discovery()
     roots: dict[str, int] = {}
-    plan = [[_part(path, rglob_patterns, out, roots, known_files or {})
-             for path in _expand_globs(entry, out.globs)] for entry in entries]
+    wheres = [key] if len(entries) == 1 else [f"{key}[{i}]" for i in range(len(entries))]
+    plan = [[_part(path, rglob_patterns, out, roots, known_files or {}, where)
+             for path in _expand_globs(entry, out.globs, where)]
+            for entry, where in zip(entries, wheres)]
     tree = walk(list(roots), rglob_patterns, Overlap(threads), known)
     for parts in plan:
         found: set[str] = set()
@@ -125,23 +131,25 @@ def discover(systems: Systems, rglob_patterns: Sequence[str] | None = None, *,
     return out
 
 
-def _expand_globs(entry: str, globs: dict[str, list[str]]) -> list[str]:
+def _expand_globs(entry: str, globs: dict[str, list[str]], where: str) -> list[str]:
     path_part = entry.split("#", 1)[0]
     if not _GLOB_CHARS & set(path_part):
         return [entry]
     found = sorted(glob.glob(path_part))
     if not found:
-        log.warning("the pattern %s matched nothing", entry)
+        raise ConfigError(f"the pattern {entry} matches nothing", path=where)
     suffix = entry[len(path_part):]
     globs[entry] = [m + suffix for m in found]
     return globs[entry]
 
 
 def _part(path: str, patterns: Sequence[str] | None, out: Discovery, roots: dict[str, int],
-          known_files: dict[str, list[str]]) -> int | list[str]:
+          known_files: dict[str, list[str]], where: str) -> int | list[str]:
     """An HDF5 file's or LMDB database's systems (listed now), or a folder's index among the
-    roots of the walk."""
+    roots of the walk; an entry that does not exist is a :class:`ConfigError` naming ``where``."""
     loc = parse_address(path)
+    if not os.path.exists(loc.path):
+        raise ConfigError(f"{path} does not exist", path=where)
     if loc.backend == "lmdb":  # a path ending in .lmdb, or one group's address
         return [os.path.abspath(loc.path) + "#" + loc.group] if loc.group else \
             group_addresses(path)
@@ -151,10 +159,6 @@ def _part(path: str, patterns: Sequence[str] | None, out: Discovery, roots: dict
         file, group = path, "/"  # DeePMD-kit: any existing file is HDF5
     else:
         root = os.path.normpath(os.path.abspath(path))
-        if not os.path.isdir(root):
-            log.warning("%s does not exist or is not a directory", path)
-            out.missing.append(root)
-            return []
         if os.path.isfile(os.path.join(root, "data.mdb")):  # an LMDB database named otherwise
             return group_addresses(root)
         return roots.setdefault(root, len(roots))

@@ -84,7 +84,7 @@ def stale_systems(table: SystemTable, since_ns: int, overlap: Overlap) -> np.nda
 @dataclass
 class Check:
     """What changed since an index was saved: systems (by row), other folders walked (in the
-    order of ``SavedIndex.walked``), HDF5 files, and entries (a missing path now exists, a
+    order of ``SavedIndex.walked``), HDF5 files, and entries (a
     pattern matches other paths). ``partial``: the file left systems out (LMDB groups), which
     must be found and described again even when nothing changed."""
 
@@ -109,7 +109,7 @@ def check_saved(saved: SavedIndex, before_ns: int, overlap: Overlap) -> Check:
     return Check(stale_systems(saved.table, before_ns, overlap),
                  changed(list(saved.walked), before_ns, overlap),
                  changed(saved.files, before_ns, overlap),
-                 any(os.path.exists(p) for p in saved.missing) or _globs_moved(saved.globs),
+                 _globs_moved(saved.globs),
                  saved.partial)
 
 

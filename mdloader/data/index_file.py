@@ -29,7 +29,7 @@ from mdloader.data.system import SetMeta, restore_set
 from mdloader.data.table import SystemTable, TableBuilder
 
 MAGIC = b"MDLINDEX"
-FORMAT = 1
+FORMAT = 2
 _HEAD = struct.Struct("<8sIIIQ32s")  # magic, format, header, body and blob lengths, sha256
 _STALE_TEMP = 3600.0  # seconds after which a temporary file is taken for a dead writer's
 
@@ -44,7 +44,7 @@ class SavedIndex:
 
     ``since_ns``: when the build that made it started (files changed later are stale);
     ``walked``: folders the walk listed that are not indexed systems (``True``: a system left
-    out by the patterns); ``files``: HDF5 files listed; ``missing``: entries that did not exist;
+    out by the patterns); ``files``: HDF5 files listed;
     ``globs``: each pattern entry's matches; ``partial``: systems of a backend whose description
     a file does not hold (LMDB groups, described from their database's metadata) were left out,
     so they are described at every start.
@@ -54,7 +54,6 @@ class SavedIndex:
     since_ns: int
     walked: dict[str, bool] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
     globs: dict[str, list[str]] = field(default_factory=dict)
     partial: bool = False
 
@@ -165,7 +164,7 @@ def _encode(saved: SavedIndex, header: dict[str, Any]) -> tuple[bytes, bytes, by
             "folders": list(parts["folders"]), "type_maps": _lists(parts["type_maps"]),
             "sets": [[s.name, s.nframes, list(s.keys), list(s.widths)] for s in parts["sets"]],
             "idx_maps": _lists(parts["idx_maps"]), "since_ns": saved.since_ns,
-            "walked": saved.walked, "files": saved.files, "missing": saved.missing,
+            "walked": saved.walked, "files": saved.files,
             "globs": saved.globs, "partial": partial or saved.partial}
     return (json.dumps(header).encode(), json.dumps(body).encode(), b"".join(chunks))
 
@@ -189,7 +188,7 @@ def _decode(body: dict[str, Any], blob: memoryview) -> SavedIndex:
         folders=tuple(body["folders"]), type_maps=_tuples(body["type_maps"]), sets=sets,
         idx_maps=_tuples(body["idx_maps"]))
     return SavedIndex(table, int(body["since_ns"]), dict(body["walked"]), list(body["files"]),
-                      list(body["missing"]), {k: list(v) for k, v in body["globs"].items()},
+                      {k: list(v) for k, v in body["globs"].items()},
                       bool(body["partial"]))
 
 

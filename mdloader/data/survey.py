@@ -41,11 +41,12 @@ class Survey:
 
 
 def survey(systems: object, rglob_patterns: Sequence[str] | None,
-           type_map: Sequence[str] | None, workers: int, progress: bool) -> Survey:
+           type_map: Sequence[str] | None, workers: int, progress: bool,
+           key: str = "systems") -> Survey:
     """Walk the tree and describe every system (rank 0's cold build)."""
     since = time.time_ns()
     start = time.monotonic()
-    found = discover(systems, rglob_patterns, workers=workers)  # type: ignore[arg-type]
+    found = discover(systems, rglob_patterns, workers=workers, key=key)  # type: ignore[arg-type]
     found_at = time.monotonic()
     unique = list(dict.fromkeys(found.addresses))  # a repeated entry is described once
     metas = dict(zip(unique, _described(unique, found, type_map, workers, progress)))
@@ -58,7 +59,7 @@ def survey(systems: object, rglob_patterns: Sequence[str] | None,
 
 def resurvey(saved: SavedIndex, systems: object, rglob_patterns: Sequence[str] | None,
              type_map: Sequence[str] | None, workers: int, progress: bool,
-             settle_ns: int) -> Survey:
+             settle_ns: int, key: str = "systems") -> Survey:
     """``saved`` if nothing it depends on changed, else an updated survey (see the module)."""
     since = time.time_ns()
     start = time.monotonic()
@@ -78,7 +79,7 @@ def resurvey(saved: SavedIndex, systems: object, rglob_patterns: Sequence[str] |
             by_file.setdefault(parse_address(address).path, []).append(address)
     known_files = {f: by_file.get(f, []) for f, s in zip(saved.files, check.files) if not s}
     found = discover(systems, rglob_patterns, workers=workers,  # type: ignore[arg-type]
-                     known=KnownTree(walked, unchanged), known_files=known_files)
+                     known=KnownTree(walked, unchanged), known_files=known_files, key=key)
     found_at = time.monotonic()
     keep = {a: i for i, a in enumerate(addresses) if not stale[i]}
     new = list(dict.fromkeys(a for a in found.addresses if a not in keep))
@@ -101,7 +102,7 @@ def _saved(builder: TableBuilder, since: int, found: Discovery) -> SavedIndex:
     table = builder.table()
     indexed = set(found.addresses)
     walked = {p: s for p, s in found.walked.items() if p not in indexed}
-    return SavedIndex(table, since, walked, list(found.files), list(found.missing),
+    return SavedIndex(table, since, walked, list(found.files),
                       dict(found.globs))
 
 

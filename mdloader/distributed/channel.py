@@ -28,7 +28,7 @@ from mdloader.distributed.group import (
     transport_device,
 )
 from mdloader.distributed.packets import MAGIC, PROTOCOL_VERSION, Kind, Packet, header_tensor
-from mdloader.errors import CollectiveTimeoutError, DistributedError
+from mdloader.errors import AgreementError, CollectiveTimeoutError, DistributedError
 from mdloader.settings import SETTINGS, resolve
 
 
@@ -120,7 +120,8 @@ class Channel:
                 for (kind, n, count), body in zip(metas, bodies)]
 
     def agree(self, payload_digest: bytes, problem: str | None) -> None:
-        """Every member reports (ok?, digest); all raise together if any rank disagrees.
+        """Every member reports (ok?, digest); all raise :class:`AgreementError` together if any
+        rank disagrees.
 
         ``problem`` is this rank's own verification failure (``None`` when fine); its text stays
         local, the other ranks learn which ranks failed.
@@ -134,14 +135,14 @@ class Channel:
         ranks = [dist.get_global_rank(self.group, r) for r in range(self.size)]
         failed = [g for g, row in zip(ranks, rows) if not row[0]]
         if problem is not None:
-            raise DistributedError(f"rank {dist.get_rank()}: {problem} "
+            raise AgreementError(f"rank {dist.get_rank()}: {problem} "
                                    f"(verification failed on ranks {failed})")
         if failed:
-            raise DistributedError(f"verification of the broadcast failed on ranks {failed}; "
+            raise AgreementError(f"verification of the broadcast failed on ranks {failed}; "
                                    f"rank {dist.get_rank()} was fine: see the errors of {failed}")
         differ = [g for g, row in zip(ranks, rows) if row[1:] != rows[0][1:]]
         if differ:
-            raise DistributedError(f"payload digest differs from rank {self.src_global}'s on ranks "
+            raise AgreementError(f"payload digest differs from rank {self.src_global}'s on ranks "
                                    f"{differ}: the broadcast was corrupted or the ranks disagree")
 
     def _check_header(self, values: list[int]) -> tuple[Kind, int, int]:
@@ -159,18 +160,28 @@ class Channel:
                                    f"{self.src_global}: kind={kind}, length={nbytes}")
         return Kind(kind), nbytes, count
 
+    def any_set(self, flags: list[bool], what: str = "flag exchange") -> list[bool]:
+        """Whether each flag is set on any member: one all-reduce (max) of a few integers."""
+        tensor = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int64,
+                              device=self.device)
+        self._wait(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group,
+                                           async_op=True), what)
+        return [bool(v) for v in tensor.cpu().tolist()]
+
     def _run(self, op: Callable[..., Any], tensor: torch.Tensor, what: str,
              outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
+        if outputs is None:
+            self._wait(lambda: op(tensor, group=self.group, group_src=0, async_op=True), what)
+        else:
+            self._wait(lambda: op(outputs, tensor, group=self.group, async_op=True), what)
+        return tensor
+
+    def _wait(self, launch: Callable[[], Any], what: str) -> None:
         start = time.monotonic()
         try:
-            if outputs is None:
-                work = op(tensor, group=self.group, group_src=0, async_op=True)
-            else:
-                work = op(outputs, tensor, group=self.group, async_op=True)
-            work.wait(timeout=timedelta(seconds=self.timeout))
+            launch().wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as exc:
             raise self._failure(exc, what, time.monotonic() - start) from exc
-        return tensor
 
     def _failure(self, exc: RuntimeError, what: str, waited: float) -> DistributedError:
         me, src = dist.get_rank(), self.src_global

@@ -1,4 +1,5 @@
-"""Small collectives of a job: one object gathered to rank 0 or broadcast from it, a mean, sums.
+"""Small collectives of a job: one object gathered to rank 0 or broadcast from it, a mean, sums,
+flags, and a failure shared by every rank.
 
 Every object travels as one framed packet (:mod:`mdloader.distributed.packets`), so a rank that
 cannot pickle its object fails every rank with its error instead of leaving them waiting.
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from mdloader.distributed.channel import world_channel
 from mdloader.distributed.group import current_world, transport_device
-from mdloader.distributed.packets import Kind, data_packet, open_packet
+from mdloader.distributed.packets import Kind, data_packet, error_packet, open_packet
 
 
 def all_reduce_mean(values: np.ndarray | list[float],
@@ -79,3 +80,32 @@ def broadcast_from_main(obj: Any = None, *, timeout: float | None = None,
     channel = world_channel(timeout=timeout, activity=context)
     mine = data_packet(obj, rank=world.rank, context=context) if channel.is_source else None
     return open_packet(channel.broadcast(mine), rank=world.rank)
+
+
+def any_rank(flags: list[bool], *, activity: str) -> list[bool]:
+    """For each flag, whether it is set on any rank: one tiny all-reduce on the CPU group,
+    bounded by ``$MDLOADER_COLLECTIVE_TIMEOUT``; ``activity`` is what the ranks are doing."""
+    if not current_world().distributed:
+        return [bool(f) for f in flags]
+    return world_channel(activity=activity).any_set(flags)
+
+
+def fail_together(error: BaseException | None, *, context: str,
+                  timeout: float | None = None) -> None:
+    """Every rank passes its own failure or ``None``; if any rank failed, every rank raises the
+    :class:`~mdloader.errors.RemoteError` of the lowest failing rank, naming its system and file.
+
+    A collective (every rank calls it); a no-op check in a single process, where ``error`` is
+    raised as it is.
+    """
+    world = current_world()
+    if not world.distributed:
+        if error is not None:
+            raise error
+        return
+    channel = world_channel(timeout=timeout, activity=context)
+    mine = (data_packet(None, rank=world.rank, context=context) if error is None
+            else error_packet(error, rank=world.rank, context=context))
+    for packet in channel.gather(mine):
+        if packet.kind is Kind.ERROR:
+            open_packet(packet, rank=world.rank)

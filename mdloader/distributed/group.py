@@ -14,6 +14,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mdloader.distributed.failure import (
+    Activity,
+    abandon,
+    fail_alone,
+    failed_together,
+    next_job,
+    settle,
+)
+from mdloader.settings import resolve
 from mdloader.world import World
 
 
@@ -80,15 +89,17 @@ def subgroup(ranks: list[int]) -> Any:
 def init_from_env() -> World:
     """Start the default group when ``WORLD_SIZE`` > 1 and none runs; return this rank's world.
 
-    NCCL when CUDA is available, else gloo. DeePMD-kit keys on ``LOCAL_RANK`` and silently runs
-    W serial trainings under a launcher that does not set it; here the world size decides.
+    NCCL when CUDA is available, else gloo, with the timeout ``$MDLOADER_GROUP_TIMEOUT``.
+    DeePMD-kit keys on ``LOCAL_RANK`` and silently runs W serial trainings under a launcher that
+    does not set it; here the world size decides.
     """
     world = World.from_env()
     if world.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(world.local_rank)
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend,
+                                timeout=timedelta(seconds=resolve("group_timeout")))
     return current_world() if dist.is_initialized() else world
 
 
@@ -99,42 +110,35 @@ def device_of(world: World) -> torch.device:
 
 
 @contextmanager
-def process_group() -> Iterator[World]:
+def process_group(activity: Activity | None = None) -> Iterator[World]:
     """Run a job inside the default group, started here if needed and torn down after.
 
     Every rank passes a barrier before ``destroy_process_group``: torch 2.13 + gloo aborts a
     rank ("terminate called without an active exception") that tears down while another is
-    still inside the group. On success that is a plain barrier. On failure the ranks usually
-    failed together (a framed error reaches all of them), so they meet at a monitored barrier
-    that gives up after :data:`SETTLE_SECONDS` instead of hanging on a rank that did not fail.
+    still inside the group. After a failure, the ranks that failed together settle on the store
+    for a bounded time before the teardown; a rank that failed alone raises
+    :class:`~mdloader.errors.RankFailedError` at once and leaves the group as it is
+    (:mod:`mdloader.distributed.failure`). ``activity`` says what the rank was doing, for the
+    failure line.
     """
     started = not dist.is_initialized() and World.from_env().world_size > 1
     world = init_from_env()
-    ok = False
+    job = next_job()
     try:
         yield world
-        ok = True
-    finally:
+    except BaseException as exc:
+        if not world.distributed:
+            raise
+        if not failed_together(exc):
+            abandon()
+            raise fail_alone(exc, job=job, activity=activity or Activity()) from exc
+        settled = settle(job, world.world_size)
         if started and dist.is_initialized():
-            if ok:
-                dist.barrier()
+            if settled:
+                dist.destroy_process_group()
             else:
-                _settle_after_failure()
-            dist.destroy_process_group()
-
-
-SETTLE_SECONDS = 30.0
-
-
-def _settle_after_failure() -> None:
-    group = None
-    if _cpu_groups is not None and _cpu_groups[0] is dist.group.WORLD and _cpu_groups[1]:
-        group = next(iter(_cpu_groups[1].values()))
-    if group is None and dist.get_backend() == "gloo":
-        group = dist.group.WORLD
-    if group is None:
-        return  # NCCL only: no barrier that can time out; tear down as we are
-    try:
-        dist.monitored_barrier(group=group, timeout=timedelta(seconds=SETTLE_SECONDS))
-    except RuntimeError:
-        pass  # a peer did not fail with us: nothing to wait for
+                abandon()
+        raise
+    if started and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

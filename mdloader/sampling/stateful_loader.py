@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from mdloader.errors import WorkerLostError
 from mdloader.sampling.samplers import WeightedSystemSampler
 from mdloader.sampling.state import check_keys
-from mdloader.transport import NumpyTransport, identity
+from mdloader.transport import CarriedError, CarryErrors, NumpyTransport, identity
 
 STATE_VERSION = 1
 
@@ -29,7 +30,9 @@ class StatefulLoader:
     to it, so keys a previous iterator prefetched but never delivered are read again rather than
     skipped. With workers, batches cross the process boundary as numpy arrays
     (:class:`~mdloader.transport.NumpyTransport`, ``numpy_transport=True``); the yielded batches
-    are the same.
+    are the same. A worker's mdloader error is raised in the main process as the same error, with
+    its system and file (:class:`~mdloader.transport.CarryErrors`), and a worker that died is a
+    :class:`~mdloader.errors.WorkerLostError`.
     """
 
     def __init__(self, dataset: Any, sampler: WeightedSystemSampler, *, num_workers: int = 0,
@@ -39,7 +42,8 @@ class StatefulLoader:
             collate_fn = NumpyTransport(collate_fn)
         dataloader_kwargs["collate_fn"] = collate_fn
         self.sampler = sampler
-        self.dataloader = DataLoader(dataset, sampler=sampler, batch_size=None,
+        self.dataloader = DataLoader(CarryErrors(dataset) if num_workers > 0 else dataset,
+                                     sampler=sampler, batch_size=None,
                                      num_workers=num_workers, **dataloader_kwargs)
         self._consumed = sampler.position
 
@@ -48,9 +52,17 @@ class StatefulLoader:
             self.sampler.seek(self._consumed)
         with torch.device("cpu"):  # torch's DataLoader draws its base seed on the default device
             batches = iter(self.dataloader)
-        for batch in batches:
-            self._consumed += 1
-            yield batch
+        try:
+            for batch in batches:
+                if isinstance(batch, CarriedError):
+                    raise batch.error
+                self._consumed += 1
+                yield batch
+        except RuntimeError as exc:
+            lost = lost_worker(exc)
+            if lost is None:
+                raise
+            raise lost from exc
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -68,3 +80,25 @@ class StatefulLoader:
         check_keys(state, kind="loader", version=STATE_VERSION, keys=("sampler",))
         self.sampler.load_state_dict(state["sampler"])
         self._consumed = self.sampler.position
+
+
+def lost_worker(exc: BaseException | None) -> WorkerLostError | None:
+    """torch's "DataLoader worker (pid N) is killed by signal" (or "exited unexpectedly") as a
+    :class:`~mdloader.errors.WorkerLostError` that says what may have happened; else ``None``.
+
+    torch raises it where the main process happens to be when it notices (its SIGCHLD handler),
+    so callers outside this loader's iteration may need it too.
+    """
+    if isinstance(exc, WorkerLostError):
+        return exc
+    while exc is not None and not (isinstance(exc, RuntimeError)
+                                   and str(exc).startswith("DataLoader worker")):
+        exc = exc.__cause__  # e.g. a collective that was interrupted by it
+    if exc is None:
+        return None
+    text = str(exc)
+    said = text.split("Original Traceback", 1)[0].strip().rstrip(".")
+    hint = ("a memory-mapped file may have been truncated while it was read"
+            if "Bus error" in text else "killed from outside or out of memory: see the kernel "
+            "log (dmesg)")
+    return WorkerLostError(f"{said} ({hint})")

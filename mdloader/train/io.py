@@ -2,7 +2,9 @@
 
 ``lcurve.out`` keeps DeePMD-kit's columns and number format, so existing plotting scripts work:
 ``step``, then ``rmse``, ``rmse_e`` (per atom) and ``rmse_f`` as ``_val``/``_trn`` pairs, then
-``lr``. ``full_valid.out`` has one line per full validation pass. Checkpoints are
+``lr``. ``full_valid.out`` has one line per full validation pass. A restart keeps the lines of
+both files up to its checkpoint's step and drops the later ones (a run killed after its last
+checkpoint wrote them; DeePMD-kit appends, so they appear twice). Checkpoints are
 ``<save_ckpt>-<step>.pt`` with a ``<save_ckpt>.pt`` link to the latest (DeePMD-kit's naming); they
 hold the model, the optimizer, and the loader state of the whole job (every rank's state merged,
 :func:`mdloader.sampling.job_state.merge_rank_states`), so that a restart on the same number of
@@ -25,17 +27,50 @@ CKPT_VERSION = 2
 MAX_KEEP = 5
 
 
-class Lcurve:
-    """Append-only writer of DeePMD-kit's learning curve (rank 0 only)."""
+def keep_steps_up_to(path: str, step: int) -> None:
+    """Drop the lines of a per-step log written after ``step`` (comment lines stay).
 
-    def __init__(self, path: str, *, with_validation: bool, append: bool) -> None:
+    The file is replaced atomically, so a crash leaves the old one or the new one.
+    """
+    with open(path, encoding="utf-8") as fh:
+        lines = fh.readlines()
+    kept = [line for line in lines if not _step_of(line) > step]
+    if len(kept) == len(lines):
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.writelines(kept)
+    os.replace(tmp, path)
+
+
+def _step_of(line: str) -> int:
+    head = line.split(maxsplit=1)[0] if line.strip() else ""
+    return int(head) if head.isdigit() else -1
+
+
+def _open_log(path: str, header: str, after: int | None) -> IO[str]:
+    """A log for appending: new (with its header) when ``after`` is None or the file is
+    missing, else the existing file with its lines after step ``after`` dropped."""
+    if after is not None and os.path.exists(path):
+        keep_steps_up_to(path, after)
+        return open(path, "a", encoding="utf-8")
+    fh = open(path, "w", encoding="utf-8")
+    fh.write(header)
+    fh.flush()
+    return fh
+
+
+class Lcurve:
+    """Append-only writer of DeePMD-kit's learning curve (rank 0 only).
+
+    ``after``: ``None`` starts a new file; a restart passes its checkpoint's step to continue the
+    existing file from there.
+    """
+
+    def __init__(self, path: str, *, with_validation: bool, after: int | None = None) -> None:
         self.path = path
         self.with_validation = with_validation
-        fresh = not (append and os.path.exists(path))
-        self._fh: IO[str] = open(path, "a" if not fresh else "w", encoding="utf-8")
-        if fresh:
-            self._fh.write(self.header())
-            self._fh.flush()
+        self._fh = _open_log(path, self.header(), after)
 
     def header(self) -> str:
         text = "# {:5s}".format("step")
@@ -64,17 +99,15 @@ class Lcurve:
 
 
 class FullValidationLog:
-    """Append-only writer of ``full_valid.out``: one line per full validation pass (rank 0)."""
+    """Append-only writer of ``full_valid.out``: one line per full validation pass (rank 0);
+    ``after`` as for :class:`Lcurve`."""
 
     HEADER = "# {:>5s}   {:>11s} {:>11s}   {:>8s}   {:>9s}\n".format(
         "step", "rmse_e_val", "rmse_f_val", "frames", "seconds")
 
-    def __init__(self, path: str, *, append: bool) -> None:
+    def __init__(self, path: str, *, after: int | None = None) -> None:
         self.path = path
-        fresh = not (append and os.path.exists(path))
-        with open(path, "w" if fresh else "a", encoding="utf-8") as fh:
-            if fresh:
-                fh.write(self.HEADER)
+        _open_log(path, self.HEADER, after).close()
 
     def write(self, step: int, rmse_e: float, rmse_f: float, frames: int, seconds: float) -> str:
         line = f"{step:7d}   {rmse_e:11.4e} {rmse_f:11.4e}   {frames:8d}   {seconds:9.3f}\n"

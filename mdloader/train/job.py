@@ -8,14 +8,18 @@ weighted sampler, and steps a :class:`~mdloader.train.model.RadialPotential` wra
 resumes model, optimizer and the loader streams: on the same number of ranks the batches after the
 restart are exactly those an uninterrupted run would have drawn, on another number the job
 resumes elastically (:mod:`mdloader.train.resume`). Validation is in
-:mod:`mdloader.train.validation`.
+:mod:`mdloader.train.validation`, one step in :mod:`mdloader.train.step`.
+
+Failures: before the first step every box is checked against the cutoff
+(:mod:`mdloader.train.faults`); a SIGTERM or SIGUSR1 stops every rank after the same step with a
+checkpoint (:mod:`mdloader.train.signals`); a failure on one rank ends the job at once with one
+line on every rank (:mod:`mdloader.distributed.failure`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,16 +30,22 @@ from tqdm import tqdm
 
 from mdloader.config.input_json import Config
 from mdloader.config.loaders import configured_loader
+from mdloader.data.formats import release_handles
 from mdloader.data.schema import DataRequirementItem
-from mdloader.distributed.collectives import all_reduce_mean
+from mdloader.distributed.collectives import all_reduce_mean, fail_together
+from mdloader.distributed.failure import Activity
 from mdloader.distributed.group import device_of, process_group
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.loader import default_num_workers
+from mdloader.sampling.stateful_loader import lost_worker
+from mdloader.train.faults import check_boxes, nonfinite_weights
 from mdloader.train.io import FullValidationLog, Lcurve, load_checkpoint, save_checkpoint
 from mdloader.train.model import RadialPotential
 from mdloader.train.objective import EnergyForceLoss, ExpDecayLR, resolve_numb_steps, rmse_columns
 from mdloader.train.resume import gather_loader_states, restart_note
+from mdloader.train.signals import StopSignals, ignore_stop_signals
 from mdloader.train.statistics import fit_statistics, on_main_for_all
+from mdloader.train.step import Stepper
 from mdloader.train.validation import FullValidation, Validation
 from mdloader.world import World
 
@@ -58,7 +68,8 @@ class ModelOptions:
 
 @dataclass
 class TrainResult:
-    """What one rank did: the last step, files written (rank 0), batches it trained on."""
+    """What one rank did: the last step, files written (rank 0), batches it trained on, and the
+    signal that stopped the run early (``None`` when it ran to its end)."""
 
     step: int
     lcurve: str | None = None
@@ -67,14 +78,17 @@ class TrainResult:
     last_train: dict[str, float] = field(default_factory=dict)
     last_valid: dict[str, float] | None = None
     full_valid: list[FullValidation] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    stopped_by: str | None = None
 
 
 def train(config: Config, *, output: str = ".", restart: str | None = None,
           numb_steps: int | None = None, stop_after: int | None = None,
           num_workers: int | None = None, options: ModelOptions = ModelOptions(),
-          full_validation: bool = False) -> TrainResult:
+          full_validation: bool = False, nonfinite: str = "stop") -> TrainResult:
     """Train; ``stop_after`` ends this run early (with a checkpoint) as a job time limit would;
-    ``full_validation`` validates every validation frame at every checkpoint."""
+    ``full_validation`` validates every validation frame at every checkpoint; ``nonfinite``
+    says what a non-finite loss does (:mod:`mdloader.train.step`)."""
     if full_validation and config.validation_data is None:
         raise ConfigError("--full-validation needs validation data",
                           path="training.validation_data")
@@ -82,24 +96,28 @@ def train(config: Config, *, output: str = ".", restart: str | None = None,
         raise ConfigError(f"must be a positive step, got {stop_after}", path="--stop-after")
     if numb_steps is not None and numb_steps < 0:
         raise ConfigError(f"must be an integer >= 0, got {numb_steps}", path="--numb-steps")
-    with process_group() as world:
-        return _Trainer(config, world, output=output, numb_steps=numb_steps,
-                        num_workers=num_workers, options=options,
-                        full_validation=full_validation).run(restart, stop_after)
+    activity = Activity("building the loader")
+    with process_group(activity) as world:
+        trainer = _Trainer(config, world, output=output, numb_steps=numb_steps,
+                           num_workers=num_workers, options=options,
+                           full_validation=full_validation, activity=activity)
+        return trainer.run(restart, stop_after, nonfinite)
 
 
 class _Trainer:
     """State of one training run on one rank (created by :func:`train`)."""
 
     def __init__(self, config: Config, world: World, *, output: str, numb_steps: int | None,
-                 num_workers: int | None, options: ModelOptions, full_validation: bool) -> None:
+                 num_workers: int | None, options: ModelOptions, full_validation: bool,
+                 activity: Activity) -> None:
         self.config, self.world, self.output, self.options = config, world, output, options
-        self.full_validation = full_validation
+        self.full_validation, self.activity = full_validation, activity
         self.device = device_of(world)
         workers = default_num_workers() if num_workers is None else num_workers
         built = configured_loader(config.training_data, type_map=config.type_map,
                                   seed=config.seed, world=world, labels=LABELS,
-                                  num_workers=workers, pin_memory=self.device.type == "cuda")
+                                  num_workers=workers, pin_memory=self.device.type == "cuda",
+                                  worker_init_fn=ignore_stop_signals)
         self.train_set, sampler, self.loader = built.dataset, built.sampler, built.loader
         self.numb_steps = resolve_numb_steps(config, numb_steps, self.train_set.index,
                                              sampler.weights.numpy())
@@ -120,31 +138,45 @@ class _Trainer:
             self.model = RadialPotential(ntypes, rcut=options.rcut, nbasis=options.nbasis,
                                          hidden=options.hidden).to(self.device)
 
-    def run(self, restart: str | None, stop_after: int | None) -> TrainResult:
+    def run(self, restart: str | None, stop_after: int | None, nonfinite: str) -> TrainResult:
+        self.activity.doing = "checking every box against the model cutoff"
+        check_boxes(self.train_set.systems, self.options.rcut, self.world)
         step = 0
         if restart is None:
-            self._statistics_on_main()
-        self.ddp_model = (DistributedDataParallel(self.model) if self.world.distributed
-                          else self.model)
+            self.activity.doing = "computing the model statistics"
+            on_main_for_all(self._statistics, self.world, context=self.activity.doing)
+        release_handles()  # training reopens (and checks again) what the checks read
+        ddp_model = (DistributedDataParallel(self.model) if self.world.distributed
+                     else self.model)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.schedule.start_lr)
+        self.stepper = Stepper(self.model, ddp_model, self.optimizer, self.loss_fn,
+                               self.train_set.systems, device=self.device, nonfinite=nonfinite,
+                               rank=self.world.rank)
         if restart is not None:
             step = self._restore(restart)
-        os.makedirs(self.output, exist_ok=True)
-        self.lcurve = (Lcurve(os.path.join(self.output, self.config.disp_file),
-                              with_validation=self.valid is not None, append=restart is not None)
-                       if self.world.is_main else None)
-        self.full_log = (FullValidationLog(os.path.join(self.output, "full_valid.out"),
-                                           append=restart is not None)
-                         if self.world.is_main and self.full_validation else None)
+        self._open_logs(restart, step)
         try:
             return self._loop(step, stop_after)
+        except RuntimeError as exc:  # torch notices a dead worker wherever the loop is
+            lost = lost_worker(exc)
+            if lost is None or lost is exc:
+                raise
+            raise lost from exc
         finally:
             if self.lcurve is not None:
                 self.lcurve.close()
 
-    def _statistics_on_main(self) -> None:
-        """Rank 0 computes the statistics; DDP then broadcasts them with the weights."""
-        on_main_for_all(self._statistics, self.world, context="computing the model statistics")
+    def _open_logs(self, restart: str | None, step: int) -> None:
+        """``lcurve.out`` (and ``full_valid.out``) on rank 0; a restart first drops the lines
+        after its checkpoint's step, written by a run that went on without saving."""
+        os.makedirs(self.output, exist_ok=True)
+        after = step if restart is not None else None
+        self.lcurve = (Lcurve(os.path.join(self.output, self.config.disp_file),
+                              with_validation=self.valid is not None, after=after)
+                       if self.world.is_main else None)
+        self.full_log = (FullValidationLog(os.path.join(self.output, "full_valid.out"),
+                                           after=after)
+                         if self.world.is_main and self.full_validation else None)
 
     def _statistics(self) -> None:
         fit_statistics(self.model, self.train_set.systems, systems_max=self.options.stat_systems,
@@ -177,20 +209,31 @@ class _Trainer:
         batches = self._batches()
         bar = tqdm(total=self.numb_steps, initial=start, disable=True if not self.world.is_main
                    else None, desc="train", unit="step", dynamic_ncols=True)
-        for step in range(start, end):
-            lr = self.schedule.value(step)
-            batch = next(batches)
-            result.batches.append((step, int(batch["sid"]), tuple(batch["fid"])))
-            mse = self._step(batch, lr)
-            done = step + 1
-            if done % self.config.disp_freq == 0 or done == 1 or done == self.numb_steps:
-                self._display(done, lr, mse, result, bar)
-            if done % self.config.save_freq == 0 or done == end:
-                result.checkpoint = self._save(done)
-                if self.full_validation:
+        with StopSignals() as signals:
+            for step in range(start, end):
+                done = step + 1
+                self.activity.doing = f"training step {done}"
+                lr = self.schedule.value(step)
+                batch = next(batches)
+                result.batches.append((step, int(batch["sid"]), tuple(batch["fid"])))
+                outcome = self.stepper.step(batch, lr, done, signals.requested)
+                if outcome.skipped:
+                    result.skipped.append(done)
+                if done % self.config.disp_freq == 0 or done == 1 or done == self.numb_steps:
+                    self._display(done, lr, outcome.mse, result, bar)
+                saved = done % self.config.save_freq == 0 or done == end
+                if saved or outcome.stop:
+                    result.checkpoint = self._save(done)
+                if saved and self.full_validation and not outcome.stop:
                     self._validate_fully(done, result)
-            result.step = done
-            bar.update(1)
+                result.step = done
+                bar.update(1)
+                if outcome.stop:
+                    result.stopped_by = signals.received or "a signal on another rank"
+                    if self.world.is_main:
+                        log.warning("stopped after step %d (%s): continue with --restart %s",
+                                    done, result.stopped_by, result.checkpoint)
+                    break
         bar.close()
         if self.numb_steps == 0 == start:  # DeePMD-kit's numb_steps 0: the untrained model
             result.checkpoint = self._save(0)
@@ -198,36 +241,9 @@ class _Trainer:
             result.lcurve = self.lcurve.path
         return result
 
-    def _forward(self, model: Any, batch: dict[str, Any], create_graph: bool
-                 ) -> dict[str, torch.Tensor]:
-        box = batch["box"]
-        return model(batch["coord"].to(self.device), batch["atype"].to(self.device),
-                     None if box is None else box.to(self.device), create_graph=create_graph)
-
-    def _labels(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {k: batch[k].to(self.device, torch.float64) for k in ("energy", "force")}
-
-    def _step(self, batch: dict[str, Any], lr: float) -> dict[str, float]:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        pred = self._forward(self.ddp_model, batch, create_graph=True)
-        loss, mse = self.loss_fn(pred, self._labels(batch), lr)
-        self.optimizer.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():
-            # The [1, H] output weight gets a grad with strides (1, 1) instead of (H, 1): the
-            # same memory layout for a size-1 dimension, yet DDP's reducer warns once per rank.
-            warnings.filterwarnings("ignore", message="Grad strides do not match bucket view")
-            loss.backward()
-        self.optimizer.step()
-        return mse
-
-    def _predict(self, batch: dict[str, Any]) -> tuple[dict[str, torch.Tensor],
-                                                         dict[str, torch.Tensor]]:
-        pred = self._forward(self.model, batch, create_graph=False)
-        return {k: v.detach() for k, v in pred.items()}, self._labels(batch)
-
     def _validate_fully(self, done: int, result: TrainResult) -> None:
-        full = self.valid.full(self._predict, done)  # type: ignore[union-attr]
+        self.activity.doing = f"the full validation at step {done}"
+        full = self.valid.full(self.stepper.predict, done)  # type: ignore[union-attr]
         result.full_valid.append(full)
         if self.full_log is not None:
             self.full_log.write(done, full.rmse_e, full.rmse_f, full.frames, full.seconds)
@@ -240,14 +256,17 @@ class _Trainer:
         trn = all_reduce_mean([mse["mse"], mse["mse_e"], mse["mse_f"]])
         result.last_train = rmse_columns(dict(zip(("mse", "mse_e", "mse_f"), trn)))
         if self.valid is not None:
+            self.activity.doing = f"the validation at step {done}"
             result.last_valid = self.valid.partial(
-                self._predict, lambda pred, label: self.loss_fn(pred, label, lr))
+                self.stepper.predict, lambda pred, label: self.loss_fn(pred, label, lr))
         if self.lcurve is not None:
             self.lcurve.write(done, lr, result.last_train, result.last_valid)
             bar.set_postfix(rmse_f=f"{result.last_train['rmse_f']:.3g}", lr=f"{lr:.1e}")
             log.debug("step %d: train %s valid %s", done, result.last_train, result.last_valid)
 
     def _save(self, done: int) -> str | None:
+        self.activity.doing = f"saving the checkpoint of step {done}"
+        fail_together(nonfinite_weights(self.model, done), context=self.activity.doing)
         loaders = gather_loader_states(self.loader, self.valid)
         if loaders is None:  # not rank 0
             return None

@@ -40,15 +40,19 @@ def minimum_image(coord: torch.Tensor, box: torch.Tensor | None, rcut: float) ->
     return torch.einsum("bijy,byx->bijx", frac, cell)
 
 
-def _check_box(cell: torch.Tensor, rcut: float) -> None:
-    """Minimum image is exact only while ``rcut`` <= half the smallest box height."""
+def box_heights(cell: torch.Tensor) -> torch.Tensor:
+    """The three heights [B, 3] of boxes [B, 3, 3]: the distances between opposite faces."""
     with torch.no_grad():
         volume = torch.linalg.det(cell).abs()
         cross = torch.stack([torch.linalg.cross(cell[:, 1], cell[:, 2]),
                              torch.linalg.cross(cell[:, 2], cell[:, 0]),
                              torch.linalg.cross(cell[:, 0], cell[:, 1])], dim=1)
-        heights = volume.unsqueeze(1) / cross.norm(dim=-1)
-        smallest = float(heights.min())
+        return volume.unsqueeze(1) / cross.norm(dim=-1)
+
+
+def _check_box(cell: torch.Tensor, rcut: float) -> None:
+    """Minimum image is exact only while ``rcut`` <= half the smallest box height."""
+    smallest = float(box_heights(cell).min())
     if not smallest >= 2 * rcut:
         raise DataError("the box is too small for the model cutoff (minimum image needs "
                         "rcut <= half the smallest box height)",

@@ -89,3 +89,15 @@ def backend_of(loc: Location) -> ModuleType:
     from mdloader.data.formats import hdf5
 
     return hdf5
+
+
+def release_handles() -> None:
+    """Close every memory map and HDF5 file this process keeps open.
+
+    The next read reopens them, and opening checks a file again (an npy file shorter than its
+    header is an error there, where a map kept open over a shrunk file raises SIGBUS).
+    """
+    from mdloader.data.formats import hdf5, npy
+
+    npy.release()
+    hdf5.release()

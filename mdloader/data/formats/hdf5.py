@@ -17,7 +17,13 @@ from mdloader.data.formats import Location
 from mdloader.data.formats.handles import HandleCache
 from mdloader.data.formats.npy import as_rows
 from mdloader.data.layout import frames_and_width
-from mdloader.errors import CorruptFileError, MissingDataError, StaleDataError
+from mdloader.errors import (
+    CorruptFileError,
+    DataError,
+    MissingDataError,
+    StaleDataError,
+    UnreadableFileError,
+)
 from mdloader.settings import cached
 
 _FILES: HandleCache[Any] = HandleCache(lambda: int(cached("max_open_h5")),
@@ -41,6 +47,11 @@ def _open(path: str, address: str | None) -> Any:
     except OSError as exc:
         raise CorruptFileError("cannot open the file as HDF5", system=address or path, file=path,
                                found=str(exc)) from exc
+
+
+def release() -> None:
+    """Close every HDF5 file of this process (:func:`mdloader.data.formats.release_handles`)."""
+    _FILES.clear()
 
 
 def file_of(loc: Location, set_name: str | None, name: str) -> str:
@@ -97,18 +108,32 @@ def set_shapes(loc: Location, set_name: str) -> dict[str, tuple[int, ...]]:
 
 def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray, set_nframes: int,
               width: int | None = None) -> np.ndarray:
-    """As :func:`mdloader.data.formats.npy.read_rows`; the shape is checked on every read."""
-    dset = _group(loc)[set_name][stem + ".npy"]
-    found = frames_and_width(dset.shape, set_nframes)
-    if width is not None and found != (set_nframes, width):
-        raise StaleDataError("the dataset changed after the system was described",
-                             system=loc.address, file=file_of(loc, set_name, stem + ".npy"),
-                             expected=f"{set_nframes} frames of width {width}",
-                             found=f"{found[0]} frames of width {found[1]} "
-                                   f"(shape {dset.shape})")
-    if dset.ndim == 0 or dset.shape[0] != set_nframes:  # one-frame 0-D/1-D, or stored flat
-        return as_rows(np.asarray(dset[()]), rows, set_nframes)
-    # h5py wants increasing, unique indices: read those, then put them back in order.
-    uniq, inverse = np.unique(rows, return_inverse=True)
-    block = dset[uniq[0]:uniq[0] + 1] if len(uniq) == 1 else dset[uniq.tolist()]
+    """As :func:`mdloader.data.formats.npy.read_rows`; the shape is checked on every read, and a
+    dataset that vanished or cannot be read any more is a
+    :class:`~mdloader.errors.DataError` naming the system and the dataset."""
+    where = file_of(loc, set_name, stem + ".npy")
+    try:
+        dset = _group(loc)[set_name][stem + ".npy"]
+        found = frames_and_width(dset.shape, set_nframes)
+        if width is not None and found != (set_nframes, width):
+            raise StaleDataError("the dataset changed after the system was described",
+                                 system=loc.address, file=where,
+                                 expected=f"{set_nframes} frames of width {width}",
+                                 found=f"{found[0]} frames of width {found[1]} "
+                                       f"(shape {dset.shape})")
+        if dset.ndim == 0 or dset.shape[0] != set_nframes:  # one-frame 0-D/1-D, or stored flat
+            return as_rows(np.asarray(dset[()]), rows, set_nframes)
+        # h5py wants increasing, unique indices: read those, then put them back in order.
+        uniq, inverse = np.unique(rows, return_inverse=True)
+        block = dset[uniq[0]:uniq[0] + 1] if len(uniq) == 1 else dset[uniq.tolist()]
+    except DataError:
+        raise  # the file or the group is gone, or it changed: already said
+    except KeyError as exc:
+        raise MissingDataError("the dataset is gone (the file changed after the build)",
+                               system=loc.address, file=where) from exc
+    except (OSError, ValueError, IndexError) as exc:
+        _FILES.discard(loc.path)  # the next read reopens the file
+        raise UnreadableFileError("cannot read the dataset (the file changed after the "
+                                  "build?)", system=loc.address, file=where,
+                                  found=f"{type(exc).__name__}: {exc}") from exc
     return np.asarray(block)[inverse].reshape(len(rows), -1)

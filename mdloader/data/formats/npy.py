@@ -22,7 +22,12 @@ from mdloader.data.formats.handles import HandleCache
 from mdloader.data.layout import frames_and_width
 from mdloader.data.overlap import timed
 from mdloader.data.system import shared
-from mdloader.errors import CorruptFileError, MissingDataError, StaleDataError
+from mdloader.errors import (
+    CorruptFileError,
+    MissingDataError,
+    StaleDataError,
+    UnreadableFileError,
+)
 from mdloader.settings import cached
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -187,7 +192,8 @@ def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray, set_nfr
     (:mod:`mdloader.data.layout`). ``width`` (the per-frame width in the system's description)
     is checked, with the frame count and the file size, when the file is first mapped in this
     process: a file that changed since the description raises
-    :class:`~mdloader.errors.StaleDataError`.
+    :class:`~mdloader.errors.StaleDataError`; one that vanished, shrank or cannot be read any
+    more, another :class:`~mdloader.errors.DataError` naming the system and the file.
     """
     path = os.path.join(loc.path, set_name, stem + ".npy")
     arr = _MAPS.get(path, lambda: _open_map(path, loc, set_nframes, width))
@@ -203,11 +209,22 @@ def as_rows(arr: np.ndarray, rows: np.ndarray, set_nframes: int) -> np.ndarray:
 
 
 def _open_map(path: str, loc: Location, nframes: int, width: int | None) -> np.ndarray:
-    fd = os.open(path, os.O_RDONLY | O_CLOEXEC)
+    """Map ``path`` after checking that the file still holds every byte its header announces.
+
+    A map over a file shorter than its header says raises SIGBUS at the first read past the
+    end; the size check turns that into an error naming the file. A file truncated after this
+    check, while it is mapped, can still raise SIGBUS.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise MissingDataError("the npy file is gone (moved or deleted after the build)",
+                               system=loc.address, file=path) from exc
+    except OSError as exc:
+        raise UnreadableFileError("cannot read the npy file", system=loc.address, file=path,
+                                  found=f"{type(exc).__name__}: {exc.strerror or exc}") from exc
     try:  # one open: the map keeps its own descriptor
-        shape, dtype, offset, fortran = _parse_header(lambda n: os.pread(fd, n, 0))
-        if dtype.hasobject:
-            raise ValueError(f"{path} holds Python objects; DeePMD arrays are numeric")
+        shape, dtype, offset, fortran = _mapped_header(loc, path, fd)
         count = math.prod(shape)
         size = os.lseek(fd, 0, os.SEEK_END)
         _check_unchanged(loc, path, shape, nframes, width, size - offset,
@@ -222,6 +239,23 @@ def _open_map(path: str, loc: Location, nframes: int, width: int | None) -> np.n
         shape, order="F" if fortran else "C")
 
 
+def _mapped_header(loc: Location, path: str, fd: int) -> tuple[tuple[int, ...], np.dtype, int,
+                                                               bool]:
+    """The header of an open npy file, whose data must be numbers."""
+    try:
+        shape, dtype, offset, fortran = _parse_header(lambda n: os.pread(fd, n, 0))
+    except OSError as exc:
+        raise UnreadableFileError("cannot read the npy file", system=loc.address, file=path,
+                                  found=f"{type(exc).__name__}: {exc.strerror or exc}") from exc
+    except (ValueError, EOFError, SyntaxError) as exc:
+        raise CorruptFileError("cannot read the npy header (changed after the build?)",
+                               system=loc.address, file=path, found=str(exc)) from exc
+    if dtype.hasobject:
+        raise CorruptFileError("the npy file holds Python objects; DeePMD arrays are numeric",
+                               system=loc.address, file=path, found=str(dtype))
+    return shape, dtype, offset, fortran
+
+
 def _check_unchanged(loc: Location, path: str, shape: tuple[int, ...], nframes: int,
                      width: int | None, data_bytes: int, needed: int) -> None:
     """The file still has the frames and width it was described with, and all its data."""
@@ -232,9 +266,15 @@ def _check_unchanged(loc: Location, path: str, shape: tuple[int, ...], nframes: 
                              expected=f"{nframes} frames of width {width}",
                              found=f"{found[0]} frames of width {found[1]} (shape {shape})")
     if data_bytes < needed:
-        raise StaleDataError("the file changed after the system was described (it is shorter "
-                             "than its header says)", system=loc.address, file=path,
-                             expected=f"{needed} data bytes", found=f"{data_bytes} bytes")
+        raise CorruptFileError("the npy file is shorter than its header says (truncated after "
+                               "the build?)", system=loc.address, file=path,
+                               expected=f"{needed} data bytes for shape {shape}",
+                               found=f"{data_bytes} bytes")
+
+
+def release() -> None:
+    """Close every map of this process (:func:`mdloader.data.formats.release_handles`)."""
+    _MAPS.clear()
 
 
 def open_map_count() -> int:

@@ -1,0 +1,112 @@
+"""What the reference job checks so that bad numbers stop it with a line that says where.
+
+* A non-finite loss names the step, the rank, the system and frames of its batch, and the label
+  (or input) file that holds NaN/inf, when one does (:func:`nonfinite_loss`).
+* A checkpoint is never written with non-finite weights (:func:`nonfinite_weights`).
+* Every frame's box is checked against the model cutoff before the first step, each rank
+  checking its share of the systems (:func:`check_boxes`), instead of at the first batch that
+  happens to draw a small box, possibly hours in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from mdloader.data.dataset import DeepmdDataSetForLoader
+from mdloader.data.formats import backend_of
+from mdloader.data.schema import stem_in
+from mdloader.distributed.collectives import fail_together
+from mdloader.errors import DataError, NonFiniteError
+from mdloader.train.model import box_heights
+from mdloader.world import World
+
+CHECKED_KEYS = ("coord", "box", "energy", "force")
+
+
+def frame_file(system: DeepmdDataSetForLoader, key: str, fid: int) -> str | None:
+    """The file that holds ``key`` for frame ``fid`` of ``system`` (``None`` when none does)."""
+    meta = system.meta
+    start = 0
+    for s in meta.sets:
+        if fid < start + s.nframes:
+            stem = stem_in(s.keys, key)
+            return None if stem is None else backend_of(meta.location).file_of(
+                meta.location, s.name, stem + ".npy")
+        start += s.nframes
+    return None
+
+
+def nonfinite_loss(batch: dict[str, Any], system: DeepmdDataSetForLoader, *, loss: float,
+                   step: int, rank: int) -> NonFiniteError:
+    """Why the loss of ``batch`` is ``loss`` (NaN or inf) at ``step``: the first of its arrays
+    that holds NaN/inf, with the file and the frames, or else a model that diverged."""
+    fids = [int(f) for f in batch["fid"]]
+    where = f"the loss is not finite ({loss}) at step {step} on rank {rank}"
+    for key in CHECKED_KEYS:
+        value = batch.get(key)
+        if value is None:
+            continue
+        rows = torch.as_tensor(value).reshape(len(fids), -1)
+        bad = [fid for fid, ok in zip(fids, torch.isfinite(rows).all(dim=1).tolist()) if not ok]
+        if bad:
+            return NonFiniteError(f"{where}: {key} holds NaN/inf in frames {bad} of the batch",
+                                  system=system.system, file=frame_file(system, key, bad[0]),
+                                  found=f"batch frames {fids}")
+    return NonFiniteError(f"{where}, with finite data: the model diverged (try a smaller "
+                          "learning_rate.start_lr)", system=system.system,
+                          found=f"batch frames {fids}")
+
+
+def nonfinite_weights(model: torch.nn.Module, step: int) -> NonFiniteError | None:
+    """An error naming the first parameter or buffer that holds NaN/inf, else ``None``."""
+    for name, value in [*model.named_parameters(), *model.named_buffers()]:
+        if not bool(torch.isfinite(value).all()):
+            return NonFiniteError(f"the weights are not finite after step {step} ({name}): no "
+                                  "checkpoint written; restart from the last one")
+    return None
+
+
+def check_boxes(systems: Sequence[DeepmdDataSetForLoader], rcut: float, world: World) -> None:
+    """Every frame's box is at least ``2 * rcut`` high, or every rank raises the first failure.
+
+    Rank ``r`` reads the boxes of systems ``r, r + W, ...`` once (a few floats per frame); the
+    ranks then agree in one framed exchange, so every rank prints the same line.
+    """
+    problem = None
+    for sid in range(world.rank, len(systems), world.world_size):
+        problem = _box_problem(systems[sid], rcut)
+        if problem is not None:
+            break
+    fail_together(problem, context="checking every box against the model cutoff")
+
+
+def _box_problem(system: DeepmdDataSetForLoader, rcut: float) -> DataError | None:
+    meta = system.meta
+    if not meta.pbc:
+        return None
+    io = backend_of(meta.location)
+    start = 0
+    for s in meta.sets:
+        file = io.file_of(meta.location, s.name, "box.npy")
+        rows = torch.as_tensor(io.read_rows(meta.location, s.name, "box", np.arange(s.nframes),
+                                            s.nframes), dtype=torch.float64)
+        bad = torch.nonzero(~torch.isfinite(rows).all(dim=1)).flatten().tolist()
+        if bad:
+            return NonFiniteError(f"the box of frame {start + bad[0]} holds NaN/inf",
+                                  system=meta.address, file=file)
+        heights = box_heights(rows.reshape(-1, 3, 3))
+        small = torch.nonzero(heights.min(dim=1).values < 2 * rcut).flatten().tolist()
+        if small:
+            frame = start + small[0]
+            return DataError(f"the box of frame {frame} is too small for the model cutoff "
+                             f"(minimum image needs rcut <= half the smallest box height; "
+                             f"{len(small)} frame(s) of this set)", system=meta.address,
+                             file=file,
+                             expected=f"height >= {2 * rcut:g} A",
+                             found=f"{float(heights[small[0]].min()):.4g} A")
+        start += s.nframes
+    return None
