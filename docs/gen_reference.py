@@ -79,7 +79,8 @@ def cli_page() -> str:
              "Run a subcommand alone, or under `torchrun` (one process per rank). The same "
              "commands run as `python -m mdloader`. `mdloader --version` prints the version.",
              "", "Exit codes: 0 for success; 1 for a failure (bad data, a failed check, a "
-             "distributed error); 2 for a usage or configuration error; 130 when interrupted.",
+             "distributed error); 2 for a usage or configuration error; 130 when interrupted; "
+             "143 when `train` stopped on SIGTERM or SIGUSR1 after writing a checkpoint.",
              "", "## Options of every subcommand", ""]
     lines += _table([a for a in _common_options()._actions])
     for name, subparser in sub.choices.items():

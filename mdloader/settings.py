@@ -56,13 +56,17 @@ SETTINGS: dict[str, Setting] = {
     "collective_timeout": Setting(
         "MDLOADER_COLLECTIVE_TIMEOUT", lambda: 300.0, float, 1e-3, "second",
         "How long a rank waits in any other collective of mdloader: a batch of "
-        "BroadcastingDataLoader, a gather of loader states for a checkpoint, the statistics "
-        "and validation exchanges of `mdloader train`."),
+        "BroadcastingDataLoader, a gather of loader states for a checkpoint, the statistics, "
+        "validation, box-check and stop-flag exchanges of `mdloader train`."),
     "group_timeout": Setting(
         "MDLOADER_GROUP_TIMEOUT", lambda: 600.0, float, 1e-3, "second",
         "The timeout of the process group that mdloader starts: how long a rank waits in a "
         "collective of training (DDP's gradient all-reduce, the loss averages) for the others; "
         "NCCL's watchdog aborts a stuck collective after it."),
+    "stop_check_steps": Setting(
+        "MDLOADER_STOP_CHECK_STEPS", lambda: 10, int, 1, "step",
+        "How often the ranks of `mdloader train` exchange a stop flag (SIGTERM, SIGUSR1): "
+        "every this many steps; the checkpoint comes at most this many steps after the signal."),
     "build_workers": Setting(
         "MDLOADER_BUILD_WORKERS", lambda: 32, int, 1, "thread",
         "Most threads rank 0 uses to walk the tree, describe systems and check an index when "

@@ -170,3 +170,16 @@ def test_sigterm_stops_after_a_step_with_a_checkpoint_and_exit_143(tmp_path: Pat
     assert f"(SIGTERM): continue with --restart out/model.ckpt-{step}.pt" in err
     assert load_checkpoint(str(tmp_path / "out" / "model.ckpt.pt"))["step"] == step
     assert int(curve.read_text().splitlines()[-1].split()[0]) == step
+
+
+def test_nan_in_the_frames_of_the_statistics_is_named_before_training(tmp_path: Path) -> None:
+    """Otherwise a NaN energy bias makes every loss NaN, and the data looks innocent."""
+    cfg = parse_config(_raw(tmp_path), base_dir=str(tmp_path))
+    path = tmp_path / "data" / "sys0" / "set.000" / "energy.npy"
+    energies = np.load(path)
+    energies[1] = np.inf
+    np.save(path, energies)
+    with pytest.raises(NonFiniteError, match=r"^the statistics cannot use these frames: energy "
+                       rf"holds NaN/inf in frames \[1\] of the batch; system: .*/sys0; file: "
+                       rf"{path}; found: batch frames \[0, 1, 2, 3, 4, 5\]$"):
+        train(cfg, output=str(tmp_path / "o"), num_workers=0, options=SMALL)

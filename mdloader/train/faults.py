@@ -44,9 +44,19 @@ def nonfinite_loss(batch: dict[str, Any], system: DeepmdDataSetForLoader, *, los
                    step: int, rank: int) -> NonFiniteError:
     """Why the loss of ``batch`` is ``loss`` (NaN or inf) at ``step``: the first of its arrays
     that holds NaN/inf, with the file and the frames, or else a model that diverged."""
-    fids = [int(f) for f in batch["fid"]]
     where = f"the loss is not finite ({loss}) at step {step} on rank {rank}"
-    for key in CHECKED_KEYS:
+    found = nonfinite_data(batch, system, where)
+    return found or NonFiniteError(
+        f"{where}, with finite data: the model diverged (try a smaller learning_rate.start_lr)",
+        system=system.system, found=f"batch frames {[int(f) for f in batch['fid']]}")
+
+
+def nonfinite_data(batch: dict[str, Any], system: DeepmdDataSetForLoader, where: str,
+                   keys: Sequence[str] = CHECKED_KEYS) -> NonFiniteError | None:
+    """The first of ``keys`` whose values in ``batch`` hold NaN/inf, as an error naming the
+    frames and the file; ``where`` starts its message."""
+    fids = [int(f) for f in batch["fid"]]
+    for key in keys:
         value = batch.get(key)
         if value is None:
             continue
@@ -56,9 +66,7 @@ def nonfinite_loss(batch: dict[str, Any], system: DeepmdDataSetForLoader, *, los
             return NonFiniteError(f"{where}: {key} holds NaN/inf in frames {bad} of the batch",
                                   system=system.system, file=frame_file(system, key, bad[0]),
                                   found=f"batch frames {fids}")
-    return NonFiniteError(f"{where}, with finite data: the model diverged (try a smaller "
-                          "learning_rate.start_lr)", system=system.system,
-                          found=f"batch frames {fids}")
+    return None
 
 
 def nonfinite_weights(model: torch.nn.Module, step: int) -> NonFiniteError | None:

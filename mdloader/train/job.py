@@ -140,7 +140,8 @@ class _Trainer:
 
     def run(self, restart: str | None, stop_after: int | None, nonfinite: str) -> TrainResult:
         self.activity.doing = "checking every box against the model cutoff"
-        check_boxes(self.train_set.systems, self.options.rcut, self.world)
+        valid = self.valid.systems if self.valid is not None else []
+        check_boxes([*self.train_set.systems, *valid], self.options.rcut, self.world)
         step = 0
         if restart is None:
             self.activity.doing = "computing the model statistics"
@@ -253,7 +254,7 @@ class _Trainer:
 
     def _display(self, done: int, lr: float, mse: dict[str, float], result: TrainResult,
                  bar: tqdm) -> None:
-        trn = all_reduce_mean([mse["mse"], mse["mse_e"], mse["mse_f"]])
+        trn = all_reduce_mean([mse["mse"], mse["mse_e"], mse["mse_f"]], device=self.device)
         result.last_train = rmse_columns(dict(zip(("mse", "mse_e", "mse_f"), trn)))
         if self.valid is not None:
             self.activity.doing = f"the validation at step {done}"

@@ -16,6 +16,7 @@ import torch
 
 from mdloader.distributed.channel import world_channel
 from mdloader.distributed.packets import data_packet, error_packet, open_packet
+from mdloader.train.faults import nonfinite_data
 from mdloader.train.model import RadialPotential, fit_energy_bias
 from mdloader.world import World
 
@@ -48,6 +49,10 @@ def fit_statistics(model: RadialPotential, systems: Sequence[Any], *, systems_ma
     for sid in picks:
         nf = min(len(systems[sid]), frames)
         batch = systems[sid].get_batch(list(range(nf)))
+        bad = nonfinite_data(batch, systems[sid], "the statistics cannot use these frames",
+                             keys=("coord", "box", "energy"))
+        if bad is not None:
+            raise bad
         natoms = batch.get("real_natoms_vec", batch["natoms"])
         counts.append(natoms[:, 2:].numpy())
         energies.append(batch["energy"].numpy().reshape(-1))

@@ -1,11 +1,16 @@
 """One optimisation step of the reference job, and what the ranks agree on at its end.
 
-Every step exchanges two flags between the ranks in one tiny all-reduce: "a stop signal arrived
-here" and "my loss is not finite". So every rank stops after the same step, and a non-finite loss
-on any rank either stops every rank with the same line (``nonfinite="stop"``, the default) or
-makes every rank skip the update of that step (``"skip"``). The ranks must decide together: with
-DDP, a rank that skipped its backward alone would leave the others waiting in the gradient
-all-reduce, and one that updated alone would leave the replicas different.
+The ranks must decide together, or they part: with DDP, a rank that skipped its update alone
+would leave the replicas different, and one that stopped alone would leave the others waiting in
+the next gradient all-reduce.
+
+* **A non-finite loss** on any rank makes the averaged gradients non-finite on every rank, so
+  every rank sees it after the backward pass without another collective (as mixed-precision
+  loss scaling does). Then every rank stops with the line of the rank whose loss it was
+  (``nonfinite="stop"``, the default), or every rank skips the update of that step (``"skip"``).
+  Gradients that overflow from finite losses are caught the same way.
+* **A stop signal** (:mod:`mdloader.train.signals`) is exchanged every ``check_every`` steps in
+  one all-reduce of a flag; ``docs/benchmarks.md`` has what that costs per step.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import torch
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.distributed.collectives import any_rank, fail_together
-from mdloader.errors import ConfigError
+from mdloader.errors import ConfigError, NonFiniteError
+from mdloader.settings import resolve
 from mdloader.train.faults import nonfinite_loss
 
 log = logging.getLogger(__name__)
@@ -35,7 +41,7 @@ class StepOutcome:
 
     mse: dict[str, float]
     stop: bool  # a stop signal arrived on some rank
-    skipped: bool  # a loss was not finite on some rank, and nobody updated the weights
+    skipped: bool  # the gradients were not finite, and no rank updated the weights
 
 
 class Stepper:
@@ -49,17 +55,20 @@ class Stepper:
         ``loss(pred, labels, lr) -> (loss tensor, squared errors)``.
     nonfinite
         ``"stop"`` or ``"skip"`` (see the module docstring).
+    check_every
+        Steps between two exchanges of the stop flag (``$MDLOADER_STOP_CHECK_STEPS``).
     """
 
     def __init__(self, model: torch.nn.Module, ddp_model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, loss: Callable[..., Any],
                  systems: Sequence[DeepmdDataSetForLoader], *, device: torch.device,
-                 nonfinite: str = "stop", rank: int = 0) -> None:
+                 nonfinite: str = "stop", rank: int = 0, check_every: int | None = None) -> None:
         if nonfinite not in NONFINITE:
             raise ConfigError(f"must be one of {list(NONFINITE)}, got {nonfinite!r}",
                               path="--nonfinite")
         self.model, self.ddp_model, self.optimizer, self.loss = model, ddp_model, optimizer, loss
         self.systems, self.device, self.nonfinite, self.rank = systems, device, nonfinite, rank
+        self.check_every = int(resolve("stop_check_steps", check_every, argument="check_every"))
 
     def forward(self, model: Any, batch: dict[str, Any], create_graph: bool
                 ) -> dict[str, torch.Tensor]:
@@ -78,30 +87,45 @@ class Stepper:
 
     def step(self, batch: dict[str, Any], lr: float, done: int, stop_requested: bool
              ) -> StepOutcome:
-        """Train on ``batch`` as step ``done`` (1-based), unless a loss is not finite."""
+        """Train on ``batch`` as step ``done`` (1-based), unless the gradients are not finite."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         pred = self.forward(self.ddp_model, batch, create_graph=True)
         loss, mse = self.loss(pred, self.labels(batch), lr)
-        finite = math.isfinite(mse["mse"])
-        stop, nonfinite = any_rank([stop_requested, not finite],
-                                   activity=f"training step {done}")
-        if nonfinite:
-            self._nonfinite(batch, mse["mse"], done, finite)
-            return StepOutcome(mse, stop, skipped=True)
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
             # The [1, H] output weight gets a grad with strides (1, 1) instead of (H, 1): the
             # same memory layout for a size-1 dimension, yet DDP's reducer warns once per rank.
             warnings.filterwarnings("ignore", message="Grad strides do not match bucket view")
             loss.backward()
-        self.optimizer.step()
-        return StepOutcome(mse, stop, skipped=False)
+        skipped = not self.gradients_finite()  # the same on every rank: DDP averaged them
+        if skipped:
+            self._nonfinite(batch, mse["mse"], done)
+        else:
+            self.optimizer.step()
+        stop = done % self.check_every == 0 and any_rank(
+            [stop_requested], activity=f"training step {done}")[0]
+        return StepOutcome(mse, stop, skipped)
 
-    def _nonfinite(self, batch: dict[str, Any], loss: float, done: int, finite: bool) -> None:
-        mine = None if finite else nonfinite_loss(batch, self.systems[int(batch["sid"])],
-                                                  loss=loss, step=done, rank=self.rank)
+    def gradients_finite(self) -> bool:
+        """Whether every gradient is finite (one device synchronisation)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return not grads or bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+    def _nonfinite(self, batch: dict[str, Any], loss: float, done: int) -> None:
+        """Stop every rank with the line of the first rank whose loss was not finite (or of
+        gradients that overflowed), or log what every rank skipped."""
+        mine = None if math.isfinite(loss) else nonfinite_loss(
+            batch, self.systems[int(batch["sid"])], loss=loss, step=done, rank=self.rank)
+        diverged = NonFiniteError(f"the gradients are not finite at step {done}, the losses "
+                                  "are: the model diverged (try a smaller "
+                                  "learning_rate.start_lr)")
         if self.nonfinite == "stop":
             fail_together(mine, context=f"training step {done}")
+            fail_together(diverged if self.rank == 0 else None,
+                          context=f"training step {done}")
         if mine is not None:
             log.warning("step %d skipped on every rank (--nonfinite skip): %s", done, mine)
+        elif self.rank == 0:
+            log.warning("step %d skipped on every rank (--nonfinite skip): the gradients are "
+                        "not finite (a rank whose loss was not says why)", done)

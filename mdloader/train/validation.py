@@ -73,6 +73,7 @@ class Validation:
         built.dataset.print_summary("validation", built.sampler.weights.tolist())
         self.numb_btch = data.numb_btch
         self.loader = built.loader
+        self.systems = built.dataset.systems
         self.full_loader = DataLoader(built.dataset, sampler=get_validation_sampler(built.dataset),
                                       batch_size=None, num_workers=0, collate_fn=identity)
 
