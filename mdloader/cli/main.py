@@ -12,10 +12,8 @@ prints, and turns exceptions into exit codes:
 
 User errors (:class:`~mdloader.errors.MdloaderError`) print one ``mdloader: error: ...`` line
 on stderr without a traceback unless ``--debug``; anything else is a bug and keeps its
-traceback. After a rank failed alone in a job of several ranks, the process leaves at once
-(:func:`mdloader.distributed.failure.exit_now`) instead of tearing the group down. Everything
-after ``mdloader dp`` goes unparsed to DeePMD-kit's own ``dp`` (see
-:mod:`mdloader.integrations.deepmd`).
+traceback (:mod:`mdloader.cli.outcome`). Everything after ``mdloader dp`` goes unparsed to
+DeePMD-kit's own ``dp`` (see :mod:`mdloader.integrations.deepmd`).
 """
 
 from __future__ import annotations
@@ -24,12 +22,12 @@ import argparse
 import logging
 import os
 import sys
-import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from mdloader import __version__
-from mdloader.errors import ConfigError, MdloaderError, RemoteError
+from mdloader.cli.outcome import guarded
+from mdloader.errors import ConfigError
 from mdloader.logs import LEVELS, setup_logging
 from mdloader.world import World
 
@@ -267,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Everything after `dp` belongs to DeePMD-kit (``--pt`` included): no parsing here.
         from mdloader.integrations.deepmd import run_dp
 
-        return _guarded(lambda: run_dp(argv[1:]), debug="--debug" in argv)
+        return guarded(lambda: run_dp(argv[1:]), debug="--debug" in argv)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -275,50 +273,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     setup_logging(args.log_level, args.log_path, all_ranks=args.log_all_ranks)
     runner = RUNNERS[args.command]
-    return _guarded(lambda: runner(args), debug=args.debug)
-
-
-def _tell(line: str) -> None:
-    """One line on stderr in a single write: under torchrun every rank shares the stream, and
-    ``print`` writes the text and its newline separately when Python runs unbuffered
-    (``PYTHONUNBUFFERED``), so two ranks' lines could interleave."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
-
-def _guarded(job: Callable[[], int], *, debug: bool) -> int:
-    """Run ``job``; user errors become one line on stderr and an exit code."""
-    try:
-        return job()
-    except KeyboardInterrupt:
-        _tell("mdloader: interrupted")
-        return _leave(130)
-    except MdloaderError as exc:
-        if debug or _is_bug(exc):
-            traceback.print_exc()
-        text = str(exc) if debug else getattr(exc, "summary", str(exc))
-        _tell(f"mdloader: error: {text}")
-        return _leave(2 if _is_config_error(exc) else 1)
-
-
-def _is_config_error(exc: MdloaderError) -> bool:
-    """A ConfigError, here or on the rank whose failure this rank reports."""
-    return isinstance(exc, ConfigError) or getattr(exc, "exc_type", None) == "ConfigError"
-
-
-def _is_bug(exc: BaseException) -> bool:
-    """A failure of this very rank that is no mdloader error: its traceback is what a bug
-    report needs (the line alone would hide where it came from)."""
-    cause = exc.__cause__
-    return (isinstance(exc, RemoteError) and cause is not None
-            and not isinstance(cause, MdloaderError) and exc.exc_type == type(cause).__name__
-            and exc.origin_rank == World.from_env().rank)
-
-
-def _leave(code: int) -> int:
-    """``code``, or leave the process now when a failed job left its process group behind
-    (only a job that started a group imported the module that knows)."""
-    failure = sys.modules.get("mdloader.distributed.failure")
-    if failure is not None and failure.abandoned():
-        failure.exit_now(code)
-    return code
+    return guarded(lambda: runner(args), debug=args.debug)

@@ -5,7 +5,9 @@
 * A checkpoint is never written with non-finite weights (:func:`nonfinite_weights`).
 * Every frame's box is checked against the model cutoff before the first step, each rank
   checking its share of the systems (:func:`check_boxes`), instead of at the first batch that
-  happens to draw a small box, possibly hours in.
+  happens to draw a small box, possibly hours in. LMDB frames hold their box with everything
+  else, so reading their boxes would read the whole database: they are checked as they are
+  read, as before.
 """
 
 from __future__ import annotations
@@ -28,14 +30,17 @@ CHECKED_KEYS = ("coord", "box", "energy", "force")
 
 
 def frame_file(system: DeepmdDataSetForLoader, key: str, fid: int) -> str | None:
-    """The file that holds ``key`` for frame ``fid`` of ``system`` (``None`` when none does)."""
+    """The file that holds ``key`` for frame ``fid`` of ``system`` (``None`` when none does);
+    for an LMDB group, the database entry of frame ``fid`` (a database index)."""
     meta = system.meta
+    io = backend_of(meta.location)
+    if meta.backend == "lmdb":
+        return io.entry_of(meta.location.path, io.frame_key(fid, meta.sets[0].frame_format))
     start = 0
     for s in meta.sets:
         if fid < start + s.nframes:
             stem = stem_in(s.keys, key)
-            return None if stem is None else backend_of(meta.location).file_of(
-                meta.location, s.name, stem + ".npy")
+            return None if stem is None else io.file_of(meta.location, s.name, stem + ".npy")
         start += s.nframes
     return None
 
@@ -94,7 +99,7 @@ def check_boxes(systems: Sequence[DeepmdDataSetForLoader], rcut: float, world: W
 
 def _box_problem(system: DeepmdDataSetForLoader, rcut: float) -> DataError | None:
     meta = system.meta
-    if not meta.pbc:
+    if not meta.pbc or meta.backend == "lmdb":  # LMDB: boxes are in the frames, checked as read
         return None
     io = backend_of(meta.location)
     start = 0
