@@ -92,8 +92,8 @@ def test_check_deep_finds_nan_frames(tmp_path: Path, capsys: pytest.CaptureFixtu
     np.save(force, arr)
     assert main(["check", str(_input(tmp_path))]) == 0  # headers are fine, and it says so
     assert capsys.readouterr().out.endswith(
-        "OK: no problem found\n(headers only: the values were not read; --deep reads every "
-        "array and finds NaN/inf)\n")
+        "(headers only: the values were not read; --deep reads every array and finds NaN/inf)"
+        "\nOK: no problem found\n")
     assert main(["check", str(_input(tmp_path)), "--deep", "--json"]) == 1
     problems = json.loads(capsys.readouterr().out)["problems"]
     assert problems == [{"section": "training_data", "system": str(data / "train1"),

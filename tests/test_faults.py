@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from mdloader import DpLoaderSet, get_sampler_from_params
+from mdloader.build import build_systems
 from mdloader.testing import make_system
 from mdloader.world import World
 
@@ -35,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BOUND = 15.0
 """Seconds from the fault to the end of the job on every rank (torchrun's exit)."""
 NSYS, NFRAMES, SET0 = 6, 24, 12  # two sets of 12 frames: the statistics read set.000 only
+FIRST = 20  # the earliest step at which the damaged file may be read: time to damage it
 MARGIN = 10  # steps between the first reader's read and the other rank's first read
 
 pytestmark = [pytest.mark.distributed]
@@ -144,9 +146,8 @@ def _input(tmp_path: Path, dataset: Path, *, seed: int, systems: list[str] | Non
     return path
 
 
-def _first_reads(dataset: Path, seed: int, rank: int, steps: int = 60) -> dict[int, int]:
+def _first_reads(systems: list, seed: int, rank: int, steps: int = 80) -> dict[int, int]:
     """System -> the first step at which ``rank`` reads a frame of its ``set.001``."""
-    systems = sorted(str(p) for p in dataset.iterdir())
     ls = DpLoaderSet(systems, 2, ["O", "H"], seed=seed, world=World(rank=rank, world_size=2))
     sampler = get_sampler_from_params(ls, {}, num_workers=0)
     first: dict[int, int] = {}
@@ -159,11 +160,12 @@ def _first_reads(dataset: Path, seed: int, rank: int, steps: int = 60) -> dict[i
 
 def _read_first_by(dataset: Path, rank: int) -> tuple[int, str, int]:
     """(seed, system, step): a job seed and a system whose ``set.001`` rank ``rank`` reads
-    first, at ``step`` >= 12, the other rank not before ``step + MARGIN``."""
-    for seed in range(200):
-        mine, other = _first_reads(dataset, seed, rank), _first_reads(dataset, seed, 1 - rank)
+    first, at ``step`` >= FIRST, the other rank not before ``step + MARGIN``."""
+    systems = build_systems([str(dataset)], ["O", "H"])  # once: the seeds only change the order
+    for seed in range(300):
+        mine, other = _first_reads(systems, seed, rank), _first_reads(systems, seed, 1 - rank)
         for sid, step in sorted(mine.items()):
-            if step >= 12 and other.get(sid, 10**6) > step + MARGIN:
+            if step >= FIRST and other.get(sid, 10**6) > step + MARGIN:
                 return seed, f"sys{sid}", step
     raise AssertionError("no seed makes one rank read a system first")
 

@@ -15,10 +15,10 @@ from mdloader.data.discovery import discover_systems
 from mdloader.data.schema import DataRequirementItem
 from mdloader.data.system import build_system_meta
 from mdloader.errors import (
+    ConfigError,
     CorruptFileError,
     DataError,
     MissingDataError,
-    NoSystemsFoundError,
     ShapeError,
     TypeMapError,
 )
@@ -96,7 +96,7 @@ def test_an_element_missing_from_the_model_type_map(tmp_path: Path, sources: lis
     (lambda p: p.mkdir(), MissingDataError, r"not an LMDB database: the directory holds no "
      r"data.mdb; system: \S+/x.lmdb; file: \S+/x.lmdb/data.mdb"),
     (lambda p: p.write_text("hello"), MissingDataError, r"the LMDB database is not a directory"),
-    (lambda p: None, MissingDataError, r"the LMDB database does not exist"),
+    (lambda p: None, ConfigError, r"^systems: \S+/x.lmdb does not exist$"),
     (lambda p: (p.mkdir(), (p / "data.mdb").write_bytes(b"garbage" * 100)), CorruptFileError,
      r"cannot open the file as an LMDB database; system: \S+/x.lmdb; file: \S+/data.mdb; "
      r"found: "),
@@ -117,7 +117,7 @@ def test_whole_database_and_unknown_group_addresses(tmp_path: Path, sources: lis
                                                r"system: \S+#system=0,natoms=5; .*expected: one "
                                                r"of system=0,natoms=6, system=1,natoms=3"):
         DeepmdDataSetForLoader(f"{db}#system=0,natoms=5", ["O", "H"])
-    with pytest.raises(NoSystemsFoundError):
+    with pytest.raises(ConfigError, match=r"^systems: \S+/nothing_here does not exist$"):
         discover_systems(str(tmp_path / "nothing_here"))
 
 

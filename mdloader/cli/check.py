@@ -239,15 +239,15 @@ def format_check_report(report: CheckReport) -> str:
     for section in report.sections:
         lines += _table(section)
         lines.append("")
+    if not report.deep:
+        lines.append("(headers only: the values were not read; --deep reads every array and "
+                     "finds NaN/inf)")
     if report.ok:
         lines.append("OK: no problem found")
     else:
         lines.append(f"{len(report.problems)} problem(s):")
         for p in report.problems:
             lines.append(f"  [{p.section}] {p.message}")
-    if not report.deep:
-        lines.append("(headers only: the values were not read; --deep reads every array and "
-                     "finds NaN/inf)")
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ DeePMD-kit's own ``dp`` (see :mod:`mdloader.integrations.deepmd`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -26,9 +27,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from mdloader import __version__
-from mdloader.cli.outcome import guarded
+from mdloader.cli.outcome import guarded, leave
 from mdloader.errors import ConfigError
 from mdloader.logs import LEVELS, setup_logging
+from mdloader.train.signals import StopSignals
 from mdloader.world import World
 
 if TYPE_CHECKING:
@@ -265,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Everything after `dp` belongs to DeePMD-kit (``--pt`` included): no parsing here.
         from mdloader.integrations.deepmd import run_dp
 
-        return guarded(lambda: run_dp(argv[1:]), debug="--debug" in argv)
+        return leave(guarded(lambda: run_dp(argv[1:]), debug="--debug" in argv))
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -273,4 +275,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     setup_logging(args.log_level, args.log_path, all_ranks=args.log_all_ranks)
     runner = RUNNERS[args.command]
-    return guarded(lambda: runner(args), debug=args.debug)
+    # mdloader train: a signal sets the stop flag for the whole run, teardown included
+    with StopSignals() if args.command == "train" else contextlib.nullcontext():
+        return leave(guarded(lambda: runner(args), debug=args.debug))

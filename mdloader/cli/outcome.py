@@ -2,8 +2,9 @@
 
 A user error (:class:`~mdloader.errors.MdloaderError`) is one line on stderr, without a
 traceback unless ``--debug``; a failure of this rank that is not one (a bug) keeps its traceback
-too. After a rank failed alone in a job of several ranks, the process leaves at once
-(:func:`mdloader.distributed.failure.exit_now`) instead of tearing the process group down.
+too. A rank of a job of several ranks leaves the process at once when the job is over
+(:func:`mdloader.distributed.failure.exit_now`): after failing alone it must not tear the group
+down, and after any end ``torchrun`` may already be sending it SIGTERM.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ def guarded(job: Callable[[], int], *, debug: bool) -> int:
         return job()
     except KeyboardInterrupt:
         tell("mdloader: interrupted")
-        return _leave(130)
+        return 130
     except MdloaderError as exc:
         if debug or _is_bug(exc):
             traceback.print_exc()
         text = str(exc) if debug else getattr(exc, "summary", str(exc))
         tell(f"mdloader: error: {text}")
-        return _leave(2 if _is_config_error(exc) else 1)
+        return 2 if _is_config_error(exc) else 1
 
 
 def _is_config_error(exc: MdloaderError) -> bool:
@@ -53,10 +54,10 @@ def _is_bug(exc: BaseException) -> bool:
             and exc.origin_rank == World.from_env().rank)
 
 
-def _leave(code: int) -> int:
-    """``code``, or leave the process now when a failed job left its process group behind
-    (only a job that started a group imported the module that knows)."""
+def leave(code: int) -> int:
+    """``code``, or leave the process now with it when a job of this process ended the group it
+    had started (only such a job imported the module that knows)."""
     failure = sys.modules.get("mdloader.distributed.failure")
-    if failure is not None and failure.abandoned():
+    if failure is not None and failure.ended_a_group():
         failure.exit_now(code)
     return code

@@ -40,7 +40,7 @@ SETTLE_SECONDS = 10.0
 
 _POLL_SECONDS = 0.05
 _jobs = itertools.count()
-_abandoned = False
+_left = ""  # "" while this process has not ended a group; else "abandoned" or "torn down"
 
 
 @dataclass
@@ -106,22 +106,36 @@ def fail_alone(exc: BaseException, *, job: int, activity: object) -> RankFailedE
 
 
 def abandon() -> None:
-    """Remember that the group was left without a teardown: the process should exit."""
-    global _abandoned
-    _abandoned = True
+    """Remember that a job left its group without a teardown: the process should exit."""
+    global _left
+    _left = "abandoned"
+
+
+def torn_down() -> None:
+    """Remember that a job of this process tore down the group it had started."""
+    global _left
+    _left = _left or "torn down"
 
 
 def abandoned() -> bool:
     """True after a job of this process left its group without tearing it down."""
-    return _abandoned
+    return _left == "abandoned"
+
+
+def ended_a_group() -> bool:
+    """True after a job of this process ended the group it started (torn down or abandoned):
+    the process is a rank of a finished job, which should exit now (:func:`exit_now`)."""
+    return bool(_left)
 
 
 def exit_now(code: int) -> None:
     """Leave the process at once with ``code``, after flushing what it wrote.
 
     Destructors are skipped on purpose: tearing down a group that a peer still uses can abort
-    the process. DataLoader workers are killed first; otherwise they would notice the missing
-    parent only seconds later, holding the launcher's output pipes open meanwhile.
+    the process, and as soon as one rank has exited ``torchrun`` sends SIGTERM to the others,
+    which would end them during the interpreter's shutdown with another exit code. DataLoader
+    workers are killed first; otherwise they would notice the missing parent only seconds later,
+    holding the launcher's output pipes open meanwhile.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

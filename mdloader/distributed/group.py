@@ -21,6 +21,7 @@ from mdloader.distributed.failure import (
     failed_together,
     next_job,
     settle,
+    torn_down,
 )
 from mdloader.settings import resolve
 from mdloader.world import World
@@ -136,9 +137,11 @@ def process_group(activity: Activity | None = None) -> Iterator[World]:
         if started and dist.is_initialized():
             if settled:
                 dist.destroy_process_group()
+                torn_down()
             else:
                 abandon()
         raise
     if started and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        torn_down()

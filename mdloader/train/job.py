@@ -32,7 +32,7 @@ from mdloader.config.input_json import Config
 from mdloader.config.loaders import configured_loader
 from mdloader.data.formats import release_handles
 from mdloader.data.schema import DataRequirementItem
-from mdloader.distributed.collectives import all_reduce_mean, fail_together
+from mdloader.distributed.collectives import all_reduce_mean, any_rank, fail_together
 from mdloader.distributed.failure import Activity
 from mdloader.distributed.group import device_of, process_group
 from mdloader.errors import ConfigError, StateDictError
@@ -211,6 +211,9 @@ class _Trainer:
         bar = tqdm(total=self.numb_steps, initial=start, disable=True if not self.world.is_main
                    else None, desc="train", unit="step", dynamic_ncols=True)
         with StopSignals() as signals:
+            if any_rank([signals.requested], activity="starting to train")[0]:
+                end = start  # a signal came before the first step: nothing to train or save
+                self._stopped(start, signals, result)
             for step in range(start, end):
                 done = step + 1
                 self.activity.doing = f"training step {done}"
@@ -230,10 +233,7 @@ class _Trainer:
                 result.step = done
                 bar.update(1)
                 if outcome.stop:
-                    result.stopped_by = signals.received or "a signal on another rank"
-                    if self.world.is_main:
-                        log.warning("stopped after step %d (%s): continue with --restart %s",
-                                    done, result.stopped_by, result.checkpoint)
+                    self._stopped(done, signals, result)
                     break
         bar.close()
         if self.numb_steps == 0 == start:  # DeePMD-kit's numb_steps 0: the untrained model
@@ -241,6 +241,17 @@ class _Trainer:
         if self.lcurve is not None:
             result.lcurve = self.lcurve.path
         return result
+
+    def _stopped(self, done: int, signals: StopSignals, result: TrainResult) -> None:
+        result.stopped_by = signals.received or "a signal on another rank"
+        if not self.world.is_main:
+            return
+        if result.checkpoint is None:
+            log.warning("stopped before training step %d (%s): nothing new to save", done + 1,
+                        result.stopped_by)
+        else:
+            log.warning("stopped after step %d (%s): continue with --restart %s", done,
+                        result.stopped_by, result.checkpoint)
 
     def _validate_fully(self, done: int, result: TrainResult) -> None:
         self.activity.doing = f"the full validation at step {done}"

@@ -2,9 +2,14 @@
 
 Slurm sends SIGTERM at the time limit (and, with ``--signal``, a signal of your choice some time
 before it); ``torchrun`` passes SIGTERM on to the ranks. While :class:`StopSignals` is active, a
-SIGTERM or SIGUSR1 only sets a flag. The training loop reads it at each step, the ranks agree on
-it in the step's flag exchange (so that every rank stops after the same step), write one
-checkpoint, and the command line exits with :data:`EXIT_STOPPED`.
+SIGTERM or SIGUSR1 only sets a flag. The training loop reads it, the ranks agree on it in their
+stop-flag exchange (so that every rank stops after the same step), write one checkpoint, and the
+command line exits with :data:`EXIT_STOPPED`.
+
+``mdloader train`` keeps the handlers active for its whole run, not only the training loop: as
+soon as one rank exits, ``torchrun`` sends SIGTERM to the others, which may still be writing
+their line or tearing the group down; they must finish that, not die half-way. A signal that
+comes before the first step stops the job before it trains.
 
 DataLoader workers must outlive the signal until the main process has written its checkpoint:
 ``torchrun`` sends it to each rank's whole process group and Slurm to every process of a step,
@@ -24,36 +29,51 @@ EXIT_STOPPED = 128 + signal.SIGTERM
 """Exit code of a run stopped by a signal after its checkpoint (143, what a shell reports for a
 process ended by SIGTERM): a job script requeues on it."""
 
+_received: list[str] = []  # the stop signals received while handlers were active, in order
+_depth = 0  # how many StopSignals are active (they nest: the command line's and the loop's)
+
 
 class StopSignals:
     """Within ``with``, SIGTERM and SIGUSR1 set :attr:`received` instead of ending the process.
 
+    Nested blocks share what was received; the outermost one starts with nothing received.
     Outside the main thread (where Python cannot install handlers) it does nothing.
     """
 
     def __init__(self) -> None:
-        self.received: str | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
+        global _depth
         if threading.current_thread() is threading.main_thread():
+            if _depth == 0:
+                _received.clear()
+            _depth += 1
             for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._note)
+                self._previous[sig] = signal.signal(sig, _note)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        global _depth
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._previous:
+            _depth -= 1
         self._previous.clear()
 
     @property
-    def requested(self) -> bool:
-        return self.received is not None
+    def received(self) -> str | None:
+        """The name of the first stop signal received (``None``: none yet)."""
+        return _received[0] if _received else None
 
-    def _note(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is None:
-            self.received = signal.Signals(signum).name
+    @property
+    def requested(self) -> bool:
+        return bool(_received)
+
+
+def _note(signum: int, frame: FrameType | None) -> None:
+    _received.append(signal.Signals(signum).name)
 
 
 def ignore_stop_signals(worker_id: int) -> None:
