@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 import threading
 import time
 
@@ -368,3 +369,26 @@ def test_a_rank_that_fails_alone_names_itself_on_every_rank() -> None:
             "rank 1 failed (training step 3): MissingDataError: gone; system: /d/s; "
             "file: /d/s/set.001/force.npy")
     assert errs[0].finished_at - errs[1].finished_at < 5  # not the group's timeout (600 s)
+
+
+def _killed_without_a_word(rank: int, world: int) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    with group.process_group(failure.Activity("training step 5")):
+        if rank == 1:
+            os._exit(9)  # as a SIGKILL would: nothing published
+        dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_a_rank_killed_outright_is_named_as_a_rank_that_left() -> None:
+    rank0, rank1 = run_ranks(_killed_without_a_word, 2, init_group=False)
+    assert rank1.exc_type == "ProcessDied" and rank0.exc_type == "RankFailedError", rank0
+    assert re.match(r"rank 0 failed \(training step 5\): DistributedError: another rank left "
+                    r"the job during training step 5 \(it failed or was killed: see its own "
+                    r"output and the launcher's\); gloo: .*Connection (closed|reset) by peer",
+                    rank0.message), rank0.message

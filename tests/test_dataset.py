@@ -343,3 +343,30 @@ def test_hdf5_datasets_that_vanish_or_break_after_the_build(tmp_path):
     release_handles()
     with pytest.raises(CorruptFileError, match=rf"^cannot open the file as HDF5; system: {addr}"):
         ds.get_batch([0])
+
+
+def test_an_hdf5_dataset_that_cannot_be_read(tmp_path, monkeypatch):
+    from mdloader.data.formats import hdf5
+
+    addr, ds = _built(tmp_path, backend="hdf5")
+
+    class Broken:
+        ndim, shape = 2, (3, 12)
+
+        def __getitem__(self, key):
+            raise OSError("Can't synchronously read data (wrong B-tree signature)")
+
+    monkeypatch.setattr(hdf5, "_group", lambda loc: {"set.001": {"force.npy": Broken()}})
+    with pytest.raises(UnreadableFileError, match=r"^cannot read the dataset \(the file changed "
+                       rf"after the build\?\); system: {addr}; file: .*#/s/set.001/force.npy; "
+                       r"found: OSError: Can't synchronously read data"):
+        hdf5.read_rows(ds.meta.location, "set.001", "force", np.array([0]), 3)
+
+
+def test_an_npy_file_of_python_objects(tmp_path):
+    addr, ds = _built(tmp_path)
+    path = os.path.join(addr, "set.000", "force.npy")
+    np.save(path, np.array([[object()] * 12] * 3, dtype=object), allow_pickle=True)
+    with pytest.raises(CorruptFileError, match=r"^the npy file holds Python objects; DeePMD "
+                       rf"arrays are numeric; system: {addr}; file: {path}; found: object$"):
+        ds.get_batch([0])

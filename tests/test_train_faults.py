@@ -21,7 +21,7 @@ from mdloader.errors import ConfigError, DataError, NonFiniteError
 from mdloader.testing import make_system
 from mdloader.train.faults import check_boxes, nonfinite_weights
 from mdloader.train.io import Lcurve, load_checkpoint
-from mdloader.train.job import ModelOptions, train
+from mdloader.train.job import LABELS, ModelOptions, train
 from mdloader.train.model import RadialPotential
 from mdloader.world import World
 
@@ -183,3 +183,41 @@ def test_nan_in_the_frames_of_the_statistics_is_named_before_training(tmp_path: 
                        rf"holds NaN/inf in frames \[1\] of the batch; system: .*/sys0; file: "
                        rf"{path}; found: batch frames \[0, 1, 2, 3, 4, 5\]$"):
         train(cfg, output=str(tmp_path / "o"), num_workers=0, options=SMALL)
+
+
+def test_gradients_that_overflow_from_finite_losses(tmp_path: Path) -> None:
+    """No rank's loss names a batch: every rank says the model diverged."""
+    from mdloader.loader import DpLoaderSet
+    from mdloader.train.step import Stepper
+
+    address = make_system(tmp_path, "s", natoms=4, nframes=2, keys=("energy", "force"))
+    ls = DpLoaderSet([address], 2, ["O", "H"], seed=0)
+    ls.add_data_requirement(LABELS)
+    model = RadialPotential(2, rcut=2.5, nbasis=4, hidden=(8,))
+
+    def overflowing(pred: dict, labels: dict, lr: float) -> tuple:
+        return pred["energy"].sum() * 1e300 * 1e300, {"mse": 1.0}  # reported finite
+
+    stepper = Stepper(model, model, torch.optim.SGD(model.parameters(), lr=0.1), overflowing,
+                      ls.systems, device=torch.device("cpu"))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(NonFiniteError, match=r"^the gradients are not finite at step 1, the "
+                       r"losses are: the model diverged \(try a smaller "
+                       r"learning_rate\.start_lr\)$"):
+        stepper.step(ls[0], 0.1, 1, False)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no update
+    stepper.nonfinite = "skip"
+    assert stepper.step(ls[0], 0.1, 2, False).skipped
+
+
+def test_a_non_finite_box_is_named_before_the_first_step(tmp_path: Path) -> None:
+    from mdloader.build import build_systems
+
+    make_system(tmp_path, "s", natoms=4, nframes=3)
+    path = tmp_path / "s" / "set.000" / "box.npy"
+    cells = np.load(path)
+    cells[1, 0] = np.nan
+    np.save(path, cells)
+    with pytest.raises(NonFiniteError, match=rf"^the box of frame 1 holds NaN/inf; system: "
+                       rf"{tmp_path}/s; file: {path}$"):
+        check_boxes(build_systems(str(tmp_path), ["O", "H"]), 2.5, World())

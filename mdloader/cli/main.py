@@ -30,7 +30,7 @@ from mdloader import __version__
 from mdloader.cli.outcome import guarded, leave
 from mdloader.errors import ConfigError
 from mdloader.logs import LEVELS, setup_logging
-from mdloader.train.signals import StopSignals
+from mdloader.train.signals import EXIT_STOPPED, StopSignals
 from mdloader.world import World
 
 if TYPE_CHECKING:
@@ -218,7 +218,6 @@ def _run_bench(args: argparse.Namespace) -> int:
 def _run_train(args: argparse.Namespace) -> int:
     from mdloader.config.input_json import load_config
     from mdloader.train.job import ModelOptions, train
-    from mdloader.train.signals import EXIT_STOPPED
 
     if not args.rcut > 0:
         raise ConfigError(f"must be a positive number, got {args.rcut}", path="--rcut")

@@ -136,14 +136,14 @@ class Channel:
         failed = [g for g, row in zip(ranks, rows) if not row[0]]
         if problem is not None:
             raise AgreementError(f"rank {dist.get_rank()}: {problem} "
-                                   f"(verification failed on ranks {failed})")
+                                 f"(verification failed on ranks {failed})")
         if failed:
             raise AgreementError(f"verification of the broadcast failed on ranks {failed}; "
-                                   f"rank {dist.get_rank()} was fine: see the errors of {failed}")
+                                 f"rank {dist.get_rank()} was fine: see the errors of {failed}")
         differ = [g for g, row in zip(ranks, rows) if row[1:] != rows[0][1:]]
         if differ:
             raise AgreementError(f"payload digest differs from rank {self.src_global}'s on ranks "
-                                   f"{differ}: the broadcast was corrupted or the ranks disagree")
+                                 f"{differ}: the broadcast was corrupted or the ranks disagree")
 
     def _check_header(self, values: list[int]) -> tuple[Kind, int, int]:
         magic, version, kind, nbytes, count = values
