@@ -13,11 +13,9 @@ What changes under the same names (``docs/migrating.md`` lists every difference)
   rank comes from ``(seed, rank)``. Probability and batch-size inputs are checked up front.
 - No global side effects: no global reseeding, no sharing-strategy change, no start-method change.
 
-``loader_set[sid]`` (an int) keeps DeePMD-kit's meaning -- the next batch of system ``sid`` --
-with its cursor in *this* process. Use it in the main process (tests, statistics); inside
-DataLoader workers each worker would advance its own copy, which is why the sampler hands out
-keys instead.
-"""
+``loader_set[sid]`` (an int) keeps DeePMD-kit's meaning -- the next batch of system ``sid``,
+with its cursor in *this* process: use it in the main process (tests, statistics), as each
+DataLoader worker would advance its own copy (hence the sampler's keys)."""
 
 from __future__ import annotations
 
@@ -257,8 +255,8 @@ class DpLoaderSet(Dataset):
 
 def get_weighted_sampler(training_data: DpLoaderSet, prob_style: str | Sequence[float],
                          sys_prob: bool = False, *, num_samples: int | None = None,
-                         num_workers: int | None = None,
-                         key: str | None = None) -> WeightedSystemSampler:
+                         num_workers: int | None = None, key: str | None = None
+                         ) -> WeightedSystemSampler:
     """DeePMD-kit's ``get_weighted_sampler``, yielding batch keys; attached to ``training_data``.
 
     One ``iter()`` yields ``total_batch * max(num_workers, 1)`` keys unless ``num_samples`` is
@@ -291,11 +289,8 @@ def get_validation_sampler(data: DpLoaderSet) -> ShardedValidationSampler:
 def get_sampler_from_params(data: DpLoaderSet, params: Mapping[str, Any], *,
                             json_path: str | None = None, **kwargs: Any
                             ) -> WeightedSystemSampler:
-    """``sys_probs`` if present and not None, else ``auto_prob``, else ``prob_sys_size``.
-
-    ``json_path`` is where ``params`` sit in the ``input.json`` (``training.training_data``),
-    so that an error names the full path of the key.
-    """
+    """``sys_probs`` if set, else ``auto_prob``, else ``prob_sys_size``; errors name the key
+    under ``json_path`` (where ``params`` sit in ``input.json``, ``training.training_data``)."""
     value, is_sys_probs, name = select_prob_source(params)
     key = f"{json_path}.{name}" if json_path else None
     return get_weighted_sampler(data, value, sys_prob=is_sys_probs, key=key, **kwargs)

@@ -17,7 +17,7 @@ from mdloader.data.schema import DataRequirementItem as Req
 from mdloader.errors import (
     CorruptFileError,
     MissingDataError,
-    ShapeError,
+    StaleDataError,
     UnreadableFileError,
 )
 from mdloader.testing import make_system
@@ -294,7 +294,7 @@ def test_a_truncated_npy_file_is_an_error_not_sigbus(tmp_path):
     os.truncate(path, os.path.getsize(path) - 8)
     with pytest.raises(CorruptFileError, match=rf"^the npy file is shorter than its header says "
                        rf"\(truncated after the build\?\); system: {addr}; file: {path}; "
-                       r"expected: 272 bytes for shape \(3, 12\) float32; found: 264 bytes$"):
+                       r"expected: 144 data bytes for shape \(3, 12\); found: 136 bytes$"):
         ds.get_batch([4])
     assert ds.get_batch([0])["force"].shape == (1, 4, 3)  # the other set still reads
 
@@ -318,13 +318,14 @@ def test_an_unreadable_or_rewritten_npy_file(tmp_path):
         ds.get_batch([0])
     os.rmdir(path)
     np.save(path, np.zeros((2, 13), dtype=np.float32))  # cannot be the 3 frames of the build
-    with pytest.raises(CorruptFileError, match=rf"^the npy file changed after the systems were "
-                       rf"built; system: {addr}; file: {path}; expected: 3 frames; found: shape "
-                       r"\(2, 13\)$"):
+    with pytest.raises(StaleDataError, match=rf"^the file changed after the system was described "
+                       rf"\(described when this job started; the data changed while it ran: "
+                       rf"restart the job\); system: {addr}; file: {path}; expected: 3 frames of "
+                       r"width 12; found: 2 frames of width 13 \(shape \(2, 13\)\)$"):
         ds.get_batch([0])
     np.save(path, np.zeros((2, 12), dtype=np.float32))  # 3 frames of 8 values, read flat
-    with pytest.raises(ShapeError, match=rf"^per-frame width of force does not match the "
-                       rf"requirement; system: {addr}; file: {path}; expected: 12; found: 8$"):
+    with pytest.raises(StaleDataError, match=rf"; file: {path}; expected: 3 frames of width 12; "
+                       r"found: 3 frames of width 8 \(shape \(2, 12\)\)$"):
         ds.get_batch([0])
 
 

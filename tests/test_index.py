@@ -359,7 +359,7 @@ def test_the_file_format(tmp_path: Path) -> None:
     path = _build(root).index_file
     header = index.inspect(path)
     assert header["systems"] == 4 and header["request"]["type_map"] == TYPE_MAP
-    assert header["request"]["systems"] == [str(root)] and header["format"] == 1
+    assert header["request"]["systems"] == [str(root)] and header["format"] == 2
     data = Path(path).read_bytes()
     assert data.startswith(b"MDLINDEX") and b"pickle" not in data
     head, saved = index_file.read_index(path)
