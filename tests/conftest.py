@@ -1,7 +1,9 @@
 """Shared fixtures."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -10,8 +12,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # System indexes written by the tests go to a folder of this run, never to the user's cache; set
-# before any rank or subprocess starts, so that they inherit it.
+# before any rank or subprocess starts, so that they inherit it, and removed when the run ends.
 os.environ["MDLOADER_CACHE_DIR"] = tempfile.mkdtemp(prefix="mdloader-test-index-")
+atexit.register(shutil.rmtree, os.environ["MDLOADER_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture
