@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     data, rec = ready_phase(impl, args, rank, world, dist, coll)
-    rec.update({"impl": args.impl, "rank": rank, "world": world, "data": args.data,
+    rec.update({"impl": args.impl, "rank": rank, "world": world, "data": probes.shown(args.data),
                 "loadavg_1min": os.getloadavg()[0]})
     if not args.build_only:
         rec["throughput"] = throughput_phase(impl, data, args, dist)

@@ -125,3 +125,13 @@ def marker(name: str, rank: int) -> float:
     except OSError:
         pass
     return time.monotonic()
+
+
+def shown(value: str) -> str:
+    """``value`` as results record it: paths in the repository relative to it, the home folder
+    written ``~``, so that no record names a path of the machine it ran on."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for prefix, short in ((repo + "/", ""), (os.path.expanduser("~") + "/", "~/")):
+        if prefix != "//" and value.startswith(prefix):
+            return short + value[len(prefix):]
+    return value

@@ -34,7 +34,7 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks import fsaudit
+from benchmarks import fsaudit, probes
 from benchmarks.evict import evict, warm
 from benchmarks.generate import DEFAULT_BASE, ensure_dataset
 from benchmarks.run import REPO, _python_for, launch
@@ -160,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "a") as fh:
         runner = Runner(args, fh)
+        argv = [probes.shown(a) for a in sys.argv[1:]]
         fh.write(json.dumps({"kind": "startup-meta", "started": time.strftime(
-            "%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(), "argv": sys.argv[1:],
+            "%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(), "argv": argv,
             "impls": sorted(runner.pythons)}) + "\n")
         try:
             for nsys in args.nsys:

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     _barrier(dist)
     rec: dict[str, Any] = {"kind": "timed", "impl": args.impl, "rep": args.rep,
                            "rank": rank, "world": world, "pid": os.getpid(),
-                           "data": args.data, "batch_size": args.batch_size,
+                           "data": probes.shown(args.data), "batch_size": args.batch_size,
                            "import_s": time.monotonic() - t_start,
                            "loadavg_1min": os.getloadavg()[0]}
     loader_set, build = build_phase(adapter, args, rank, dist, coll)
