@@ -156,8 +156,8 @@ def peer() -> str:
     return require_deepmd_python()
 
 
-def _job(tmp_path: Path) -> Path:
-    make_dataset(tmp_path / "data", 6, nframes=8, seed=3)
+def dp_job(tmp_path: Path, systems: object, batch_size: object) -> Path:
+    """A small ``dp --pt train`` job in ``tmp_path``: its ``input.json`` and the spy."""
     config = {
         "model": {"type_map": ["O", "H"],
                   "descriptor": {"type": "se_e2_a", "sel": [12, 24], "rcut_smth": 0.5,
@@ -166,12 +166,17 @@ def _job(tmp_path: Path) -> Path:
         "learning_rate": {"type": "exp", "decay_steps": 5, "start_lr": 1e-3, "stop_lr": 1e-5},
         "loss": {"type": "ener", "start_pref_e": 0.02, "limit_pref_e": 1, "start_pref_f": 1000,
                  "limit_pref_f": 1},
-        "training": {"training_data": {"systems": [str(tmp_path / "data")], "batch_size": 2},
+        "training": {"training_data": {"systems": systems, "batch_size": batch_size},
                      "numb_steps": STEPS, "seed": 7, "disp_freq": 2, "save_freq": STEPS},
     }
     (tmp_path / "input.json").write_text(json.dumps(config))
     (tmp_path / "spy.py").write_text(SPY)
     return tmp_path
+
+
+def _job(tmp_path: Path) -> Path:
+    make_dataset(tmp_path / "data", 6, nframes=8, seed=3)
+    return dp_job(tmp_path, [str(tmp_path / "data")], 2)
 
 
 def _run(cmd: list[str], cwd: Path, **env: str) -> None:

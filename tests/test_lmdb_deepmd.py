@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_deepmd_integration import SPY, STEPS, _run, peer  # noqa: F401 - the fixture
+from test_deepmd_integration import STEPS, _run, dp_job, peer  # noqa: F401 - the fixture
 
 from mdloader.data.discovery import discover_systems
 from mdloader.testing import make_dataset, make_lmdb
@@ -16,20 +16,7 @@ from mdloader.testing import make_dataset, make_lmdb
 
 def _job(tmp_path: Path) -> tuple[Path, int]:
     db = make_lmdb(tmp_path / "train.lmdb", make_dataset(tmp_path / "src", 6, nframes=8, seed=3))
-    config = {
-        "model": {"type_map": ["O", "H"],
-                  "descriptor": {"type": "se_e2_a", "sel": [12, 24], "rcut_smth": 0.5,
-                                 "rcut": 4.0, "neuron": [4, 8], "axis_neuron": 4, "seed": 1},
-                  "fitting_net": {"neuron": [8, 8], "seed": 1}},
-        "learning_rate": {"type": "exp", "decay_steps": 5, "start_lr": 1e-3, "stop_lr": 1e-5},
-        "loss": {"type": "ener", "start_pref_e": 0.02, "limit_pref_e": 1, "start_pref_f": 1000,
-                 "limit_pref_f": 1},
-        "training": {"training_data": {"systems": db, "batch_size": "auto"},
-                     "numb_steps": STEPS, "seed": 7, "disp_freq": 2, "save_freq": STEPS},
-    }
-    (tmp_path / "input.json").write_text(json.dumps(config))
-    (tmp_path / "spy.py").write_text(SPY)
-    return tmp_path, len(discover_systems(db))
+    return dp_job(tmp_path, db, "auto"), len(discover_systems(db))
 
 
 def _spies(job: Path, world: int, groups: int) -> None:
