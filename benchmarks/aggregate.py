@@ -15,6 +15,7 @@ Phase definitions (all clocks are the machine-wide monotonic clock, so ranks lin
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
@@ -151,3 +152,22 @@ def fs_counts(rows: Iterable[dict[str, Any]]) -> dict[Key, dict[str, float]]:
 
 def errors(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if "error" in r]
+
+
+def number(x: float | None, digits: int = 3) -> str:
+    """A figure of a results table: ``–`` when missing, thousands separated from 1000 up."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.{digits}g}"
+
+
+def ratio(num: float | None, den: float | None, decimals: int = 1) -> str:
+    """``num / den`` as ``2.5×``; ``–`` when either is missing, ``∞`` over a zero."""
+    if num is None or den is None or den == 0 or math.isnan(num) or math.isnan(den):
+        return "–" if not (den == 0 and num) else "∞"
+    return f"{num / den:.{decimals}f}×"
+
+
+def met(ok: bool | None) -> str:
+    """A target's verdict in a table: ``yes``, ``**no**``, or ``–`` when not measured."""
+    return "–" if ok is None else ("yes" if ok else "**no**")

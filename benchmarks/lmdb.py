@@ -22,17 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 from benchmarks.generate import DEFAULT_BASE
 from benchmarks.lmdb_data import ensure_lmdb
+from benchmarks.run import REPO, torchrun_records
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: label -> (implementation, data, build only)
 CASES: dict[str, tuple[str, str, bool]] = {
     "md-lmdb": ("mdloader", "lmdb", False), "dp-lmdb": ("deepmd", "lmdb", False),
@@ -65,29 +62,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def launch(python: str, impl: str, data: str, args: argparse.Namespace,
            build_only: bool) -> tuple[list[dict[str, Any]], str]:
     """One torchrun job; the ranks' records and, on failure, the tail of its output."""
-    tmp = tempfile.mkdtemp(prefix="mdl-lmdb-")
-    out = os.path.join(tmp, "r")
-    cmd = [python, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={args.world}", "-m", "benchmarks.lmdb_worker", "--impl", impl,
-           "--data", data, "--out", out, "--seconds", str(args.seconds)]
+    worker_args = ["--impl", impl, "--data", data, "--seconds", str(args.seconds)]
     if build_only:
-        cmd.append("--build-only")
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=args.timeout)
-        tail = (proc.stdout + proc.stderr)[-3000:] if proc.returncode else ""
-    except subprocess.TimeoutExpired as exc:
-        tail = f"timeout after {args.timeout} s: {exc}"
-    recs = []
-    for rank in range(args.world):
-        path = f"{out}.rank{rank}.json"
-        if os.path.isfile(path):
-            with open(path) as fh:
-                recs.append(json.load(fh))
-    shutil.rmtree(tmp, ignore_errors=True)
-    return recs, tail
+        worker_args.append("--build-only")
+    return torchrun_records(python, "benchmarks.lmdb_worker", worker_args, args.world,
+                            timeout=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

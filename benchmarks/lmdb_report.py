@@ -15,6 +15,8 @@ import statistics
 import sys
 from typing import Any
 
+from benchmarks.aggregate import met, number, ratio
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(REPO, "docs", "benchmarks.md")
 DEFAULT = os.path.join(REPO, "benchmarks", "results", "lmdb", "lmdb_w2.jsonl")
@@ -53,14 +55,6 @@ def _median(rows: list[dict[str, Any]], case: str, ranks: str, get: Any) -> floa
     return statistics.median(vals) if vals else None
 
 
-def _f(x: float | None, digits: int = 3) -> str:
-    if x is None:
-        return "–"
-    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.{digits}g}"
-
-
-def _ratio(num: float | None, den: float | None) -> str:
-    return "–" if not num or not den else f"{num / den:.2f}×"
 
 
 def ready_table(rows: list[dict[str, Any]], frames: int) -> list[str]:
@@ -72,11 +66,11 @@ def ready_table(rows: list[dict[str, Any]], frames: int) -> list[str]:
         m = lambda ranks, get: _median(rows, case, ranks, get)  # noqa: E731,B023
         sent = m("0", lambda r: r["bcast_bytes"])
         lines.append(
-            f"| {NAMES[case]} | {nlocs} | {_f(m('0', lambda r: r['ready_s']))} / "
-            f"{_f(m('n', lambda r: r['ready_s']))} | "
-            f"{_f(m('0', lambda r: r['frames_scanned']))} / "
-            f"{_f(m('n', lambda r: r['frames_scanned']))} | {_f(sent)} | "
-            f"{_f(None if sent is None else sent / frames)} |")
+            f"| {NAMES[case]} | {nlocs} | {number(m('0', lambda r: r['ready_s']))} / "
+            f"{number(m('n', lambda r: r['ready_s']))} | "
+            f"{number(m('0', lambda r: r['frames_scanned']))} / "
+            f"{number(m('n', lambda r: r['frames_scanned']))} | {number(sent)} | "
+            f"{number(None if sent is None else sent / frames)} |")
     return lines
 
 
@@ -98,12 +92,13 @@ def throughput_table(rows: list[dict[str, Any]]) -> list[str]:
                            ["cpu_us_per_batch"])
 
         for case in ("md-lmdb", "dp-lmdb", "md-npy"):
-            ratio = _ratio(_mean(bps(case, "0"), bps(case, "n")),
-                           _mean(bps("dp-lmdb", "0"), bps("dp-lmdb", "n"))) \
+            vs_dp = ratio(_mean(bps(case, "0"), bps(case, "n")),
+                          _mean(bps("dp-lmdb", "0"), bps("dp-lmdb", "n")), 2) \
                 if case != "dp-lmdb" else ""
-            lines.append(f"| {NAMES[case]} | {workers} | {_f(bps(case, '0'))} / "
-                         f"{_f(bps(case, 'n'))} | {_f(fps(case, '0'))} / {_f(fps(case, 'n'))} "
-                         f"| {_f(cpu(case, '0'))} / {_f(cpu(case, 'n'))} | {ratio} |")
+            lines.append(f"| {NAMES[case]} | {workers} | {number(bps(case, '0'))} / "
+                         f"{number(bps(case, 'n'))} | {number(fps(case, '0'))} / "
+                         f"{number(fps(case, 'n'))} | {number(cpu(case, '0'))} / "
+                         f"{number(cpu(case, 'n'))} | {vs_dp} |")
     return lines
 
 
@@ -127,8 +122,8 @@ def memory_table(rows: list[dict[str, Any]]) -> list[str]:
                                    ["workers_memory_mib"]))
         worker_anon = mem(lambda r: max(w["RssAnon"] for w in r["throughput"]["nw2"]
                                         ["workers_memory_mib"]))
-        lines.append(f"| {NAMES[case]} | {_f(ready)} ({_f(ready_anon)}) | {_f(after)} "
-                     f"({_f(after_anon)}) | {_f(worker)} ({_f(worker_anon)}) |")
+        lines.append(f"| {NAMES[case]} | {number(ready)} ({number(ready_anon)}) | {number(after)} "
+                     f"({number(after_anon)}) | {number(worker)} ({number(worker_anon)}) |")
     return lines
 
 
@@ -141,22 +136,21 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
     dp_scans = _median(rows, "dp-no-nlocs", "n", lambda r: r["frames_scanned"])
     lines = ["| target | measured | met? |", "|---|---:|:---:|",
              f"| time to ready within 2× of DeePMD-kit's (md ÷ DeePMD) | "
-             f"{_ratio(ready_md, ready_dp)} | {_met(ready_md, ready_dp, 2.0, below=True)} |",
-             f"| zero frame reads on ranks ≥ 1 without `frame_nlocs` | {_f(scans)} (DeePMD-kit: "
-             f"{_f(dp_scans)}) | {'–' if scans is None else ('yes' if scans == 0 else '**no**')} |"]
+             f"{ratio(ready_md, ready_dp, 2)} | {_met(ready_md, ready_dp, 2.0, below=True)} |",
+             f"| zero frame reads on ranks ≥ 1 without `frame_nlocs` | {number(scans)} "
+             f"(DeePMD-kit: {number(dp_scans)}) | {met(None if scans is None else scans == 0)} |"]
     for w in (0, 2):
         md, dp = (both(c, lambda r, w=w: r["throughput"][f"nw{w}"]["batches_per_s"])
                   for c in ("md-lmdb", "dp-lmdb"))
         lines.append(f"| batches/s ≥ 1.5× DeePMD-kit's LMDB loader, {w} workers | "
-                     f"{_ratio(md, dp)} | {_met(md, dp, 1.5)} |")
+                     f"{ratio(md, dp, 2)} | {_met(md, dp, 1.5)} |")
     return lines
 
 
 def _met(a: float | None, b: float | None, factor: float, below: bool = False) -> str:
     if a is None or b is None:
-        return "–"
-    ok = a <= factor * b if below else a >= factor * b
-    return "yes" if ok else "**no**"
+        return met(None)
+    return met(a <= factor * b if below else a >= factor * b)
 
 
 def section(path: str = DEFAULT) -> str:

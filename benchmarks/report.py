@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from benchmarks import aggregate as agg
+from benchmarks.aggregate import met, number, ratio
 from benchmarks.startup_report import section as startup_section
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,26 +21,14 @@ MD, DP = "mdloader", "deepmd"
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report_text.md")
 
 
-def _f(x: float | None, digits: int = 3) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "–"
-    if abs(x) >= 1000:
-        return f"{x:,.0f}"
-    return f"{x:.{digits}g}"
-
 
 def _fs(calls: float | None, opens: float | None) -> str:
     """File-system calls with the opens among them in brackets (``openat`` is what a remote
     file system pays a metadata round trip for)."""
     if calls is None or math.isnan(calls):
         return "–"
-    return _f(calls) + ("" if opens is None or math.isnan(opens) else f" ({_f(opens)})")
+    return number(calls) + ("" if opens is None or math.isnan(opens) else f" ({number(opens)})")
 
-
-def _ratio(num: float | None, den: float | None) -> str:
-    if num is None or den is None or den == 0 or math.isnan(num) or math.isnan(den):
-        return "–" if not (den == 0 and num) else "∞"
-    return f"{num / den:.1f}×"
 
 
 def _configs(med: dict[agg.Key, dict[str, float]]) -> list[tuple[int, int]]:
@@ -57,11 +46,11 @@ def setup_table(med: dict) -> list[str]:
     for n, w in _configs(med):
         g = lambda i, k: _get(med, i, n, w, k)  # noqa: E731,B023 - used in this iteration
         lines.append(
-            f"| {n:,} | {w} | {_f(g(MD, 'setup_s'))} | {_f(g(DP, 'setup_s'))} | "
-            f"{_ratio(g(DP, 'setup_s'), g(MD, 'setup_s'))} | "
-            f"{_f(g(MD, 'discovery_s'))} / {_f(g(DP, 'discovery_s'))} | "
-            f"{_f(g(MD, 'build_s'))} / {_f(g(DP, 'build_s'))} | "
-            f"{_f(g(MD, 'broadcast_s'))} / {_f(g(DP, 'broadcast_s'))} |")
+            f"| {n:,} | {w} | {number(g(MD, 'setup_s'))} | {number(g(DP, 'setup_s'))} | "
+            f"{ratio(g(DP, 'setup_s'), g(MD, 'setup_s'))} | "
+            f"{number(g(MD, 'discovery_s'))} / {number(g(DP, 'discovery_s'))} | "
+            f"{number(g(MD, 'build_s'))} / {number(g(DP, 'build_s'))} | "
+            f"{number(g(MD, 'broadcast_s'))} / {number(g(DP, 'broadcast_s'))} |")
     return lines
 
 
@@ -73,12 +62,12 @@ def cost_table(med: dict) -> list[str]:
     for n, w in _configs(med):
         g = lambda i, k: _get(med, i, n, w, k)  # noqa: E731,B023 - used in this iteration
         lines.append(
-            f"| {n:,} | {w} | {_f(g(MD, 'bytes'))} / {_f(g(DP, 'bytes'))} | "
-            f"{_f(g(MD, 'bytes_per_sys'))} / {_f(g(DP, 'bytes_per_sys'))} | "
-            f"{_ratio(g(DP, 'bytes'), g(MD, 'bytes'))} | "
-            f"{_f(g(MD, 'rss_growth_r0_mib'))} / {_f(g(DP, 'rss_growth_r0_mib'))} | "
-            f"{_f(g(MD, 'rss_growth_rn_mib'))} / {_f(g(DP, 'rss_growth_rn_mib'))} | "
-            f"{_ratio(g(DP, 'rss_growth_r0_mib'), g(MD, 'rss_growth_r0_mib'))} | "
+            f"| {n:,} | {w} | {number(g(MD, 'bytes'))} / {number(g(DP, 'bytes'))} | "
+            f"{number(g(MD, 'bytes_per_sys'))} / {number(g(DP, 'bytes_per_sys'))} | "
+            f"{ratio(g(DP, 'bytes'), g(MD, 'bytes'))} | "
+            f"{number(g(MD, 'rss_growth_r0_mib'))} / {number(g(DP, 'rss_growth_r0_mib'))} | "
+            f"{number(g(MD, 'rss_growth_rn_mib'))} / {number(g(DP, 'rss_growth_rn_mib'))} | "
+            f"{ratio(g(DP, 'rss_growth_r0_mib'), g(MD, 'rss_growth_r0_mib'))} | "
             f"{_fs(g(MD, 'fs_r0'), g(MD, 'fs_open_r0'))} / "
             f"{_fs(g(DP, 'fs_r0'), g(DP, 'fs_open_r0'))} | "
             f"{_fs(g(MD, 'fs_rn'), g(MD, 'fs_open_rn'))} / "
@@ -98,14 +87,14 @@ def throughput_table(med: dict) -> list[str]:
 
             def pct(i: str) -> str:
                 frac = g(i, f"{nw}_raw_frac")  # noqa: B023 - used in this iteration
-                return _f(100 * frac if frac else None)
+                return number(100 * frac if frac else None)
             lines.append(
-                f"| {n:,} | {w} | {nw[2:]} | {_f(g(MD, f'{nw}_batches_ps'))} / "
-                f"{_f(g(DP, f'{nw}_batches_ps'))} | "
-                f"{_ratio(g(MD, f'{nw}_batches_ps'), g(DP, f'{nw}_batches_ps'))} | "
-                f"{_f(g(MD, f'{nw}_frames_ps'))} / {_f(g(DP, f'{nw}_frames_ps'))} | "
-                f"{_f(g(MD, f'{nw}_atoms_ps'))} / {_f(g(DP, f'{nw}_atoms_ps'))} | "
-                f"{_f(g(MD, 'raw_bps'))} | {pct(MD)} / {pct(DP)} |")
+                f"| {n:,} | {w} | {nw[2:]} | {number(g(MD, f'{nw}_batches_ps'))} / "
+                f"{number(g(DP, f'{nw}_batches_ps'))} | "
+                f"{ratio(g(MD, f'{nw}_batches_ps'), g(DP, f'{nw}_batches_ps'))} | "
+                f"{number(g(MD, f'{nw}_frames_ps'))} / {number(g(DP, f'{nw}_frames_ps'))} | "
+                f"{number(g(MD, f'{nw}_atoms_ps'))} / {number(g(DP, f'{nw}_atoms_ps'))} | "
+                f"{number(g(MD, 'raw_bps'))} | {pct(MD)} / {pct(DP)} |")
     return lines
 
 
@@ -134,23 +123,20 @@ def targets(med: dict) -> list[str]:
            "| target | measured | met? |", "|---|---:|:---:|"]
     for label, num, den, need, _ in rows:
         ok = None if num is None or den is None or den == 0 else num / den >= need
-        out.append(f"| {label} | {_ratio(num, den)} | {_mark(ok)} |")
+        out.append(f"| {label} | {ratio(num, den)} | {met(ok)} |")
     fs = g(MD, "fs_rn")
-    out.append(f"| zero FS calls under the data tree from rank 1 | {_f(fs)} "
-               f"(DeePMD-kit: {_f(g(DP, 'fs_rn'))}) | {_mark(None if fs is None else fs == 0)} |")
+    out.append(f"| zero FS calls under the data tree from rank 1 | {number(fs)} "
+               f"(DeePMD-kit: {number(g(DP, 'fs_rn'))}) | {met(None if fs is None else fs == 0)} |")
     for nw in ("nw0", "nw2"):
         frac = g(MD, f"{nw}_raw_frac")
         out.append(f"| ≥ 50 % of the raw-read limit (workers {nw[2:]}) | "
-                   f"{_f(None if frac is None else 100 * frac)} % | "
-                   f"{_mark(None if frac is None else frac >= 0.5)} |")
+                   f"{number(None if frac is None else 100 * frac)} % | "
+                   f"{met(None if frac is None else frac >= 0.5)} |")
     big = _get(med, MD, 100000, 2, "setup_s") or _get(med, MD, 100000, 1, "setup_s")
-    out.append(f"| 100 000 systems, warm: whole build < 30 s | {_f(big)} s | "
-               f"{_mark(None if big is None else big < 30)} |")
+    out.append(f"| 100 000 systems, warm: whole build < 30 s | {number(big)} s | "
+               f"{met(None if big is None else big < 30)} |")
     return out
 
-
-def _mark(ok: bool | None) -> str:
-    return "–" if ok is None else ("yes" if ok else "**no**")
 
 
 def main(argv: list[str] | None = None) -> int:

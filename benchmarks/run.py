@@ -77,15 +77,24 @@ def _python_for(impl: str, args: argparse.Namespace) -> str | None:
 def launch(python: str, impl: str, root: str, world: int, *, seconds: float, build_only: bool,
            strace_to: str | None, timeout: float, rep: int = 0,
            env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], str]:
-    """One torchrun launch (``env`` added to this process's); returns the ranks' records and
-    the tail of its output."""
+    """One torchrun launch of :mod:`benchmarks.worker` (``env`` added to this process's);
+    returns the ranks' records and the tail of its output."""
+    worker_args = ["--impl", impl, "--data", root, "--seconds", str(seconds), "--rep", str(rep)]
+    if build_only:
+        worker_args.append("--build-only")
+    return torchrun_records(python, "benchmarks.worker", worker_args, world, timeout=timeout,
+                            strace_to=strace_to, env=env)
+
+
+def torchrun_records(python: str, module: str, worker_args: list[str], world: int, *,
+                     timeout: float, strace_to: str | None = None,
+                     env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], str]:
+    """Run ``module`` on ``world`` ranks under torchrun (it writes ``<--out>.rank<r>.json``);
+    the ranks' records, and the tail of the output when the launch failed."""
     tmp = tempfile.mkdtemp(prefix="mdl-bench-")
     out = os.path.join(tmp, "r")
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           "-m", "benchmarks.worker", "--impl", impl, "--data", root, "--out", out,
-           "--seconds", str(seconds), "--rep", str(rep)]
-    if build_only:
-        cmd.append("--build-only")
+           "-m", module, *worker_args, "--out", out]
     if strace_to:
         cmd = ["strace", "-f", "-y", "-ttt", "--seccomp-bpf", "-e", "trace=%file,%process",
                "-o", strace_to] + cmd

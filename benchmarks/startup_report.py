@@ -12,6 +12,8 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+from benchmarks.aggregate import met, number, ratio
+
 MD, DP = "mdloader", "deepmd"
 ORDER = ("warm", "cold", "index", "trust", "slow", "slow-index", "synthetic")
 LABEL = {"warm": "warm cache, no index", "cold": "cold cache, no index",
@@ -69,14 +71,6 @@ def fs_calls(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str], dict[int,
     return out
 
 
-def _f(x: float | None, digits: int = 3) -> str:
-    if x is None:
-        return "–"
-    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.{digits}g}"
-
-
-def _ratio(num: float | None, den: float | None) -> str:
-    return "–" if not num or not den else f"{num / den:.1f}×"
 
 
 def setup_table(med: dict) -> list[str]:
@@ -89,14 +83,15 @@ def setup_table(med: dict) -> list[str]:
         md = med.get((MD, n, w, cond), {})
         peer = PEER.get(cond, cond)
         dp = med.get((DP, n, w, peer), {})
-        dp_text = _f(dp.get("setup_s")) + ("" if peer == cond or not dp else f" ({peer})")
-        phases = " / ".join(_f(md.get(k)) for k in ("discovery_s", "build_s", "index_s",
+        dp_text = number(dp.get("setup_s")) + ("" if peer == cond or not dp else f" ({peer})")
+        phases = " / ".join(number(md.get(k)) for k in ("discovery_s", "build_s", "index_s",
                                                      "broadcast_s"))
         lines.append(
-            f"| {n:,} | {w} | {LABEL[cond]} | {_f(md.get('setup_s'))} | {dp_text} | "
-            f"{_ratio(dp.get('setup_s'), md.get('setup_s'))} | {phases} | "
-            f"{_f(md.get('read_r0_mb'))} / {_f(dp.get('read_r0_mb') if peer == cond else None)}"
-            f" | {int(md.get('reps', dp.get('reps', 0)))} | {_f(md.get('load', 0), 2)} | "
+            f"| {n:,} | {w} | {LABEL[cond]} | {number(md.get('setup_s'))} | {dp_text} | "
+            f"{ratio(dp.get('setup_s'), md.get('setup_s'))} | {phases} | "
+            f"{number(md.get('read_r0_mb'))} / "
+            f"{number(dp.get('read_r0_mb') if peer == cond else None)} | "
+            f"{int(md.get('reps', dp.get('reps', 0)))} | {number(md.get('load', 0), 2)} | "
             f"{md.get('run', dp.get('run', ''))[5:16]} |")
     return lines
 
@@ -109,8 +104,8 @@ def fs_table(rows: list[dict[str, Any]]) -> list[str]:
         md, dp, ix = calls.get((MD, n, "warm"), {}), calls.get((DP, n, "warm"), {}), calls.get(
             (MD, n, "index"), {})
         rest = lambda c: max((v for r, v in c.items() if r), default=None)  # noqa: E731
-        lines.append(f"| {n:,} | {_f(md.get(0))} / {_f(dp.get(0))} | {_f(ix.get(0))} | "
-                     f"{_f(rest(md))} / {_f(rest(dp))} |")
+        lines.append(f"| {n:,} | {number(md.get(0))} / {number(dp.get(0))} | {number(ix.get(0))} | "
+                     f"{number(rest(md))} / {number(rest(dp))} |")
     return lines
 
 
@@ -122,7 +117,7 @@ def targets(med: dict, rows: list[dict[str, Any]]) -> list[str]:
         ("warm index, 10 000 systems ready < 0.3 s", g(MD, 10000, "index"), lambda v: v < 0.3),
         ("warm index, 100 000 systems ready < 1 s", g(MD, 100000, "index"), lambda v: v < 1),
         ("same, trusted index, 100 000 systems", g(MD, 100000, "trust"), lambda v: v < 1),
-        (f"index of {_f(synth)} systems loads and broadcasts < 5 s",
+        (f"index of {number(synth)} systems loads and broadcasts < 5 s",
          g(MD, synth, "synthetic") if synth else None, lambda v: v < 5),
         ("slow FS (1 ms per call), 2 000 systems ≤ 2 s", g(MD, 2000, "slow"), lambda v: v <= 2),
         ("slow FS (1 ms per call), 10 000 systems ≤ 8 s", g(MD, 10000, "slow"), lambda v: v <= 8),
@@ -130,20 +125,17 @@ def targets(med: dict, rows: list[dict[str, Any]]) -> list[str]:
     ]
     out = ["| target (W = 2) | measured | met? |", "|---|---:|:---:|"]
     for label, value, ok in items:
-        out.append(f"| {label} | {_f(value)} s | {_mark(None if value is None else ok(value))} |")
+        out.append(f"| {label} | {number(value)} s | {met(None if value is None else ok(value))} |")
     for n in (10000,):
         md, dp = g(MD, n, "cold"), g(DP, n, "cold")
-        out.append(f"| cold, {n:,} systems ≥ 10× DeePMD-kit | {_ratio(dp, md)} | "
-                   f"{_mark(None if not md or not dp else dp / md >= 10)} |")
+        out.append(f"| cold, {n:,} systems ≥ 10× DeePMD-kit | {ratio(dp, md)} | "
+                   f"{met(None if not md or not dp else dp / md >= 10)} |")
     worst = max((v.get(0, 0) for (i, _n, c), v in calls.items() if i == MD and c == "warm"),
                 default=None)
-    out.append(f"| rank 0 ≤ 12 file-system calls per system (first start) | {_f(worst)} | "
-               f"{_mark(None if worst is None else worst <= 12)} |")
+    out.append(f"| rank 0 ≤ 12 file-system calls per system (first start) | {number(worst)} | "
+               f"{met(None if worst is None else worst <= 12)} |")
     return out
 
-
-def _mark(ok: bool | None) -> str:
-    return "–" if ok is None else ("yes" if ok else "**no**")
 
 
 def section(rows: list[dict[str, Any]]) -> str:
