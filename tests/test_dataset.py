@@ -286,6 +286,18 @@ def _built(tmp_path, backend="npy"):
     return addr, ds
 
 
+def test_a_system_described_again_after_its_files_grew_reads_the_new_frames(tmp_path):
+    """A process that keeps a map from the first description (a notebook that regenerates its
+    data) maps the file anew for the second, instead of failing on the old map's shape."""
+    addr = make_system(tmp_path, "s", natoms=4, nframes=3)
+    assert DeepmdDataSetForLoader(addr).get_batch([2])["coord"].shape == (1, 4, 3)
+    make_system(tmp_path, "s", natoms=4, nframes=5, seed=7)
+    again = DeepmdDataSetForLoader(addr)
+    by_type = np.argsort(np.loadtxt(os.path.join(addr, "type.raw"), dtype=int), kind="stable")
+    source = np.load(os.path.join(addr, "set.000", "coord.npy"))[4].reshape(4, 3)[by_type]
+    assert len(again) == 5 and np.allclose(again.get_batch([4])["coord"][0].numpy(), source)
+
+
 def test_a_truncated_npy_file_is_an_error_not_sigbus(tmp_path):
     """Mapping a file shorter than its header says and reading past its end kills the process
     with SIGBUS; the size check at opening names the file instead."""

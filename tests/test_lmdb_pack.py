@@ -145,3 +145,20 @@ def test_overwrite_replaces_only_when_complete(tmp_path: Path,
     assert "mdloader: packing" in capsys.readouterr().err
     assert _metadata(dest)["nframes"] == 7
     assert sorted(os.listdir(tmp_path)) == ["out.lmdb", "src"]
+
+
+def test_a_database_replaced_while_a_process_reads_it_is_described_anew(tmp_path: Path) -> None:
+    """The process's open environment maps the old file: it must not serve the new description
+    from it, nor the old frames."""
+    make_system(tmp_path / "src", "a", nframes=3)
+    dest = str(tmp_path / "out.lmdb")
+    pack([str(tmp_path / "src")], dest)
+    (group,) = discover_systems(dest)
+    assert len(DeepmdDataSetForLoader(build_system_meta(group)).get_batch([2])["fid"]) == 1
+    make_system(tmp_path / "src2", "a", nframes=5, seed=9)
+    pack([str(tmp_path / "src2")], dest, overwrite=True)
+    (group,) = discover_systems(dest)
+    again = DeepmdDataSetForLoader(build_system_meta(group))
+    assert len(again) == 5
+    source = np.load(tmp_path / "src2" / "a" / "set.000" / "coord.npy")[4].reshape(-1, 3)
+    assert np.allclose(again.get_batch([4])["coord"][0].numpy(), source)

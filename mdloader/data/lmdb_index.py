@@ -90,6 +90,8 @@ def read_index(path: str) -> LmdbIndex:
         if hit is not None and hit[0] == stamp:
             _CACHE.move_to_end(path)
             return hit[1]
+        if hit is not None:  # replaced: this process's environment still maps the old file
+            io.forget(path)
         index = _build_index(path)
         _CACHE[path] = (stamp, index)
         while len(_CACHE) > _CACHE_LIMIT:

@@ -49,6 +49,7 @@ class HandleCache(Generic[H]):
             self._handles.move_to_end(key)
             return handle
         handle = open_handle()
+        self._handles.pop(key, None)  # an invalid handle is closed already; the new one is newest
         self._handles[key] = handle
         while len(self._handles) > max(1, self._limit()):
             self._release(self._handles.popitem(last=False)[1])

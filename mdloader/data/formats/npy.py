@@ -197,7 +197,12 @@ def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray, set_nfr
     """
     path = os.path.join(loc.path, set_name, stem + ".npy")
     arr = _MAPS.get(path, lambda: _open_map(path, loc, set_nframes, width))
-    return as_rows(arr, rows, set_nframes)
+    try:
+        return as_rows(arr, rows, set_nframes)
+    except ValueError:  # a map kept from an older description of a replaced file: map it anew
+        _MAPS.discard(path)
+        return as_rows(_MAPS.get(path, lambda: _open_map(path, loc, set_nframes, width)), rows,
+                       set_nframes)
 
 
 def as_rows(arr: np.ndarray, rows: np.ndarray, set_nframes: int) -> np.ndarray:
