@@ -239,3 +239,17 @@ def test_adopt_seed_for_unseeded_runs():
     assert [b.next_key() for _ in range(20)] == rest
     with pytest.raises(StateDictError, match="seed 123 but this loader has 999"):
         make(seed=999).load_state_dict(state)
+
+
+def test_a_refused_state_leaves_the_sampler_as_it_was():
+    """Another job's state is refused before anything changes, the adopted seed included."""
+    a = make(seed=123)
+    [a.next_key() for _ in range(5)]
+    foreign = a.state_dict()
+    foreign["nsys"] += 1
+    b = make(seed=999, adopt_seed=True)
+    [b.next_key() for _ in range(3)]
+    before = b.state_dict()
+    with pytest.raises(StateDictError, match="number of systems"):
+        b.load_state_dict(foreign)
+    assert b.state_dict() == before and b.order.seed == 999

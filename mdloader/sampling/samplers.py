@@ -86,7 +86,8 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         Each ``iter()`` continues the stream where the previous one stopped: it never restarts.
     same_system_across_ranks
         All ranks draw the same system at each step (equal atom counts per step, no stragglers),
-        still reading disjoint frames.
+        still reading disjoint frames; after an elastic resume, not until the leftover is served
+        (``docs/sampling.md``, the limits of elastic resume).
     adopt_seed
         The seed was not chosen by the user (``seed=None``): :meth:`load_state_dict` then takes
         the saved seed instead of rejecting it, so a run started without a seed can resume.
@@ -202,25 +203,21 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         merged = isinstance(state, Mapping) and "generations" in state
         check_keys(state, kind="sampler", version=STATE_VERSION,
                    keys=JOB_KEYS if merged else RANK_KEYS)
-        if self.adopt_seed and int(state["seed"]) != self.order.seed:
-            self._reseed(int(state["seed"]))
+        seed = int(state["seed"]) if self.adopt_seed else self.order.seed
         for key, label in IDENTITY.items():
-            if int(state[key]) != self._identity[key]:
-                raise StateDictError(f"cannot resume the sampler: the saved state has {label} "
-                                     f"{state[key]} but this loader has {self._identity[key]}"
-                                     f"{self._hint(key)}")
+            mine = seed if key == "seed" else self._identity[key]
+            check_same("sampler", label, int(state[key]), mine, self._hint(key))
         rank, world = self.order.rank, self.order.world_size
         if merged:
             history, steps = resume_point(parse_generations(state["generations"]), rank, world)
         else:
-            if int(state["world_size"]) != world:
-                raise StateDictError(
-                    f"cannot resume the sampler: the saved state has world size "
-                    f"{state['world_size']} but this loader has {world}; to resume on another "
-                    "number of ranks, load the state of every rank merged with "
-                    "mdloader.merge_rank_states")
+            check_same("sampler", "world size", int(state["world_size"]), world,
+                       "; to resume on another number of ranks, load the state of every rank "
+                       "merged with mdloader.merge_rank_states")
             check_same("sampler", "rank", int(state["rank"]), rank)
             history, steps = parse_generations(state["history"]), int(state["steps"])
+        if seed != self.order.seed:  # every check passed: only now change this sampler
+            self._reseed(seed)
         self._set_history(history)
         self.seek(steps)
 

@@ -38,8 +38,9 @@ def check_keys(state: Any, *, kind: str, version: int, keys: Iterable[str]) -> N
                              f"(this mdloader writes version {version})")
 
 
-def check_same(kind: str, label: str, saved: Any, mine: Any) -> None:
-    """A saved value that must equal this job's: raise quoting both when it does not."""
+def check_same(kind: str, label: str, saved: Any, mine: Any, hint: str = "") -> None:
+    """A saved value that must equal this job's: raise quoting both (and ``hint``, what to do
+    or what stands behind them) when it does not."""
     if saved != mine:
         raise StateDictError(f"cannot resume the {kind}: the saved state has {label} {saved} "
-                             f"but this loader has {mine}")
+                             f"but this loader has {mine}{hint}")
