@@ -51,9 +51,9 @@ log = logging.getLogger(__name__)
 STATE_VERSION = 3
 
 
-def default_num_workers() -> int:
-    """DeePMD-kit's ``NUM_WORKERS``: the environment variable, else ``min(4, cpus)``."""
-    return int(resolve("num_workers"))
+def default_num_workers(value: int | None = None, argument: str = "num_workers") -> int:
+    """``value`` if given (checked), else DeePMD-kit's ``NUM_WORKERS``, else ``min(4, cpus)``."""
+    return int(resolve("num_workers", value, argument=argument))
 
 
 def _build(systems: Any, type_map: Sequence[str] | None, rglob_patterns: Sequence[str] | None,
@@ -265,7 +265,7 @@ def get_weighted_sampler(training_data: DpLoaderSet, prob_style: str | Sequence[
     """
     rule = training_data.probability_rule(prob_style, sys_prob, key)
     if num_samples is None:
-        workers = default_num_workers() if num_workers is None else int(num_workers)
+        workers = default_num_workers(num_workers)
         num_samples = training_data.total_batch * max(workers, 1)
     world = training_data.world
     sampler = WeightedSystemSampler(

@@ -195,6 +195,9 @@ def test_bench_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["bench", str(_input(tmp_path)), "--batches", "3", "--num-workers", "0"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:3] == ["rank", "nsys", "setup_s"]
+    assert main(["bench", str(_input(tmp_path)), "--batches", "3", "--num-workers", "-1"]) == 2
+    assert capsys.readouterr().err == ("mdloader: error: --num-workers: expected at least 0 "
+                                       "workers, found -1\n")
     assert table[-1] == "(1 rank(s), 0 DataLoader worker(s) per rank, 3 batches per rank)"
 
 

@@ -17,7 +17,7 @@ import torch
 from distributed_utils import errors, run_ranks
 
 from mdloader.config.input_json import parse_config
-from mdloader.errors import ConfigError, DataError, NonFiniteError
+from mdloader.errors import ConfigError, DataError, NonFiniteError, StaleDataError
 from mdloader.testing import make_system
 from mdloader.train.faults import check_boxes, nonfinite_weights
 from mdloader.train.io import Lcurve, load_checkpoint
@@ -109,6 +109,20 @@ def test_every_box_is_checked_before_the_first_step(tmp_path: Path) -> None:
                        rf"of this set\); system: {tmp_path}/sys3; file: {tmp_path}/sys3/set.001/"
                        r"box.npy; expected: height >= 5 A; found: 4 A$"):
         check_boxes(systems, 2.5, World())
+
+
+def test_a_box_file_rewritten_after_the_build_is_named(tmp_path: Path) -> None:
+    """Read with the width of the description: a stale file is an error naming it, not a
+    reshape failure inside torch."""
+    from mdloader.data.formats import release_handles
+
+    systems = _boxes(tmp_path, small=3)
+    release_handles()
+    box = tmp_path / "sys1" / "set.000" / "box.npy"
+    np.save(box, np.zeros((3, 6)))
+    with pytest.raises(StaleDataError, match=rf"; file: {box}; expected: 3 frames of width 9; "
+                       r"found: 3 frames of width 6"):
+        check_boxes(systems, 1.9, World())
 
 
 def _check_boxes_rank(rank: int, world: int, root: str) -> None:

@@ -55,7 +55,7 @@ def run_bench(config: Config, *, batches: int = 200, num_workers: int | None = N
 def bench_rank(config: Config, world: World, *, batches: int, num_workers: int | None
                ) -> dict[str, Any]:
     """One rank's measurements (see the module docstring)."""
-    workers = default_num_workers() if num_workers is None else num_workers
+    workers = default_num_workers(num_workers, "--num-workers")
     t0 = time.perf_counter()
     built = configured_loader(config.training_data, type_map=config.type_map, seed=config.seed,
                               world=world, labels=BENCH_LABELS, num_workers=workers)

@@ -23,7 +23,7 @@ from mdloader.data.formats import backend_of
 from mdloader.data.schema import stem_in
 from mdloader.distributed.collectives import fail_together
 from mdloader.errors import DataError, NonFiniteError
-from mdloader.train.model import box_heights
+from mdloader.train.model import box_heights, box_too_small
 from mdloader.world import World
 
 CHECKED_KEYS = ("coord", "box", "energy", "force")
@@ -91,7 +91,10 @@ def check_boxes(systems: Sequence[DeepmdDataSetForLoader], rcut: float, world: W
     """
     problem = None
     for sid in range(world.rank, len(systems), world.world_size):
-        problem = _box_problem(systems[sid], rcut)
+        try:
+            problem = _box_problem(systems[sid], rcut)
+        except DataError as exc:  # a box file that changed or vanished: still a shared failure
+            problem = exc
         if problem is not None:
             break
     fail_together(problem, context="checking every box against the model cutoff")
@@ -106,7 +109,7 @@ def _box_problem(system: DeepmdDataSetForLoader, rcut: float) -> DataError | Non
     for s in meta.sets:
         file = io.file_of(meta.location, s.name, "box.npy")
         rows = torch.as_tensor(io.read_rows(meta.location, s.name, "box", np.arange(s.nframes),
-                                            s.nframes), dtype=torch.float64)
+                                            s.nframes, s.width("box")), dtype=torch.float64)
         bad = torch.nonzero(~torch.isfinite(rows).all(dim=1)).flatten().tolist()
         if bad:
             return NonFiniteError(f"the box of frame {start + bad[0]} holds NaN/inf",
@@ -114,12 +117,9 @@ def _box_problem(system: DeepmdDataSetForLoader, rcut: float) -> DataError | Non
         heights = box_heights(rows.reshape(-1, 3, 3))
         small = torch.nonzero(heights.min(dim=1).values < 2 * rcut).flatten().tolist()
         if small:
-            frame = start + small[0]
-            return DataError(f"the box of frame {frame} is too small for the model cutoff "
-                             f"(minimum image needs rcut <= half the smallest box height; "
-                             f"{len(small)} frame(s) of this set)", system=meta.address,
-                             file=file,
-                             expected=f"height >= {2 * rcut:g} A",
-                             found=f"{float(heights[small[0]].min()):.4g} A")
+            return box_too_small(float(heights[small[0]].min()), rcut,
+                                 what=f"the box of frame {start + small[0]}",
+                                 note=f"; {len(small)} frame(s) of this set",
+                                 system=meta.address, file=file)
         start += s.nframes
     return None

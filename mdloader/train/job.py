@@ -113,7 +113,7 @@ class _Trainer:
         self.config, self.world, self.output, self.options = config, world, output, options
         self.full_validation, self.activity = full_validation, activity
         self.device = device_of(world)
-        workers = default_num_workers() if num_workers is None else num_workers
+        workers = default_num_workers(num_workers, "--num-workers")
         built = configured_loader(config.training_data, type_map=config.type_map,
                                   seed=config.seed, world=world, labels=LABELS,
                                   num_workers=workers, pin_memory=self.device.type == "cuda",

@@ -54,9 +54,16 @@ def _check_box(cell: torch.Tensor, rcut: float) -> None:
     """Minimum image is exact only while ``rcut`` <= half the smallest box height."""
     smallest = float(box_heights(cell).min())
     if not smallest >= 2 * rcut:
-        raise DataError("the box is too small for the model cutoff (minimum image needs "
-                        "rcut <= half the smallest box height)",
-                        expected=f"height >= {2 * rcut:g} A", found=f"{smallest:.4g} A")
+        raise box_too_small(smallest, rcut)
+
+
+def box_too_small(smallest: float, rcut: float, what: str = "the box", note: str = "",
+                  **where: str) -> DataError:
+    """The error of a box whose smallest height is under ``2 * rcut`` (``where``: system,
+    file)."""
+    return DataError(f"{what} is too small for the model cutoff (minimum image needs rcut <= "
+                     f"half the smallest box height{note})", expected=f"height >= {2 * rcut:g} A",
+                     found=f"{smallest:.4g} A", **where)
 
 
 class RadialPotential(nn.Module):
