@@ -28,7 +28,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from mdloader.build import build_systems
 from mdloader.data.dataset import DeepmdDataSetForLoader
-from mdloader.data.datasets import SystemDatasets, natoms_of, nframes_of
+from mdloader.data.datasets import SystemDatasets, kept_systems, natoms_of, nframes_of
 from mdloader.data.schema import as_requirement
 from mdloader.data.system import SystemMeta
 from mdloader.distributed.collectives import broadcast_from_main
@@ -131,8 +131,7 @@ class DpLoaderSet(Dataset):
         plan = resolve_batch_sizes(batch_size, natoms_of(built))
         self._nsys_original = len(built)
         self._kept = plan.kept
-        self.systems: Sequence[DeepmdDataSetForLoader] = (
-            built if len(plan.kept) == len(built) else [built[i] for i in plan.kept])
+        self.systems: Sequence[DeepmdDataSetForLoader] = kept_systems(built, plan.kept)
         self.batch_sizes = plan.batch_sizes
         self.nframes = nframes_of(self.systems)
         nb = batches_per_rank(self.nframes, self.batch_sizes, world.world_size)

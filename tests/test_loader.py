@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
 import time
 
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from mdloader.data.collate import collate_batch
 from mdloader.data.dataset import DeepmdDataSetForLoader
+from mdloader.data.datasets import SystemDatasets
 from mdloader.data.schema import DataRequirementItem
 from mdloader.errors import ConfigError, CorruptFileError, StateDictError, WorkerLostError
 from mdloader.loader import DpLoaderSet, get_sampler_from_params, get_weighted_sampler
@@ -127,6 +129,18 @@ def test_filter_remaps_sys_probs(systems):
     np.testing.assert_allclose(s.weights.numpy(), [0.5, 0.25, 0.25])
     s = get_weighted_sampler(ls, "prob_sys_size;0:2:0.5;2:4:0.5")
     assert s.weights[2] == pytest.approx(0.5)
+
+
+def test_a_filter_keeps_the_systems_unmade_and_in_order(systems):
+    """filter:N over a built table makes no dataset up front (10^6 systems stay cheap), and the
+    kept systems still pickle for workers."""
+    paths, _, _ = systems
+    ls = DpLoaderSet(paths, "filter:6", TYPE_MAP, seed=0)
+    assert isinstance(ls.systems, SystemDatasets) and set(ls.systems._made) == {None}
+    assert [os.path.basename(s.system) for s in ls.systems] == ["sys0", "sys1", "sys3"]
+    assert list(ls.nframes) == [len(s) for s in ls.systems]
+    again = pickle.loads(pickle.dumps(ls.systems))
+    assert [s.system for s in again] == [s.system for s in ls.systems]
 
 
 def test_dataloaders_are_lazy_iterables(systems):
