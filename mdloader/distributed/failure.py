@@ -40,7 +40,7 @@ SETTLE_SECONDS = 10.0
 
 _POLL_SECONDS = 0.05
 _jobs = itertools.count()
-_left = ""  # "" while this process has not ended a group; else "abandoned" or "torn down"
+_ended = False  # a job of this process ended the group it started
 
 
 @dataclass
@@ -105,27 +105,16 @@ def fail_alone(exc: BaseException, *, job: int, activity: object) -> RankFailedE
     return mine if current == record else RankFailedError(**json.loads(current))
 
 
-def abandon() -> None:
-    """Remember that a job left its group without a teardown: the process should exit."""
-    global _left
-    _left = "abandoned"
-
-
-def torn_down() -> None:
-    """Remember that a job of this process tore down the group it had started."""
-    global _left
-    _left = _left or "torn down"
-
-
-def abandoned() -> bool:
-    """True after a job of this process left its group without tearing it down."""
-    return _left == "abandoned"
+def group_ended() -> None:
+    """Remember that a job of this process ended its group, torn down or left as it was."""
+    global _ended
+    _ended = True
 
 
 def ended_a_group() -> bool:
     """True after a job of this process ended the group it started (torn down or abandoned):
     the process is a rank of a finished job, which should exit now (:func:`exit_now`)."""
-    return bool(_left)
+    return _ended
 
 
 def exit_now(code: int) -> None:

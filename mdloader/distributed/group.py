@@ -16,12 +16,11 @@ import torch.distributed as dist
 
 from mdloader.distributed.failure import (
     Activity,
-    abandon,
     fail_alone,
     failed_together,
+    group_ended,
     next_job,
     settle,
-    torn_down,
 )
 from mdloader.settings import resolve
 from mdloader.world import World
@@ -131,17 +130,15 @@ def process_group(activity: Activity | None = None) -> Iterator[World]:
         if not world.distributed:
             raise
         if not failed_together(exc):
-            abandon()
+            group_ended()
             raise fail_alone(exc, job=job, activity=activity or Activity()) from exc
         settled = settle(job, world.world_size)
         if started and dist.is_initialized():
-            if settled:
+            if settled:  # else the group is left as it is: a peer may still be inside it
                 dist.destroy_process_group()
-                torn_down()
-            else:
-                abandon()
+            group_ended()
         raise
     if started and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-        torn_down()
+        group_ended()
