@@ -31,7 +31,7 @@ from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.data.datasets import SystemDatasets, kept_systems, natoms_of, nframes_of
 from mdloader.data.schema import as_requirement
 from mdloader.data.system import SystemMeta
-from mdloader.distributed.collectives import broadcast_from_main
+from mdloader.distributed.collectives import agreed_seed
 from mdloader.distributed.group import current_world
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.per_system import LazySystemBatches
@@ -69,16 +69,6 @@ def _build(systems: Any, type_map: Sequence[str] | None, rglob_patterns: Sequenc
                          index_file=index_file, index_mode=index_mode)
 
 
-def _agree_seed(seed: int | None, world: World) -> int:
-    """``seed=None``: a fresh random seed, rank 0's for every rank (permutations must agree)."""
-    if seed is not None:
-        return seed
-    fresh = int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
-    if world.world_size == 1:
-        return fresh
-    return int(broadcast_from_main(fresh, context="choosing the loader seed"))
-
-
 class DpLoaderSet(Dataset):
     """All training systems of this rank, with DeePMD-kit's attributes.
 
@@ -106,6 +96,9 @@ class DpLoaderSet(Dataset):
     index_file, index_mode
         The system index file and what to do with it (``check``, ``refresh``, ``trust``,
         ``off``); see :func:`mdloader.build.build_systems`.
+    json_path
+        Where these data sit in ``input.json`` (``training.training_data``), named in the
+        errors of ``batch_size``.
     modifier
         DeePMD-kit's data modifier; not supported (must be None).
     """
@@ -115,7 +108,8 @@ class DpLoaderSet(Dataset):
                  shuffle: bool = True, modifier: Any = None, *,
                  rglob_patterns: Sequence[str] | None = None,
                  same_system_across_ranks: bool = False, world: World | None = None,
-                 index_file: str | None = None, index_mode: str | None = None) -> None:
+                 index_file: str | None = None, index_mode: str | None = None,
+                 json_path: str | None = None) -> None:
         if modifier is not None:
             raise ConfigError("data modifiers are not supported by mdloader", path="modifier")
         if world is None:
@@ -124,11 +118,12 @@ class DpLoaderSet(Dataset):
         self.type_map = list(type_map) if type_map else None
         user_seed = normalize_seed(seed, world.rank)
         self.seed_given = user_seed is not None
-        self.seed = _agree_seed(user_seed, world)
+        self.seed = agreed_seed(user_seed, world)
         self.shuffle = bool(shuffle)
         self.same_system_across_ranks = bool(same_system_across_ranks)
         built = _build(systems, type_map, rglob_patterns, index_file, index_mode)
-        plan = resolve_batch_sizes(batch_size, natoms_of(built))
+        plan = resolve_batch_sizes(batch_size, natoms_of(built),
+                                   f"{json_path}.batch_size" if json_path else "batch_size")
         self._nsys_original = len(built)
         self._kept = plan.kept
         self.systems: Sequence[DeepmdDataSetForLoader] = kept_systems(built, plan.kept)

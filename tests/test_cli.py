@@ -198,6 +198,11 @@ def test_bench_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["bench", str(_input(tmp_path)), "--batches", "3", "--num-workers", "-1"]) == 2
     assert capsys.readouterr().err == ("mdloader: error: --num-workers: expected at least 0 "
                                        "workers, found -1\n")
+    wrong = _input(tmp_path, data={"batch_size": [1, 2, 3]})  # 2 systems
+    assert main(["bench", str(wrong), "--batches", "3", "--num-workers", "0"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        "mdloader: error: training.training_data.batch_size: batch size list has 3 entries but "
+        "there are 2 systems")
     assert table[-1] == "(1 rank(s), 0 DataLoader worker(s) per rank, 3 batches per rank)"
 
 

@@ -38,7 +38,8 @@ def configured_loader(data: DataConfig, *, type_map: Sequence[str] | None, seed:
                                                  rglob_patterns=data.rglob_patterns,
                                                  index_file=data.index_file,
                                                  key=f"{data.json_path}.systems")
-    dataset = DpLoaderSet(datasets, data.batch_size_value(), tmap, seed=seed, world=world)
+    dataset = DpLoaderSet(datasets, data.batch_size_value(), tmap, seed=seed, world=world,
+                          json_path=data.json_path)
     dataset.add_data_requirement(labels)
     sampler = get_sampler_from_params(dataset, data.sampler_params(), num_workers=num_workers,
                                       json_path=data.json_path)

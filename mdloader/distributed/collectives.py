@@ -18,6 +18,7 @@ import torch.distributed as dist
 from mdloader.distributed.channel import world_channel
 from mdloader.distributed.group import current_world, transport_device
 from mdloader.distributed.packets import Kind, data_packet, error_packet, open_packet
+from mdloader.world import World
 
 
 def all_reduce_mean(values: np.ndarray | list[float],
@@ -69,6 +70,17 @@ def gather_to_main(obj: Any, *, timeout: float | None = None,
         if packet.kind is Kind.ERROR:
             open_packet(packet, rank=world.rank)  # raises the same RemoteError on every rank
     return [open_packet(p, rank=world.rank) for p in received] if world.is_main else None
+
+
+def agreed_seed(seed: int | None, world: World) -> int:
+    """``seed``, or for ``None`` a fresh random seed, rank 0's on every rank (the frame
+    permutations of the ranks must agree)."""
+    if seed is not None:
+        return seed
+    fresh = int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
+    if world.world_size == 1:
+        return fresh
+    return int(broadcast_from_main(fresh, context="choosing the loader seed"))
 
 
 def broadcast_from_main(obj: Any = None, *, timeout: float | None = None,

@@ -59,14 +59,12 @@ def rule_filter(natoms: np.ndarray, rule: int) -> BatchPlan:
     """Drop the systems with more than ``rule`` atoms, then apply :func:`rule_max`.
 
     Logs ``WARNING "Remove k systems with more than N atoms"`` (DeePMD-kit's message) when some
-    are dropped, and raises when none is left.
+    are dropped; :func:`resolve_batch_sizes` refuses a plan that keeps none.
     """
     kept = np.flatnonzero(natoms <= rule)
     removed = len(natoms) - len(kept)
     if removed:
         log.warning("Remove %d systems with more than %d atoms", removed, rule)
-    if len(kept) == 0:
-        raise ConfigError(f"No system left after removing systems with more than {rule} atoms")
     return BatchPlan(rule_max(natoms[kept], rule).batch_sizes, kept)
 
 
@@ -142,6 +140,9 @@ def resolve_batch_sizes(
     if isinstance(batch_size, str):
         name, n = parse_rule(batch_size, key)
         plan = RULES[name](atoms, n)
+        if len(plan.kept) == 0:
+            raise ConfigError(f"No system left after removing systems with more than {n} atoms",
+                              path=key)
         return BatchPlan(plan.batch_sizes.astype(np.int64), plan.kept.astype(np.int64))
     if isinstance(batch_size, (list, tuple, np.ndarray)):
         sizes = list(batch_size)
