@@ -14,8 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mdloader.distributed.channel import world_channel
-from mdloader.distributed.packets import data_packet, error_packet, open_packet
+from mdloader.distributed.collectives import fail_together
 from mdloader.train.faults import nonfinite_data
 from mdloader.train.model import RadialPotential, fit_energy_bias
 from mdloader.world import World
@@ -25,18 +24,13 @@ log = logging.getLogger(__name__)
 
 def on_main_for_all(fn: Callable[[], None], world: World, *, context: str) -> None:
     """Run ``fn`` on rank 0; every rank returns together, or raises rank 0's error."""
-    if not world.distributed:
-        fn()
-        return
-    channel = world_channel(activity=context)
-    packet = None
-    if channel.is_source:
+    error = None
+    if world.is_main:
         try:
             fn()
-            packet = data_packet(None, rank=0, context=context)
         except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
-            packet = error_packet(exc, rank=0, context=context)
-    open_packet(channel.broadcast(packet), rank=world.rank)
+            error = exc
+    fail_together(error, context=context)
 
 
 def fit_statistics(model: RadialPotential, systems: Sequence[Any], *, systems_max: int = 200,
