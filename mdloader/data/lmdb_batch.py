@@ -12,22 +12,24 @@ batch returns ``None`` and takes that per-frame path, which also names a defecti
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from mdloader.data.collate import batch_from_blocks
+from mdloader.data.lmdb_frames import (
+    ALWAYS_FLAGGED,
+    CORE_SHAPES,
+    DROPPED,
+    ONE,
+    ZERO,
+    LmdbGroupReader,
+    canonical,
+)
 from mdloader.data.schema import output_dtype
 
-if TYPE_CHECKING:
-    from mdloader.data.lmdb_frames import LmdbGroupReader
-
-#: Per-frame shape of the core fields (``-1``: the atom count), in DeePMD-kit's keys.
-_CORE_SHAPES = {"coord": (-1, 3), "box": (9,), "force": (-1, 3), "virial": (9,),
-                "energy": (1,), "atype": (-1,)}
-_ALWAYS_FLAGGED = ("fparam", "aparam", "spin", "charge_spin")
-_DROPPED = frozenset({"atom_numbs", "atom_names", "orig"})
-_ONE, _ZERO = np.float32(1.0), np.float32(0.0)
+#: Per-frame shape of the fields stacked (``-1``: the atom count), in DeePMD-kit's keys.
+_CORE_SHAPES = {**CORE_SHAPES, "atype": (-1,)}
 
 
 def stacked_batch(reader: LmdbGroupReader, raws: list[dict[Any, Any]],
@@ -45,9 +47,9 @@ def stacked_batch(reader: LmdbGroupReader, raws: list[dict[Any, Any]],
         return None
     for name in list(blocks):
         if name not in reader.requirements and name not in ("coord", "box", "atype"):
-            flags["find_" + name] = [_ONE]
-    for name in _ALWAYS_FLAGGED:
-        flags.setdefault("find_" + name, [_ONE if name in blocks else _ZERO])
+            flags["find_" + name] = [ONE]
+    for name in ALWAYS_FLAGGED:
+        flags.setdefault("find_" + name, [ONE if name in blocks else ZERO])
     blocks["natoms"] = blocks["real_natoms_vec"] = _counts(blocks["atype"], reader.ntypes)
     blocks.setdefault("box", None)
     return batch_from_blocks(blocks, flags, indices)
@@ -109,12 +111,10 @@ def _plan(reader: LmdbGroupReader, first: dict[Any, Any]) -> _Plan | None:
 
 
 def _new_plan(reader: LmdbGroupReader, first: dict[Any, Any]) -> _Plan | None:
-    from mdloader.data.lmdb_frames import canonical
-
     plan = _Plan()
     plan.names = first.keys()
     for name in first:
-        if name in _DROPPED:
+        if name in DROPPED:
             continue
         value, key = first[name], canonical(name)
         if key.startswith("find_"):
@@ -167,13 +167,13 @@ def _requirements(reader: LmdbGroupReader, blocks: dict[str, Any],
         if name not in blocks:
             if req.must:
                 return False
-            flags["find_" + name] = [_ONE if req.source_policy == "default" else _ZERO]
+            flags["find_" + name] = [ONE if req.source_policy == "default" else ZERO]
             shape = (natoms, req.ndof) if req.atomic else (req.ndof,)
             block = np.full((k,) + shape, req.default, dtype=output_dtype(req))
             blocks[name] = block if req.repeat == 1 else np.repeat(
                 block.reshape(k, -1), req.repeat, axis=1)
             continue
-        flags["find_" + name] = [_ONE]
+        flags["find_" + name] = [ONE]
         if req.repeat != 1:
             blocks[name] = np.repeat(blocks[name].reshape(k, -1), req.repeat,
                                      axis=1).astype(output_dtype(req), copy=False)

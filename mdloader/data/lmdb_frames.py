@@ -41,10 +41,12 @@ from mdloader.errors import (
 #: Disk names of the core fields -> DeePMD-kit's keys.
 DISK_KEYS = {"coords": "coord", "cells": "box", "energies": "energy", "forces": "force",
              "atom_types": "atype", "virials": "virial"}
-_DROPPED = ("atom_numbs", "atom_names", "orig")
+#: Per-frame shape of the core fields (``-1``: the atom count), in DeePMD-kit's keys.
+CORE_SHAPES = {"coord": (-1, 3), "box": (9,), "force": (-1, 3), "virial": (9,), "energy": (1,)}
+DROPPED = frozenset({"atom_numbs", "atom_names", "orig"})
 _STRUCTURAL = frozenset({"coord", "box", "atype", "natoms", "real_natoms_vec", "fid"})
-_ALWAYS_FLAGGED = ("fparam", "aparam", "spin", "charge_spin")
-_ONE, _ZERO = np.float32(1.0), np.float32(0.0)
+ALWAYS_FLAGGED = ("fparam", "aparam", "spin", "charge_spin")
+ONE, ZERO = np.float32(1.0), np.float32(0.0)
 _NUMERIC = (np.ndarray, np.generic, int, float, bool)  # what a batch stacks (text is left out)
 
 
@@ -160,7 +162,7 @@ class LmdbGroupReader:
         return self._frame(self.record(index, copy=copy), index)
 
     def _frame(self, frame: dict[str, Any], index: int) -> dict[str, Any]:
-        for name in _DROPPED:
+        for name in DROPPED:
             frame.pop(name, None)
         self._core(frame, index)
         atype = frame["atype"]
@@ -171,18 +173,17 @@ class LmdbGroupReader:
         reqs = self.requirements
         for name in list(frame):
             if not (name.startswith("find_") or name in _STRUCTURAL or name in reqs):
-                frame.setdefault("find_" + name, _ONE)
+                frame.setdefault("find_" + name, ONE)
         for name, req in reqs.items():
             self._resolve(frame, name, req, index)
-        for name in _ALWAYS_FLAGGED:
-            frame.setdefault("find_" + name, _ONE if name in frame else _ZERO)
+        for name in ALWAYS_FLAGGED:
+            frame.setdefault("find_" + name, ONE if name in frame else ZERO)
         frame["fid"] = index
         return frame
 
     def _core(self, frame: dict[str, Any], index: int) -> None:
         """Reshape and cast the core fields; check atoms and type ids against the group."""
-        for name, shape in (("coord", (-1, 3)), ("box", (9,)), ("force", (-1, 3)),
-                            ("virial", (9,)), ("energy", (1,))):
+        for name, shape in CORE_SHAPES.items():
             value = frame.get(name)
             if isinstance(value, np.ndarray):
                 frame[name] = value.reshape(shape).astype(self.dtypes[name], copy=False)
@@ -222,12 +223,12 @@ class LmdbGroupReader:
             if req.must:
                 raise MissingDataError(f"required field {name!r} is unavailable in frame "
                                        f"{index}", system=self.address, file=self._entry(index))
-            frame[flag] = _ONE if req.source_policy == "default" else _ZERO
+            frame[flag] = ONE if req.source_policy == "default" else ZERO
             shape = (len(frame["atype"]), req.ndof) if req.atomic else (req.ndof,)
             data = np.full(shape, req.default, dtype=output_dtype(req))
             frame[name] = data if req.repeat == 1 else np.repeat(data, req.repeat).reshape(-1)
             return
-        frame.setdefault(flag, _ONE)
+        frame.setdefault(flag, ONE)
         if req.repeat != 1 and isinstance(frame[name], np.ndarray):
             repeated = np.repeat(frame[name], req.repeat).reshape(-1)
             frame[name] = repeated.astype(output_dtype(req), copy=False)
@@ -250,7 +251,7 @@ class LmdbGroupReader:
             values = [frame.get(name) for frame in frames]
             if name.startswith("find_"):
                 every = all(v is not None and float(v) != 0.0 for v in values)
-                flags[name] = [_ONE if every else _ZERO]
+                flags[name] = [ONE if every else ZERO]
             elif all(isinstance(v, _NUMERIC) for v in values):
                 blocks[name] = self._stack(name, values, indices)
             elif name == "box" and any(v is not None for v in values):
