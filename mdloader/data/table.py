@@ -224,10 +224,6 @@ class SystemTable(Sequence):
         return self._columns["set_ids"][self._set_ends[row] - self._columns["nsets"][row]:
                                         self._set_ends[row]]
 
-    def set_names(self, row: int) -> tuple[str, ...]:
-        s0, s1 = self._set_ends[row] - self._columns["nsets"][row], self._set_ends[row]
-        return tuple(self._sets[j].name for j in self._columns["set_ids"][s0:s1])
-
     def has_type_map(self, row: int) -> bool:
         """Whether system ``row`` has a type map of its own (``type_map.raw``)."""
         return self._type_maps[self._columns["type_map_id"][row]] is not None
