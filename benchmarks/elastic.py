@@ -19,8 +19,8 @@ import tracemalloc
 
 import numpy as np
 
-from mdloader.sampling.job_state import IDENTITY
-from mdloader.sampling.probability_rule import StyleRule
+from mdloader.sampling.elastic import IDENTITY
+from mdloader.sampling.probability import StyleRule
 from mdloader.sampling.samplers import STATE_VERSION, WeightedSystemSampler
 
 RULE = StyleRule.of("prob_sys_size")

@@ -76,8 +76,8 @@ class MdloaderAdapter(Adapter):
     name = "mdloader"
 
     def load(self) -> None:
-        import mdloader.build as build
-        import mdloader.loader as loader
+        import mdloader.loading.build as build
+        import mdloader.loading.loader as loader
         from mdloader.data.schema import DataRequirementItem
 
         self._loader, self._item = loader, DataRequirementItem

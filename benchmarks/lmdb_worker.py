@@ -44,8 +44,8 @@ class Mdloader:
     """mdloader's loader as ``mdloader dp --pt train`` builds it."""
 
     def __init__(self) -> None:
-        import mdloader.loader as loader
-        from mdloader.data import lmdb_metadata
+        import mdloader.loading.loader as loader
+        from mdloader.data.formats.lmdb.env import metadata as lmdb_metadata
         from mdloader.data.schema import DataRequirementItem
 
         self.loader, self.item, self.meta = loader, DataRequirementItem, lmdb_metadata

@@ -2,7 +2,8 @@
 
 The descriptions are made column by column (no file, no SystemMeta per system) with the same
 shapes as :mod:`benchmarks.generate`'s data (O/H systems of 3-24 atoms, one set of 20 frames
-holding box, coord, energy and force), and saved where :mod:`mdloader.index` looks for the index
+holding box, coord, energy and force), and saved where :mod:`mdloader.catalog.index`
+looks for the index
 of ``root`` with the benchmark's type map. Used in ``trust`` mode, nothing under ``root`` is
 ever touched, so ``root`` need not exist.
 """
@@ -19,10 +20,10 @@ from benchmarks.impls import TYPE_MAP
 
 def synthesize_index(root: str, nsys: int, cache_dir: str, seed: int = 0) -> str:
     """Write the index of ``nsys`` synthetic systems under ``root``; its path."""
-    from mdloader.data.index_file import SavedIndex, write_index
+    from mdloader.catalog.index import index_header, index_request
+    from mdloader.catalog.index_file import SavedIndex, write_index
+    from mdloader.catalog.table import SystemTable
     from mdloader.data.system import restore_set
-    from mdloader.data.table import SystemTable
-    from mdloader.index import index_header, index_request
 
     rng = np.random.default_rng(seed)
     natoms = rng.integers(NATOMS_RANGE[0], NATOMS_RANGE[1] + 1, size=nsys)

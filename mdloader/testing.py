@@ -178,7 +178,8 @@ def make_lmdb(path: str | os.PathLike[str], systems: Sequence[str], *,
               drop_metadata: Sequence[str] = (), broken: str | None = None) -> str:
     """Write the systems at ``systems`` (e.g. made by :func:`make_system`) into an LMDB database.
 
-    ``writer`` is ``"mdloader"`` (:class:`~mdloader.data.lmdb_writer.LmdbWriter`, one system id
+    ``writer`` is ``"mdloader"``
+    (:class:`~mdloader.data.formats.lmdb.writer.LmdbWriter`, one system id
     per system, in the order given) or ``"dpdata"`` (dpdata's ``dump_systems``, for
     cross-checks). ``drop_metadata`` removes keys from ``__metadata__`` (e.g. ``frame_nlocs``);
     ``broken`` is one of :data:`LMDB_BROKEN`. Returns the database path.
@@ -197,8 +198,8 @@ def make_lmdb(path: str | os.PathLike[str], systems: Sequence[str], *,
 
 def _write_lmdb_mdloader(path: str, systems: Sequence[str],
                          type_map: Sequence[str] | None) -> None:
-    from mdloader.data.lmdb_sources import element_names, system_chunks
-    from mdloader.data.lmdb_writer import LmdbWriter
+    from mdloader.data.formats.lmdb.sources import element_names, system_chunks
+    from mdloader.data.formats.lmdb.writer import LmdbWriter
     from mdloader.data.system import build_system_meta
 
     metas = [build_system_meta(s) for s in systems]

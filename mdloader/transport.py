@@ -87,7 +87,7 @@ class CarriedError:
 
 class CarryErrors:
     """Worker side: a dataset whose mdloader errors come back as :class:`CarriedError` values;
-    the main process raises them (:class:`~mdloader.sampling.stateful_loader.StatefulLoader`)."""
+    the main process raises them (:class:`~mdloader.loading.stateful_loader.StatefulLoader`)."""
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset

@@ -20,8 +20,8 @@ atexit.register(shutil.rmtree, os.environ["MDLOADER_CACHE_DIR"], ignore_errors=T
 @pytest.fixture
 def real_data() -> Path:
     """Real DeePMD systems shipped with the repository: ``water/`` (the example's data) and
-    ``deepmd-tests/`` (DeePMD-kit's small test fixtures; see ``tests/data/NOTICE.md``)."""
-    return REPO / "tests" / "data"
+    ``deepmd-tests/`` (DeePMD-kit's small test fixtures; see ``tests/fixtures/NOTICE.md``)."""
+    return REPO / "tests" / "fixtures"
 
 
 @pytest.fixture

@@ -10,27 +10,28 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mdloader"
 #: Layer of each module (longest prefix wins) and the layers it may import.
 LAYERS = {
     "mdloader": "leaf", "mdloader.errors": "leaf", "mdloader.settings": "leaf",
-    "mdloader.world": "leaf", "mdloader.logs": "leaf", "mdloader.testing": "testing",
-    "mdloader.transport": "leaf",
-    "mdloader.data": "data", "mdloader.distributed": "distributed",
-    "mdloader.sampling": "sampling",
-    "mdloader.build": "assembly", "mdloader.loader": "assembly", "mdloader.index": "assembly",
-    "mdloader.per_system": "assembly",
+    "mdloader.world": "leaf", "mdloader.logs": "leaf", "mdloader.transport": "leaf",
+    "mdloader.state": "leaf", "mdloader.fs_calls": "leaf", "mdloader.testing": "testing",
+    "mdloader.data": "data", "mdloader.catalog": "catalog",
+    "mdloader.distributed": "distributed", "mdloader.sampling": "sampling",
+    "mdloader.stats": "stats", "mdloader.loading": "loading",
     "mdloader.config": "config",
     "mdloader.cli": "cli", "mdloader.__main__": "cli",
     "mdloader.train": "train", "mdloader.integrations": "integrations",
 }
-LIBRARY = {"leaf", "data", "distributed", "sampling", "assembly"}
+LIBRARY = {"leaf", "data", "catalog", "distributed", "sampling", "stats", "loading"}
 ALLOWED = {
     "leaf": {"leaf"},
     "data": {"leaf", "data"},
+    "catalog": {"leaf", "data", "catalog"},
     "distributed": {"leaf", "distributed"},
     "sampling": {"leaf", "sampling"},
-    "assembly": LIBRARY,
+    "stats": {"leaf", "data", "stats"},
+    "loading": LIBRARY,
     "testing": LIBRARY,
     "config": LIBRARY | {"config"},
     "train": LIBRARY | {"config", "train"},
-    "integrations": LIBRARY | {"integrations"},
+    "integrations": LIBRARY | {"config", "integrations"},
     "cli": LIBRARY | {"config", "cli", "train", "integrations"},
 }
 #: Only these layers may import ``torch.distributed`` themselves.
@@ -93,13 +94,14 @@ def test_imports_follow_the_layers() -> None:
 def test_the_checker_catches_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "mdloader" / "data" / "_rule_probe.py"
     bad.parent.mkdir(parents=True)
-    bad.write_text("import torch.distributed as dist\nfrom mdloader.loader import DpLoaderSet\n"
+    bad.write_text("import torch.distributed as dist\n"
+                   "from mdloader.loading.loader import DpLoaderSet\n"
                    "from .schema import canonical_key\n", encoding="utf-8")
     assert violations(tmp_path / "mdloader") == [
         "mdloader/data/_rule_probe.py:1: mdloader.data._rule_probe (data) imports "
         "torch.distributed: only mdloader.distributed may",
         "mdloader/data/_rule_probe.py:2: mdloader.data._rule_probe (data) imports "
-        "mdloader.loader (assembly)",
+        "mdloader.loading.loader (loading)",
         "mdloader/data/_rule_probe.py:3: mdloader.data._rule_probe (data) uses a relative "
         "import '.schema': write it absolute",
     ]

@@ -3,7 +3,8 @@
 Each rank builds the loader (rank 0 discovers and reads headers, the others receive metadata),
 then pulls N batches through the outer ``DataLoader`` with the stateful weighted sampler and
 the same labels the training job requests. Reported per rank: the build phases (discovery,
-build, broadcast) and the broadcast bytes from :class:`~mdloader.build.BuildReport`, the time to
+build, broadcast) and the broadcast bytes from
+:class:`~mdloader.loading.build.BuildReport`, the time to
 the first batch (worker start-up), batches/frames/atoms per second over the N batches, and the
 peak resident memory of the rank and of its DataLoader workers. Rows are gathered on rank 0.
 """
@@ -21,8 +22,8 @@ from mdloader.config.loaders import configured_loader
 from mdloader.data.schema import DataRequirementItem
 from mdloader.distributed.collectives import gather_to_main
 from mdloader.distributed.group import process_group
-from mdloader.loader import default_num_workers
-from mdloader.sampling.stateful_loader import StatefulLoader
+from mdloader.loading.loader import default_num_workers
+from mdloader.loading.stateful_loader import StatefulLoader
 from mdloader.world import World
 
 #: Labels read as the training job reads them, but optional: bench also runs on unlabeled data.

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from mdloader.catalog.discover import discover_systems
 from mdloader.config.input_json import Config, DataConfig, parse_config
-from mdloader.data.discovery import discover_systems
 from mdloader.data.formats import backend_of, parse_address
 from mdloader.data.layout import stored_flat
 from mdloader.data.system import SystemMeta, inspect_system
@@ -194,7 +194,7 @@ def deep_check(meta: SystemMeta) -> list[str]:
     """Read every array of every set (every frame of an LMDB group); report NaN/inf frames and
     unreadable or short data."""
     if meta.backend == "lmdb":
-        from mdloader.data.lmdb_check import check_group
+        from mdloader.data.formats.lmdb.check import check_group
 
         return check_group(meta)
     loc = parse_address(meta.address)

@@ -128,7 +128,7 @@ def _load_deepmd(src: str, fmt: str, type_map: list[str] | None) -> Any:
     """A DeePMD source, system by system as mdloader's discovery finds them."""
     import dpdata
 
-    from mdloader.data.discovery import discover_systems
+    from mdloader.catalog.discover import discover_systems
 
     systems = [_first_readable(address, fmt, _single_kinds(fmt), type_map)
                for address in discover_systems(src)]

@@ -16,11 +16,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mdloader.catalog.freshness import check_saved
+from mdloader.catalog.index import describe, index_request, inspect, load
+from mdloader.catalog.index_file import MAGIC, read_index
 from mdloader.config.input_json import Config, DataConfig, load_config
-from mdloader.data.freshness import check_saved
-from mdloader.data.index_file import MAGIC, read_index
-from mdloader.data.overlap import Overlap
-from mdloader.index import describe, index_request, inspect, load
+from mdloader.fs_calls import Overlap
 from mdloader.settings import resolve
 from mdloader.world import World
 

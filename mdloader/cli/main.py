@@ -12,7 +12,7 @@ prints, and turns exceptions into exit codes:
 
 User errors (:class:`~mdloader.errors.MdloaderError`) print one ``mdloader: error: ...`` line
 on stderr without a traceback unless ``--debug``; anything else is a bug and keeps its
-traceback (:mod:`mdloader.cli.outcome`). Everything after ``mdloader dp`` goes unparsed to
+traceback (:mod:`mdloader.cli.main`). Everything after ``mdloader dp`` goes unparsed to
 DeePMD-kit's own ``dp`` (see :mod:`mdloader.integrations.deepmd`).
 """
 
@@ -23,12 +23,12 @@ import contextlib
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from mdloader import __version__
-from mdloader.cli.outcome import guarded, leave
-from mdloader.errors import ConfigError
+from mdloader.errors import ConfigError, MdloaderError, RemoteError
 from mdloader.logs import LEVELS, setup_logging
 from mdloader.train.signals import EXIT_STOPPED, StopSignals
 from mdloader.world import World
@@ -277,3 +277,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     # mdloader train: a signal sets the stop flag for the whole run, teardown included
     with StopSignals() if args.command == "train" else contextlib.nullcontext():
         return leave(guarded(lambda: runner(args), debug=args.debug))
+
+
+def tell(line: str) -> None:
+    """One line on stderr in a single write: under torchrun every rank shares the stream, and
+    ``print`` writes the text and its newline separately when Python runs unbuffered
+    (``PYTHONUNBUFFERED``), so two ranks' lines could interleave."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def guarded(job: Callable[[], int], *, debug: bool) -> int:
+    """Run ``job``; user errors become one line on stderr and an exit code."""
+    try:
+        return job()
+    except KeyboardInterrupt:
+        tell("mdloader: interrupted")
+        return 130
+    except MdloaderError as exc:
+        if debug or _is_bug(exc):
+            traceback.print_exc()
+        text = str(exc) if debug else getattr(exc, "summary", str(exc))
+        tell(f"mdloader: error: {text}")
+        return 2 if _is_config_error(exc) else 1
+
+
+def _is_config_error(exc: MdloaderError) -> bool:
+    """A ConfigError, here or on the rank whose failure this rank reports."""
+    return isinstance(exc, ConfigError) or getattr(exc, "exc_type", None) == "ConfigError"
+
+
+def _is_bug(exc: BaseException) -> bool:
+    """A failure of this very rank that is no mdloader error: its traceback is what a bug
+    report needs (the line alone would hide where it came from)."""
+    cause = exc.__cause__
+    return (isinstance(exc, RemoteError) and cause is not None
+            and not isinstance(cause, MdloaderError) and exc.exc_type == type(cause).__name__
+            and exc.origin_rank == World.from_env().rank)
+
+
+def leave(code: int) -> int:
+    """``code``, or leave the process now with it when a job of this process ended the group it
+    had started (only such a job imported the module that knows)."""
+    failure = sys.modules.get("mdloader.distributed.failure")
+    if failure is not None and failure.ended_a_group():
+        failure.exit_now(code)
+    return code

@@ -1,12 +1,12 @@
 """``mdloader pack``: many systems into one LMDB database that DeePMD-kit 3.2.0 reads as is.
 
 Sources are what mdloader reads (npy directories, roots, globs, HDF5 files, listed in
-:func:`~mdloader.data.discovery.discover_systems`'s order, the order ``sys_probs`` refers to) or,
+:func:`~mdloader.catalog.discover.discover_systems`'s order, the order ``sys_probs`` refers to) or,
 with ``fmt``, a file dpdata reads (as ``mdloader convert``). Every source system becomes one
 system id, in that order, so the database keeps the user's systems apart where dpdata's
 ``MultiSystems`` writer would merge those of equal formula. Every source is described (headers
 only) before the first frame is written, so a broken system fails the command at once; frames
-then stream through :class:`~mdloader.data.lmdb_writer.LmdbWriter` in bounded chunks, with a
+then stream through :class:`~mdloader.data.formats.lmdb.writer.LmdbWriter` in bounded chunks, with a
 progress bar on stderr, and the database appears at ``dest`` only when complete.
 """
 
@@ -18,11 +18,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mdloader.data.describe import SystemFailed, describe_systems
-from mdloader.data.discovery import discover_systems
+from mdloader.catalog.describe import SystemFailed, describe_systems
+from mdloader.catalog.discover import discover_systems
 from mdloader.data.formats import parse_address
-from mdloader.data.lmdb_sources import array_chunks, element_names, system_chunks
-from mdloader.data.lmdb_writer import LmdbWriter, SourceChunk
+from mdloader.data.formats.lmdb.sources import array_chunks, element_names, system_chunks
+from mdloader.data.formats.lmdb.writer import LmdbWriter, SourceChunk
 from mdloader.errors import ConfigError
 
 _CORE_DPDATA = {"coords", "cells", "energies", "forces", "virials"}

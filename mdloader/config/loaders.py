@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mdloader.build import BuildReport, build_systems_with_report
 from mdloader.config.input_json import DataConfig
-from mdloader.loader import DpLoaderSet, get_sampler_from_params
+from mdloader.loading.build import BuildReport, build_systems_with_report
+from mdloader.loading.loader import DpLoaderSet, get_sampler_from_params
+from mdloader.loading.stateful_loader import StatefulLoader
 from mdloader.sampling.samplers import WeightedSystemSampler
-from mdloader.sampling.stateful_loader import StatefulLoader
 from mdloader.world import World
 
 

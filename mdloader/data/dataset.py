@@ -4,7 +4,8 @@ It holds a :class:`~mdloader.data.system.SystemMeta` and the data requirements, 
 pickles to a few hundred bytes and travels cheaply to other ranks and DataLoader workers.
 Frames are read on demand: rows of memory-mapped npy files or rows of HDF5 datasets, through
 handles opened on first read in the reading process. The frames of an LMDB group are read
-record by record, as DeePMD-kit's LMDB reader yields them (:mod:`mdloader.data.lmdb_frames`).
+record by record, as DeePMD-kit's LMDB reader yields them
+(:mod:`mdloader.data.formats.lmdb.frames`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class DeepmdDataSetForLoader(Dataset):
     ----------
     system
         A system address (directory or ``file.h5#/group``) or an already built
-        :class:`SystemMeta` (what :func:`mdloader.build.build_systems` hands every rank).
+        :class:`SystemMeta` (what :func:`mdloader.loading.build.build_systems` hands every rank).
     type_map
         The model's type map; system types are remapped to it (DeePMD-kit's rules).
     origin
@@ -114,7 +115,7 @@ class DeepmdDataSetForLoader(Dataset):
         """Add what a model or loss needs, and check it against the headers right away."""
         merged = merge_requirements(self._extra, data_requirement)
         if self._meta.backend == "lmdb":  # what a frame holds is known when it is read
-            from mdloader.data.lmdb_frames import check_requirements
+            from mdloader.data.formats.lmdb.frames import check_requirements
 
             check_requirements(merged)
         else:
@@ -145,7 +146,7 @@ class DeepmdDataSetForLoader(Dataset):
     def _lmdb_reader(self) -> Any:
         """The reader of an LMDB group, made on first read (100 000 groups cost nothing before)."""
         if self._lmdb is None:
-            from mdloader.data.lmdb_frames import LmdbGroupReader
+            from mdloader.data.formats.lmdb.frames import LmdbGroupReader
 
             self._lmdb = LmdbGroupReader(self._meta, self._requirements)
         return self._lmdb

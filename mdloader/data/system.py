@@ -64,7 +64,7 @@ class SystemMeta:
     ``type_map``). ``mixed_idx_map`` maps a mixed-type system's own type ids to model ids, with a
     trailing ``-1`` so that virtual atoms stay ``-1``. A group of an LMDB database is described
     by the same fields: zeros as atom types (they are per frame), ``mixed_type`` set, and one
-    :class:`~mdloader.data.lmdb_index.LmdbGroup` as its only set.
+    :class:`~mdloader.data.formats.lmdb.groups.LmdbGroup` as its only set.
     """
 
     address: str
@@ -171,7 +171,7 @@ def _describe_system(address: str, type_map: Sequence[str] | None, problems: lis
     """Raise what ends the inspection, append to ``problems`` what does not."""
     loc = parse_address(address)
     if loc.backend == "lmdb":  # a group of frames in a database: described from its metadata
-        from mdloader.data.lmdb_index import describe_group
+        from mdloader.data.formats.lmdb.groups import describe_group
 
         return describe_group(loc, type_map)
     io = backend_of(loc)

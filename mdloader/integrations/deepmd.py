@@ -48,12 +48,11 @@ import importlib
 import logging
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mdloader.errors import ConfigError
-from mdloader.integrations.deepmd_lmdb import lmdb_neighbor_stat, not_lmdb
-from mdloader.loader import DpLoaderSet, get_sampler_from_params, get_weighted_sampler
+from mdloader.loading.loader import DpLoaderSet, get_sampler_from_params, get_weighted_sampler
 
 log = logging.getLogger(__name__)
 
@@ -285,3 +284,24 @@ def run_dp(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return 0
+
+
+def not_lmdb(systems: Any) -> bool:
+    """``main.is_lmdb``: the trainer's LMDB branch is never taken, mdloader reads the path."""
+    return False
+
+
+def lmdb_neighbor_stat(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``main.get_data``, which ``main`` calls only for neighbour statistics: an LMDB path goes
+    to DeePMD-kit's ``make_neighbor_stat_data``, as DeePMD-kit itself does."""
+
+    def get_data(jdata: Any, rcut: Any, type_map: Any, modifier: Any, *args: Any,
+                 **kwargs: Any) -> Any:
+        from deepmd.dpmodel.utils.lmdb_data import is_lmdb, make_neighbor_stat_data
+
+        systems = jdata.get("systems") if hasattr(jdata, "get") else None
+        if isinstance(systems, str) and is_lmdb(systems):
+            return make_neighbor_stat_data(systems, type_map)
+        return original(jdata, rcut, type_map, modifier, *args, **kwargs)
+
+    return get_data

@@ -8,10 +8,10 @@ iterators and repeat batches).
 
 Resume state is a few integers; the per-system cursors are recomputed by replaying the system
 stream (:func:`mdloader.sampling.order.stream_counts`). The state of every rank merged
-(:func:`mdloader.sampling.job_state.merge_rank_states`) also resumes on another number of ranks
+(:func:`mdloader.sampling.elastic.merge_rank_states`) also resumes on another number of ranks
 (:mod:`mdloader.sampling.elastic`). Workers prefetch, so the sampler's own
 position runs ahead of what was consumed: save ``sampler.state_dict(consumed=k)``, or the state
-of a :class:`~mdloader.sampling.stateful_loader.StatefulLoader`, or let torchdata's
+of a :class:`~mdloader.loading.stateful_loader.StatefulLoader`, or let torchdata's
 ``StatefulDataLoader`` save the state of the epoch iterator (:class:`EpochIterator`).
 """
 
@@ -28,11 +28,13 @@ import torch
 from torch.utils.data import Sampler
 
 from mdloader.errors import ConfigError, StateDictError
-from mdloader.sampling.elastic import Generation, JobSampling, continuation
-from mdloader.sampling.job_state import (
+from mdloader.sampling.elastic import (
     IDENTITY,
     JOB_KEYS,
     RANK_KEYS,
+    Generation,
+    JobSampling,
+    continuation,
     generation_rows,
     parse_generations,
     resume_point,
@@ -45,8 +47,8 @@ from mdloader.sampling.order import (
     stream_counts,
     weights_to_cdf,
 )
-from mdloader.sampling.probability_rule import ProbabilityRule, as_rule
-from mdloader.sampling.state import check_keys, check_same
+from mdloader.sampling.probability import ProbabilityRule, as_rule
+from mdloader.state import check_keys, check_same
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         Frames and batch size of every system (after any ``filter:N``).
     probs
         System probabilities (:func:`mdloader.sampling.probability.system_probabilities`), or a
-        :class:`~mdloader.sampling.probability_rule.ProbabilityRule` that computes them from the
+        :class:`~mdloader.sampling.probability.ProbabilityRule` that computes them from the
         batch counts of any world size (what an elastic resume needs when they depend on it).
     seed
         The job seed, identical on every rank (frame permutations must agree across ranks).
@@ -187,7 +189,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
-        """This rank's state (:mod:`mdloader.sampling.job_state`); ``consumed`` overrides the
+        """This rank's state (:mod:`mdloader.sampling.elastic`); ``consumed`` overrides the
         position (see the module doc)."""
         steps = self._step if consumed is None else int(consumed)
         if steps < 0:
@@ -198,7 +200,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore from this rank's state, or from the job state of every rank merged
-        (:func:`~mdloader.sampling.job_state.merge_rank_states`), saved on any number of
+        (:func:`~mdloader.sampling.elastic.merge_rank_states`), saved on any number of
         ranks; another job's state is rejected quoting both values."""
         merged = isinstance(state, Mapping) and "generations" in state
         check_keys(state, kind="sampler", version=STATE_VERSION,

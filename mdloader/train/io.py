@@ -7,7 +7,7 @@ both files up to its checkpoint's step and drops the later ones (a run killed af
 checkpoint wrote them; DeePMD-kit appends, so they appear twice). Checkpoints are
 ``<save_ckpt>-<step>.pt`` with a ``<save_ckpt>.pt`` link to the latest (DeePMD-kit's naming); they
 hold the model, the optimizer, and the loader state of the whole job (every rank's state merged,
-:func:`mdloader.sampling.job_state.merge_rank_states`), so that a restart on the same number of
+:func:`mdloader.sampling.elastic.merge_rank_states`), so that a restart on the same number of
 ranks continues every stream exactly and one on another number resumes elastically. Everything is
 plain tensors, integers and lists, so that they load with ``torch.load(weights_only=True)``.
 """
@@ -19,7 +19,10 @@ from typing import IO, Any
 
 import torch
 
+from mdloader.distributed.collectives import gather_to_main
 from mdloader.errors import StateDictError
+from mdloader.sampling.elastic import merge_rank_states
+from mdloader.state import Stateful
 
 KEYS = ("rmse", "rmse_e", "rmse_f")
 CKPT_FORMAT = "mdloader-train"
@@ -164,3 +167,29 @@ def load_checkpoint(path: str) -> dict[str, Any]:
         raise StateDictError(f"checkpoint {path} has version {state.get('version')}, this "
                              f"mdloader reads version {CKPT_VERSION}")
     return state
+
+
+def gather_loader_states(loader: Stateful, valid: Stateful | None) -> dict[str, Any] | None:
+    """The training and validation loader states of the job, on rank 0 (``None`` elsewhere).
+
+    A collective: every rank calls it.
+    """
+    train_states = gather_to_main(loader.state_dict(), context="gathering the loader states")
+    valid_states = (gather_to_main(valid.state_dict(), context="gathering the loader states")
+                    if valid is not None else None)
+    if train_states is None:
+        return None
+    return {"loader": merge_rank_states(train_states),
+            "valid_loader": None if valid_states is None else merge_rank_states(valid_states)}
+
+
+def restart_note(path: str, state: dict[str, Any], world_size: int) -> str:
+    """The log line of a restart; it says when the number of ranks changed."""
+    note = f"restarted from {path} at step {state['step']}"
+    saved = int(state["world_size"])
+    if saved != world_size:
+        rows = state["loader"]["sampler"]["generations"]
+        note += (f" on {world_size} rank(s), written by {saved}: elastic resume (the samplers "
+                 f"first serve what the {saved} rank(s) left of their current passes; "
+                 f"{len(rows)} generation(s) in the state)")
+    return note

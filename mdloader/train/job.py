@@ -7,11 +7,11 @@ weighted sampler, and steps a :class:`~mdloader.train.model.RadialPotential` wra
 ``DistributedDataParallel``. Rank 0 writes ``lcurve.out`` and the checkpoints; ``restart``
 resumes model, optimizer and the loader streams: on the same number of ranks the batches after the
 restart are exactly those an uninterrupted run would have drawn, on another number the job
-resumes elastically (:mod:`mdloader.train.resume`). Validation is in
+resumes elastically (:mod:`mdloader.train.io`). Validation is in
 :mod:`mdloader.train.validation`, one step in :mod:`mdloader.train.step`.
 
 Failures: before the first step every box is checked against the cutoff
-(:mod:`mdloader.train.faults`); a SIGTERM or SIGUSR1 stops every rank after the same step with a
+(:mod:`mdloader.train.guards`); a SIGTERM or SIGUSR1 stops every rank after the same step with a
 checkpoint (:mod:`mdloader.train.signals`); a failure on one rank ends the job at once with one
 line on every rank (:mod:`mdloader.distributed.failure`).
 """
@@ -36,13 +36,19 @@ from mdloader.distributed.collectives import all_reduce_mean, any_rank, fail_tog
 from mdloader.distributed.failure import Activity
 from mdloader.distributed.group import device_of, process_group
 from mdloader.errors import ConfigError, StateDictError
-from mdloader.loader import default_num_workers
-from mdloader.sampling.stateful_loader import lost_worker
-from mdloader.train.faults import check_boxes, nonfinite_weights
-from mdloader.train.io import FullValidationLog, Lcurve, load_checkpoint, save_checkpoint
+from mdloader.loading.loader import default_num_workers
+from mdloader.loading.stateful_loader import lost_worker
+from mdloader.train.guards import check_boxes, nonfinite_weights
+from mdloader.train.io import (
+    FullValidationLog,
+    Lcurve,
+    gather_loader_states,
+    load_checkpoint,
+    restart_note,
+    save_checkpoint,
+)
 from mdloader.train.model import RadialPotential
 from mdloader.train.objective import EnergyForceLoss, ExpDecayLR, resolve_numb_steps, rmse_columns
-from mdloader.train.resume import gather_loader_states, restart_note
 from mdloader.train.signals import StopSignals, ignore_stop_signals
 from mdloader.train.statistics import fit_statistics, on_main_for_all
 from mdloader.train.step import Stepper

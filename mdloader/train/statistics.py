@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from mdloader.distributed.collectives import fail_together
-from mdloader.train.faults import nonfinite_data
+from mdloader.train.guards import nonfinite_data
 from mdloader.train.model import RadialPotential, fit_energy_bias
 from mdloader.world import World
 

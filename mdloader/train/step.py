@@ -28,7 +28,7 @@ from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.distributed.collectives import any_rank, fail_together
 from mdloader.errors import ConfigError, NonFiniteError
 from mdloader.settings import resolve
-from mdloader.train.faults import nonfinite_loss
+from mdloader.train.guards import nonfinite_loss
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from mdloader.config.input_json import DataConfig
 from mdloader.config.loaders import configured_loader
 from mdloader.distributed.collectives import reduce_sums
-from mdloader.loader import get_validation_sampler
+from mdloader.loading.loader import get_validation_sampler
 from mdloader.train.objective import rmse_columns
 from mdloader.transport import identity
 from mdloader.world import World

@@ -4,7 +4,8 @@ A system *address* is a directory path, ``file.h5#/group`` (``file.h5`` alone or
 for a system at the file root), or ``data.lmdb#system=3,natoms=6`` for the frames of source
 system 3 with 6 atoms in an LMDB database (``data.lmdb#natoms=6`` when the database records no
 system ids). npy and HDF5 expose the same small set of functions, so everything above this
-package is written once; an LMDB group is read frame by frame (:mod:`mdloader.data.lmdb_frames`).
+package is written once; an LMDB group is read frame by frame
+(:mod:`mdloader.data.formats.lmdb.frames`).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def backend_of(loc: Location) -> ModuleType:
 
         return npy
     if loc.backend == "lmdb":
-        from mdloader.data.formats import lmdb
+        from mdloader.data.formats.lmdb import env as lmdb
 
         return lmdb
     from mdloader.data.formats import hdf5

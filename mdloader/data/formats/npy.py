@@ -20,7 +20,6 @@ import numpy as np
 from mdloader.data.formats import Listing, Location
 from mdloader.data.formats.handles import HandleCache
 from mdloader.data.layout import frames_and_width
-from mdloader.data.overlap import timed
 from mdloader.data.system import shared
 from mdloader.errors import (
     CorruptFileError,
@@ -28,6 +27,7 @@ from mdloader.errors import (
     StaleDataError,
     UnreadableFileError,
 )
+from mdloader.fs_calls import timed
 from mdloader.settings import cached
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)

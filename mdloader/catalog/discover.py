@@ -1,0 +1,285 @@
+"""Finding systems: the only module that walks a directory tree, level by level.
+
+Each entry of ``systems`` expands in place (:func:`expand_entry`), in the order given: a list
+the user wrote keeps its order and its duplicates, because positional ``sys_probs`` and
+``auto_prob`` blocks refer to those positions, and repeating a system is how people up-weight
+it (DeePMD-kit does the same). What one entry finds -- a directory walk, a glob, the groups of
+an HDF5 file -- is sorted and de-duplicated, so it is the same on every run, file system and
+``PYTHONHASHSEED`` (DeePMD-kit's walk order is not, which silently reassigns ``sys_probs``).
+
+The roots of all entries are walked together, one listing per folder (no ``stat`` per entry;
+the listings overlapped when the file system makes them wait), not descending into the
+``set.*`` folders of a system (a directory holding ``type.raw``): they hold frames. The one
+difference this makes: a ``type.raw`` *inside* a system's ``set.*`` folder is no longer taken
+for a system (DeePMD-kit's ``rglob`` would take it; such a tree mixes a set and a system).
+Systems nested in a system's other subfolders are found.
+
+An LMDB database (a path ending in ``.lmdb`` or a folder holding ``data.mdb``, given as an
+entry) expands into one address per group of frames, in the order of its system ids
+(:mod:`mdloader.data.formats.lmdb.groups`); ``rglob_patterns`` do not apply to it.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+
+from mdloader.data.formats import Listing, address_sort_key, parse_address
+from mdloader.data.formats.lmdb.groups import group_addresses
+from mdloader.data.formats.npy import list_dir
+from mdloader.errors import ConfigError, NoSystemsFoundError
+from mdloader.fs_calls import Overlap
+from mdloader.settings import resolve
+
+_GLOB_CHARS = set("*?[")
+
+Systems = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+
+@dataclass
+class Discovery:
+    """What discovery found, and what it looked at (for a later freshness check).
+
+    ``addresses`` are the systems, entries in the order given; ``listings`` the listing of each
+    system folder this walk listed, so that the build does not list it again; ``walked`` every
+    folder listed (``True`` for systems); ``files`` the HDF5 files listed; ``globs`` each
+    pattern entry's matches.
+    """
+
+    addresses: list[str] = field(default_factory=list)
+    listings: dict[str, Listing] = field(default_factory=dict)
+    walked: dict[str, bool] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+    globs: dict[str, list[str]] = field(default_factory=dict)
+
+
+def discover_systems(systems: Systems, rglob_patterns: Sequence[str] | None = None, *,
+                     key: str = "systems") -> list[str]:
+    """Addresses of every system of ``systems``: entries in the order given, each expanded.
+
+    Parameters
+    ----------
+    systems
+        A path or a list of paths: system directories, roots to search recursively, glob
+        patterns, HDF5 files (every group holding ``type.raw``), ``file.h5#/group`` addresses,
+        LMDB databases (one address per group) or ``db.lmdb#system=S,natoms=N`` addresses.
+        Each entry is replaced by what it finds (:func:`expand_entry`); entries keep their
+        order and repeated entries their repetitions.
+    rglob_patterns
+        Keep only systems whose path below a root matches one of these patterns (at any depth,
+        like ``pathlib.Path.rglob``), e.g. ``["data_*"]``.
+    key
+        The JSON path of ``systems`` (``training.training_data.systems``): an entry that does
+        not exist, or a pattern that matches nothing, is a :class:`ConfigError` naming it
+        (``...systems[1]`` for the second entry of a list).
+    """
+    return discover(systems, rglob_patterns, key=key).addresses
+
+
+def expand_entry(entry: str, rglob_patterns: Sequence[str] | None = None, *,
+                 where: str = "systems") -> list[str]:
+    """The systems one entry stands for, sorted and unique (empty when it finds none); the groups
+    of an LMDB database in the order of their system ids and atom counts. An entry that does
+    not exist is a :class:`ConfigError` naming ``where``, its JSON path."""
+    try:
+        return discover([entry], rglob_patterns, key=where).addresses
+    except NoSystemsFoundError:
+        return []
+
+
+def entries_of(systems: Systems) -> list[str]:
+    """The ``systems`` argument as a list of strings."""
+    if isinstance(systems, (str, os.PathLike)):
+        return [os.fspath(systems)]
+    return [os.fspath(s) for s in systems]
+
+
+def discover(systems: Systems, rglob_patterns: Sequence[str] | None = None, *,
+             workers: int | None = None, known: KnownTree | None = None,
+             known_files: dict[str, list[str]] | None = None, key: str = "systems"
+             ) -> Discovery:
+    """:func:`discover_systems` with what it looked at; folders are listed in up to
+    ``workers`` threads when the file system makes them wait (``$MDLOADER_BUILD_WORKERS``).
+
+    ``known``/``known_files``: an earlier discovery's folders and HDF5 files that have not
+    changed since; they are not listed again.
+    """
+    entries = entries_of(systems)
+    threads = int(resolve("build_workers", workers, argument="num_workers"))
+    out = Discovery()
+    roots: dict[str, int] = {}
+    wheres = [key] if len(entries) == 1 else [f"{key}[{i}]" for i in range(len(entries))]
+    plan = [[_part(path, rglob_patterns, out, roots, known_files or {}, where)
+             for path in _expand_globs(entry, out.globs, where)]
+            for entry, where in zip(entries, wheres)]
+    tree = walk(list(roots), rglob_patterns, Overlap(threads), known)
+    for parts in plan:
+        found: set[str] = set()
+        for part in parts:
+            found.update(tree.under[part] if isinstance(part, int) else part)
+        out.addresses.extend(sorted(found, key=address_sort_key))
+    if not out.addresses:
+        where = ", ".join(entries) or "(no path given)"
+        extra = f" matching {list(rglob_patterns)}" if rglob_patterns else ""
+        raise NoSystemsFoundError(
+            f"no DeePMD system (a directory or HDF5 group holding type.raw){extra} found under: "
+            f"{where}")
+    out.walked, out.listings = tree.walked, tree.listings
+    out.files = list(dict.fromkeys(out.files))
+    return out
+
+
+def _expand_globs(entry: str, globs: dict[str, list[str]], where: str) -> list[str]:
+    path_part = entry.split("#", 1)[0]
+    if not _GLOB_CHARS & set(path_part):
+        return [entry]
+    found = sorted(glob.glob(path_part))
+    if not found:
+        raise ConfigError(f"the pattern {entry} matches nothing", path=where)
+    suffix = entry[len(path_part):]
+    globs[entry] = [m + suffix for m in found]
+    return globs[entry]
+
+
+def _part(path: str, patterns: Sequence[str] | None, out: Discovery, roots: dict[str, int],
+          known_files: dict[str, list[str]], where: str) -> int | list[str]:
+    """An HDF5 file's or LMDB database's systems (listed now), or a folder's index among the
+    roots of the walk; an entry that does not exist is a :class:`ConfigError` naming ``where``."""
+    loc = parse_address(path)
+    if not os.path.exists(loc.path):
+        raise ConfigError(f"{path} does not exist", path=where)
+    if loc.backend == "lmdb":  # a path ending in .lmdb, or one group's address
+        return [os.path.abspath(loc.path) + "#" + loc.group] if loc.group else \
+            group_addresses(path)
+    if "#" in path or (loc.backend == "hdf5" and os.path.isfile(loc.path)):
+        file, group = loc.path, loc.group
+    elif os.path.isfile(path):
+        file, group = path, "/"  # DeePMD-kit: any existing file is HDF5
+    else:
+        root = os.path.normpath(os.path.abspath(path))
+        if os.path.isfile(os.path.join(root, "data.mdb")):  # an LMDB database named otherwise
+            return group_addresses(root)
+        return roots.setdefault(root, len(roots))
+    file = os.path.abspath(file)
+    out.files.append(file)
+    if file in known_files:
+        prefix = f"{file}#{group.rstrip('/')}"
+        return [a for a in known_files[file]
+                if group == "/" or a == prefix or a.startswith(prefix + "/")]
+    return _hdf5_systems(file, group, patterns)
+
+
+def _hdf5_systems(path: str, group: str, patterns: Sequence[str] | None) -> list[str]:
+    from mdloader.data.formats.hdf5 import open_file
+
+    handle = open_file(path, f"{path}#{group}")
+    top = handle[group] if group != "/" else handle
+    out = []
+    if "type.raw" in top and matches(".", patterns):
+        out.append(f"{path}#{group}")
+    prefix = group.rstrip("/")
+
+    def visit(name: str, obj: object) -> None:
+        if name.endswith("/type.raw") or name == "type.raw":
+            grp = name[: -len("type.raw")].rstrip("/")
+            if grp and matches(grp, patterns):
+                out.append(f"{path}#{prefix}/{grp}")
+
+    top.visititems(visit)
+    return out
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KnownTree:
+    """The folders an earlier walk listed (``True`` for systems) and those unchanged since."""
+
+    walked: dict[str, bool]
+    unchanged: set[str]
+    _children: dict[str, list[str]] | None = field(default=None, repr=False)
+
+    def children(self, folder: str) -> list[str]:
+        if self._children is None:
+            self._children = defaultdict(list)
+            for path in self.walked:
+                self._children[os.path.dirname(path)].append(path)
+        return self._children.get(folder, [])
+
+
+@dataclass
+class Walk:
+    """What a walk found: per root, its systems (sorted, unique); the listing of every system
+    folder listed; every folder listed or known unchanged (``True`` for systems)."""
+
+    under: list[list[str]]
+    listings: dict[str, Listing] = field(default_factory=dict)
+    walked: dict[str, bool] = field(default_factory=dict)
+
+
+def walk(roots: Sequence[str], patterns: Sequence[str] | None, overlap: Overlap,
+         known: KnownTree | None = None) -> Walk:
+    """The systems under each of ``roots`` (absolute, normalised folders) whose path below that
+    root matches ``patterns`` (all of them when ``patterns`` is empty)."""
+    known = known or KnownTree({}, set())
+    listed: dict[str, Listing | None] = {}
+    found: list[set[str]] = [set() for _ in roots]
+    level = list(dict.fromkeys((root, i) for i, root in enumerate(roots)))
+    seen = set(level)
+    walked: dict[str, bool] = {}
+    while level:
+        todo = list(dict.fromkeys(f for f, _ in level if f not in known.unchanged
+                                  and f not in listed))
+        listed.update(zip(todo, overlap.map(_listing_or_none, todo)))
+        below = []
+        for folder, i in level:
+            is_system, children = _entries(folder, listed, known)
+            if is_system is None:
+                continue
+            walked[folder] = is_system
+            if is_system and matches(os.path.relpath(folder, roots[i]), patterns):
+                found[i].add(folder)
+            for child in children:
+                if (child, i) not in seen:
+                    seen.add((child, i))
+                    below.append((child, i))
+        level = below
+    listings = {f: lst for f, lst in listed.items() if lst is not None and walked.get(f)}
+    return Walk([sorted(systems) for systems in found], listings, walked)
+
+
+def _entries(folder: str, listed: dict[str, Listing | None],
+             known: KnownTree) -> tuple[bool | None, list[str]]:
+    """(is it a system? -- ``None`` when it cannot be listed, subfolders to walk)."""
+    if folder not in listed:  # unchanged since the known walk: same entries
+        return known.walked[folder], known.children(folder)
+    listing = listed[folder]
+    if listing is None:
+        return None, []
+    files, dirs, links = listing
+    is_system = "type.raw" in files
+    return is_system, [os.path.join(folder, d) for d in dirs
+                       if d not in links and not (is_system and d.startswith("set."))]
+
+
+def _listing_or_none(folder: str) -> Listing | None:
+    """The folder's listing; ``None`` when it cannot be listed (skipped, as ``os.walk`` does)."""
+    try:
+        return list_dir(folder)
+    except OSError as exc:
+        log.debug("cannot list %s: %s", folder, exc)
+        return None
+
+
+def matches(relpath: str, patterns: Sequence[str] | None) -> bool:
+    """Whether ``relpath`` (below a root) matches one of ``patterns`` at any depth."""
+    if not patterns:
+        return True
+    rel = PurePosixPath(relpath.replace(os.sep, "/"))
+    return any(rel.match(p) for p in patterns)

@@ -1,0 +1,123 @@
+"""Is a saved description still true? One ``stat`` per folder and per small text file.
+
+The rule: a path is unchanged when it still exists and neither its modification nor its status
+change time is later than the start of the build that described it (less a settling margin,
+because file times are coarse and clocks differ between machines). Nobody can set a status
+change time, so copying old files over new ones (``cp -p``, ``rsync -a``, ``tar``) is caught too.
+
+Per npy system that is: its folder (a set, ``nopbc``, ``type_map.raw`` or a nested system added
+or removed changes it), ``type.raw`` and ``type_map.raw`` (rewritten in place, they would change
+nothing else), and each ``set.*`` folder (an array added or removed). An array rewritten in
+place is checked when it is read: its frames, width and size must still match
+(:func:`mdloader.data.formats.npy.read_rows`). An HDF5 system is its file. Systems of any other
+backend are always described again.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from mdloader.catalog.index_file import SavedIndex
+from mdloader.catalog.table import SystemTable
+from mdloader.data.formats import parse_address
+from mdloader.fs_calls import Overlap, timed
+
+_HDF5 = (".h5", ".hdf5", ".hdf")  # parse_address's rule for a plain path
+
+
+def changed(paths: Sequence[str], since_ns: int, overlap: Overlap) -> np.ndarray:
+    """For each path, whether it is gone or changed at or after ``since_ns`` (ns since epoch)."""
+    return np.fromiter(overlap.map(lambda path: _changed(path, since_ns), paths), dtype=bool,
+                       count=len(paths))
+
+
+def _changed(path: str, since_ns: int) -> bool:
+    try:
+        st = timed(os.stat, path)
+    except OSError:
+        return True
+    return max(st.st_mtime_ns, st.st_ctime_ns) >= since_ns
+
+
+def system_paths(table: SystemTable) -> tuple[list[str], np.ndarray, list[int]]:
+    """The paths checked for the systems of ``table``, the row of each path, and the rows of
+    systems that cannot be checked (another backend)."""
+    paths: list[str] = []
+    rows: list[int] = []
+    uncheckable: list[int] = []
+    suffixes: dict[tuple[bool, tuple[str, ...]], tuple[str, ...]] = {}
+    for row, (address, layout) in enumerate(zip(table.addresses(), table.layouts())):
+        if "#" not in address and not address.lower().endswith(_HDF5):
+            ends = suffixes.get(layout)
+            if ends is None:
+                extra = ("/type_map.raw",) if layout[0] else ()
+                ends = suffixes[layout] = ("", "/type.raw", *extra,
+                                           *("/" + s for s in layout[1]))
+            paths.extend([address + end for end in ends])
+            rows.extend([row] * len(ends))
+            continue
+        loc = parse_address(address)
+        if loc.backend == "hdf5":
+            paths.append(loc.path)
+            rows.append(row)
+        else:
+            uncheckable.append(row)
+    return paths, np.asarray(rows, dtype=np.int64), uncheckable
+
+
+def stale_systems(table: SystemTable, since_ns: int, overlap: Overlap) -> np.ndarray:
+    """Whether each system of ``table`` changed since ``since_ns`` (see the module docstring)."""
+    paths, rows, uncheckable = system_paths(table)
+    distinct = list(dict.fromkeys(paths))  # an HDF5 file holds many systems: one stat
+    flags = dict(zip(distinct, changed(distinct, since_ns, overlap)))
+    stale = np.zeros(len(table), dtype=bool)
+    stale[rows[np.fromiter((flags[p] for p in paths), dtype=bool, count=len(paths))]] = True
+    stale[uncheckable] = True
+    return stale
+
+
+@dataclass
+class Check:
+    """What changed since an index was saved: systems (by row), other folders walked (in the
+    order of ``SavedIndex.walked``), HDF5 files, and entries (a
+    pattern matches other paths). ``partial``: the file left systems out (LMDB groups), which
+    must be found and described again even when nothing changed."""
+
+    systems: np.ndarray
+    folders: np.ndarray
+    files: np.ndarray
+    entries: bool
+    partial: bool = False
+
+    @property
+    def nothing_stored_changed(self) -> bool:
+        return not (self.systems.any() or self.folders.any() or self.files.any()
+                    or self.entries)
+
+    @property
+    def unchanged(self) -> bool:
+        return self.nothing_stored_changed and not self.partial
+
+
+def check_saved(saved: SavedIndex, before_ns: int, overlap: Overlap) -> Check:
+    """Check everything ``saved`` depends on against ``before_ns`` (see the module docstring)."""
+    return Check(stale_systems(saved.table, before_ns, overlap),
+                 changed(list(saved.walked), before_ns, overlap),
+                 changed(saved.files, before_ns, overlap),
+                 _globs_moved(saved.globs),
+                 saved.partial)
+
+
+def _globs_moved(globs: dict[str, list[str]]) -> bool:
+    """Whether a pattern entry now matches other paths than it did."""
+    for entry, matched in globs.items():
+        path_part = entry.split("#", 1)[0]
+        suffix = entry[len(path_part):]
+        if [m + suffix for m in sorted(glob.glob(path_part))] != matched:
+            return True
+    return False

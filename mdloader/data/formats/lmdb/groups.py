@@ -1,0 +1,201 @@
+"""Rank 0's view of an LMDB database: its metadata, checked, and its frames grouped into systems.
+
+A database mixes frames of many source systems and atom counts; a batch needs one atom count.
+So its frames are grouped by (``frame_system_ids``, ``frame_nlocs``) -- by atom count alone when
+the database records no system ids, as DeePMD-kit does -- and every group becomes one system
+with the address ``<db>#system=S,natoms=N``, in the order of (S, N). Each group is described by
+a :class:`~mdloader.data.system.SystemMeta` whose one set-like entry, :class:`LmdbGroup`, lists
+its frames as runs of consecutive indices, so the description stays small at 10⁶ frames.
+
+Only the ``__metadata__`` entry is read, except when it lacks ``frame_nlocs``: then every frame is
+read once, here (on rank 0), for its atom count. The index of each database is kept per process
+(a few, keyed by the file's size and modification time), because discovery and the description
+of every group both need it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mdloader.data.formats import Location, lmdb_group_of
+from mdloader.data.formats.lmdb import env as io
+from mdloader.data.formats.lmdb.frame_runs import FrameRuns, encode_groups
+from mdloader.data.formats.lmdb.metadata import Metadata, read_metadata
+from mdloader.data.system import SystemMeta, shared
+from mdloader.errors import DataError, MissingDataError, TypeMapError
+
+_CACHE: OrderedDict[str, tuple[tuple[int, int], LmdbIndex]] = OrderedDict()
+_CACHE_LIMIT = 8
+_LOCK = threading.Lock()
+_PLACEHOLDERS: dict[int, np.ndarray] = {}
+
+
+@dataclass(frozen=True)
+class LmdbGroup:
+    """The set-like entry of an LMDB group: its frames, their key format, and the type remap
+    from the database's ``type_map`` to the model's (``None``: ids are used as stored)."""
+
+    name: str
+    nframes: int
+    runs: FrameRuns
+    frame_format: str
+    remap: tuple[int, ...] | None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore_group, (self.runs.nframes, self.runs.blob, self.frame_format,
+                                 self.remap))
+
+
+def _restore_group(nframes: int, blob: bytes, frame_format: str,
+                   remap: tuple[int, ...] | None) -> LmdbGroup:
+    return LmdbGroup("frames", nframes, FrameRuns(nframes, blob), shared(frame_format),
+                     shared(remap))
+
+
+@dataclass(frozen=True)
+class LmdbIndex:
+    """A database's checked metadata and its groups, in (system id, atoms) order."""
+
+    path: str
+    metadata: Metadata
+    groups: dict[tuple[int, int], FrameRuns]
+
+    def addresses(self) -> list[str]:
+        return [group_address(self.path, sid, natoms) for sid, natoms in self.groups]
+
+
+def group_address(path: str, sid: int, natoms: int) -> str:
+    """``<db>#system=S,natoms=N`` (``<db>#natoms=N`` when the database has no system ids)."""
+    head = f"system={sid}," if sid >= 0 else ""
+    return f"{path}#{head}natoms={natoms}"
+
+
+def group_addresses(entry: str) -> list[str]:
+    """One address per group of the database at ``entry`` (discovery's expansion)."""
+    return read_index(os.path.abspath(os.fspath(entry).rstrip("/"))).addresses()
+
+
+def read_index(path: str) -> LmdbIndex:
+    """The index of the database at ``path``, from this process's cache when still current."""
+    stamp = _stamp(path)
+    with _LOCK:
+        hit = _CACHE.get(path)
+        if hit is not None and hit[0] == stamp:
+            _CACHE.move_to_end(path)
+            return hit[1]
+        if hit is not None:  # replaced: this process's environment still maps the old file
+            io.forget(path)
+        index = _build_index(path)
+        _CACHE[path] = (stamp, index)
+        while len(_CACHE) > _CACHE_LIMIT:
+            _CACHE.popitem(last=False)
+        return index
+
+
+def cached_index(path: str) -> LmdbIndex:
+    """The index discovery just read (no ``stat``: 10⁵ groups are described in a row), else
+    :func:`read_index`."""
+    hit = _CACHE.get(path)
+    return hit[1] if hit is not None else read_index(path)
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    try:
+        st = os.stat(os.path.join(path, "data.mdb"))
+    except OSError:
+        return (-1, -1)  # _build_index names the problem
+    return st.st_mtime_ns, st.st_size
+
+
+def _build_index(path: str) -> LmdbIndex:
+    meta = read_metadata(path)
+    return LmdbIndex(path, meta, group_frames(meta.frame_nlocs, meta.frame_system_ids))
+
+
+def group_frames(nlocs: np.ndarray, sids: np.ndarray | None) -> dict[tuple[int, int],
+                                                                      FrameRuns]:
+    """Frames grouped by (system id, atom count), each group's indices as runs.
+
+    One stable sort of all frames, then the runs of the whole sorted order are cut at group
+    boundaries: no Python loop over frames, one short step per group.
+    """
+    nl = np.asarray(nlocs, dtype=np.int64)
+    sid = np.full(len(nl), -1, dtype=np.int64) if sids is None else np.asarray(sids, np.int64)
+    key = (sid + 1) * (int(nl.max(initial=0)) + 1) + nl
+    order = np.argsort(key, kind="stable")
+    skey = key[order]
+    new_group = np.concatenate(([True], skey[1:] != skey[:-1]))
+    new_run = new_group | np.concatenate(([True], np.diff(order) != 1))
+    heads = np.flatnonzero(new_run)
+    lengths = np.diff(np.concatenate((heads, [len(order)])))
+    group_heads = np.flatnonzero(new_group)
+    first_run = np.searchsorted(heads, group_heads)
+    bounds = np.concatenate((first_run, [len(heads)]))
+    blobs = encode_groups(order[heads], lengths, bounds)
+    counts = np.diff(np.concatenate((group_heads, [len(order)]))).tolist()
+    first = order[group_heads]
+    return {(int(s), int(n)): FrameRuns(c, blob) for s, n, c, blob in
+            zip(sid[first].tolist(), nl[first].tolist(), counts, blobs)}
+
+
+def describe_group(loc: Location, type_map: Sequence[str] | None) -> SystemMeta:
+    """The :class:`SystemMeta` of one group (rank 0; reads nothing once the index is cached)."""
+    if not loc.group:
+        raise DataError("an LMDB database holds many systems: pass it to discover_systems "
+                        "(or as `systems` in input.json), or name one group as "
+                        f"'{loc.path}#system=0,natoms=6'", system=loc.path, file=loc.path)
+    index = cached_index(os.path.abspath(loc.path))
+    sid, natoms = lmdb_group_of(loc)
+    runs = index.groups.get((sid, natoms))
+    if runs is None:
+        raise MissingDataError("the database has no such group of frames", system=loc.address,
+                               file=io.entry_of(loc.path, io.METADATA_KEY),
+                               expected=f"one of {_some_groups(index)}")
+    final_map, remap = _type_maps(index, type_map, loc.address)
+    group = _restore_group(runs.nframes, runs.blob, index.metadata.frame_format, remap)
+    return SystemMeta(address=loc.address, atom_types=_placeholder(natoms),
+                      type_map=shared(final_map), pbc=True, mixed_type=True, sets=(group,))
+
+
+def _some_groups(index: LmdbIndex) -> str:
+    names = [a.rpartition("#")[2] for a in index.addresses()]
+    return ", ".join(names[:5]) + (f" ... ({len(names)} groups)" if len(names) > 5 else "")
+
+
+def _placeholder(natoms: int) -> np.ndarray:
+    """Atom types vary per frame in a database: the description holds zeros, like the
+    ``type.raw`` of a mixed-type system (one shared read-only array per atom count)."""
+    found = _PLACEHOLDERS.get(natoms)
+    if found is None:
+        found = np.zeros(natoms, dtype=np.int32)
+        found.flags.writeable = False
+        _PLACEHOLDERS[natoms] = found
+    return found
+
+
+def _type_maps(index: LmdbIndex, model_map: Sequence[str] | None, address: str
+               ) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
+    """(type map of the frames, remap from stored ids to it): DeePMD-kit's name-based rule."""
+    stored = index.metadata.type_map
+    if model_map is None:
+        if stored is None:
+            raise DataError("the database has no type_map: give the model's type_map",
+                            system=address, file=io.entry_of(index.path, io.METADATA_KEY))
+        return stored, None
+    model = tuple(model_map)
+    if stored is None or stored == model:
+        return model, None
+    missing = [name for name in stored if name not in model]
+    if missing:
+        raise TypeMapError(f"Elements {missing} of the database's type_map are not in the "
+                           "model type_map", system=address,
+                           file=io.entry_of(index.path, io.METADATA_KEY),
+                           expected=f"elements within {list(model)}", found=list(stored))
+    return model, tuple(model.index(name) for name in stored)

@@ -1,0 +1,329 @@
+"""``DpLoaderSet``, ``get_weighted_sampler``, ``get_sampler_from_params``: DeePMD-kit's names.
+
+What changes under the same names (``docs/migrating.md`` lists every difference):
+
+- Systems come from :func:`mdloader.loading.build.build_systems` (rank 0 discovers and reads
+  headers,
+  every rank receives small metadata); the set-up keeps a few integers per system and no
+  per-system ``DataLoader`` or iterator.
+- The sampler (:class:`~mdloader.sampling.samplers.WeightedSystemSampler`) yields batch
+  *keys*; the outer ``DataLoader(loader_set, sampler=..., batch_size=None, num_workers=K,
+  collate_fn=lambda b: b)`` calls ``loader_set[key]``, which only reads. Workers therefore never
+  repeat a batch.
+- Frames are reshuffled on every pass, seeded from the user's seed; the system stream of each
+  rank comes from ``(seed, rank)``. Probability and batch-size inputs are checked up front.
+- No global side effects: no global reseeding, no sharing-strategy change, no start-method change.
+
+``loader_set[sid]`` (an int) keeps DeePMD-kit's meaning -- the next batch of system ``sid``,
+with its cursor in *this* process: use it in the main process (tests, statistics), as each
+DataLoader worker would advance its own copy (hence the sampler's keys)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Dataset, get_worker_info
+
+from mdloader.data.dataset import DeepmdDataSetForLoader
+from mdloader.data.schema import as_requirement
+from mdloader.data.system import SystemMeta
+from mdloader.distributed.collectives import agreed_seed
+from mdloader.distributed.group import current_world
+from mdloader.errors import ConfigError, StateDictError
+from mdloader.loading.build import build_systems
+from mdloader.loading.system_list import SystemDatasets, kept_systems, natoms_of, nframes_of
+from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
+from mdloader.sampling.order import FrameOrder, normalize_seed
+from mdloader.sampling.probability import StyleRule, select_prob_source
+from mdloader.sampling.samplers import BatchKey, WeightedSystemSampler
+from mdloader.sampling.validation import ShardedValidationSampler
+from mdloader.settings import resolve
+from mdloader.state import check_keys, check_same
+from mdloader.transport import TransportBatch
+from mdloader.world import World
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 3
+
+
+def default_num_workers(value: int | None = None, argument: str = "num_workers") -> int:
+    """``value`` if given (checked), else DeePMD-kit's ``NUM_WORKERS``, else ``min(4, cpus)``."""
+    return int(resolve("num_workers", value, argument=argument))
+
+
+def _build(systems: Any, type_map: Sequence[str] | None, rglob_patterns: Sequence[str] | None,
+           index_file: Any, index_mode: str | None) -> Sequence[DeepmdDataSetForLoader]:
+    """Built datasets for ``systems``: prebuilt objects pass through, paths go to the build."""
+    if isinstance(systems, SystemDatasets):
+        return systems
+    if isinstance(systems, (list, tuple)) and systems and all(
+            isinstance(s, (DeepmdDataSetForLoader, SystemMeta)) for s in systems):
+        return [s if isinstance(s, DeepmdDataSetForLoader) else DeepmdDataSetForLoader(s)
+                for s in systems]
+    return build_systems(systems, type_map, rglob_patterns=rglob_patterns,
+                         index_file=index_file, index_mode=index_mode)
+
+
+class DpLoaderSet(Dataset):
+    """All training systems of this rank, with DeePMD-kit's attributes.
+
+    Parameters
+    ----------
+    systems
+        Paths (directories, roots, globs, HDF5 files, ``file.h5#/grp``) or prebuilt
+        :class:`DeepmdDataSetForLoader`/:class:`SystemMeta` objects.
+    batch_size
+        ``int | list[int] | "auto" | "auto:N" | "max:N" | "filter:N"``
+        (:mod:`mdloader.sampling.batching`).
+    type_map
+        The model's type map.
+    seed
+        Job seed (int), DeePMD-kit's ``[rank, seed]``, or None for a fresh seed agreed by all
+        ranks (a state loaded later then brings its own seed).
+    shuffle
+        Shuffle frames within each pass (always on in DeePMD-kit's distributed mode).
+    rglob_patterns
+        Passed to discovery.
+    same_system_across_ranks
+        All ranks draw the same system at each step (see :mod:`mdloader.sampling.order`).
+    world
+        Rank and size; default: the initialised process group, else a single process.
+    index_file, index_mode
+        The system index file and what to do with it (``check``, ``refresh``, ``trust``,
+        ``off``); see :func:`mdloader.loading.build.build_systems`.
+    json_path
+        Where these data sit in ``input.json`` (``training.training_data``), named in the
+        errors of ``batch_size``.
+    modifier
+        DeePMD-kit's data modifier; not supported (must be None).
+    """
+
+    def __init__(self, systems: Any, batch_size: int | Sequence[int] | str,
+                 type_map: Sequence[str] | None, seed: int | Sequence[int] | None = None,
+                 shuffle: bool = True, modifier: Any = None, *,
+                 rglob_patterns: Sequence[str] | None = None,
+                 same_system_across_ranks: bool = False, world: World | None = None,
+                 index_file: str | None = None, index_mode: str | None = None,
+                 json_path: str | None = None) -> None:
+        if modifier is not None:
+            raise ConfigError("data modifiers are not supported by mdloader", path="modifier")
+        if world is None:
+            world = current_world()
+        self.world = world
+        self.type_map = list(type_map) if type_map else None
+        user_seed = normalize_seed(seed, world.rank)
+        self.seed_given = user_seed is not None
+        self.seed = agreed_seed(user_seed, world)
+        self.shuffle = bool(shuffle)
+        self.same_system_across_ranks = bool(same_system_across_ranks)
+        built = _build(systems, type_map, rglob_patterns, index_file, index_mode)
+        plan = resolve_batch_sizes(batch_size, natoms_of(built),
+                                   f"{json_path}.batch_size" if json_path else "batch_size")
+        self._nsys_original = len(built)
+        self._kept = plan.kept
+        self.systems: Sequence[DeepmdDataSetForLoader] = kept_systems(built, plan.kept)
+        self.batch_sizes = plan.batch_sizes
+        self.nframes = nframes_of(self.systems)
+        nb = batches_per_rank(self.nframes, self.batch_sizes, world.world_size)
+        self.index: list[int] = nb.tolist()
+        self.total_batch = int(nb.sum())
+        self._order = FrameOrder(self.nframes, self.batch_sizes, seed=self.seed, rank=world.rank,
+                                 world_size=world.world_size, shuffle=self.shuffle)
+        self._cursor = np.zeros(len(self.systems), dtype=np.int64)
+        self.dataloaders = LazySystemBatches(self)
+        self.sampler: WeightedSystemSampler | None = None
+        self._warned_worker = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What DataLoader workers receive (spawn/forkserver): no sampler, they only read.
+        state = self.__dict__.copy()
+        state["sampler"] = None
+        return state
+
+    # -- DeePMD-kit's Dataset protocol -----------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.systems)
+
+    def __getitem__(self, idx: int | BatchKey | tuple) -> dict[str, Any]:
+        """A key from the sampler: read it. An int ``sid``: the next batch of that system.
+
+        Inside a DataLoader worker the batch is a :class:`~mdloader.transport.TransportBatch`:
+        its tensors cross to the main process as numpy arrays (an order of magnitude cheaper than
+        torch's per-tensor shared memory for small tensors) and arrive as the same plain dict.
+        """
+        in_worker = get_worker_info() is not None
+        if isinstance(idx, tuple):
+            batch = self.read(int(idx[0]), idx[1])
+        else:
+            batch = self._next_batch(int(idx), in_worker)
+        return TransportBatch(batch) if in_worker else batch
+
+    def _next_batch(self, sid: int, in_worker: bool) -> dict[str, Any]:
+        """``ls[sid]``: advance this process's cursor of system ``sid`` and read that batch."""
+        if in_worker and not self._warned_worker:
+            self._warned_worker = True
+            log.warning("DpLoaderSet[int] inside a DataLoader worker advances that worker's own "
+                        "copy of the system cursor; use the sampler from get_weighted_sampler, "
+                        "whose keys make workers read disjoint batches")
+        occ = int(self._cursor[sid])
+        self._cursor[sid] = occ + 1
+        return self.read(sid, self._order.fids(sid, occ))
+
+    def read(self, sid: int, fids: Sequence[int]) -> dict[str, Any]:
+        """The collated batch of frames ``fids`` of system ``sid`` (with ``sid`` set)."""
+        batch = self.systems[sid].get_batch(list(fids))
+        batch["sid"] = sid
+        return batch
+
+    def add_data_requirement(self, data_requirement: Sequence[Any]) -> None:
+        # Convert once, so every system shares the same requirement objects.
+        items = [as_requirement(item) for item in data_requirement]
+        for system in self.systems:
+            system.add_data_requirement(items)
+
+    def preload_and_modify_all_data_torch(self) -> None:
+        """DeePMD-kit compatibility: nothing to do without a modifier."""
+
+    def print_summary(self, name: str, prob: Sequence[float]) -> None:
+        """Rank 0 logs system, natoms, batch size, batches on this rank, probability, pbc."""
+        if self.world.rank != 0:
+            return
+        width = max([len(s.system) for s in self.systems] + [6])
+        log.info("---Summary of DataSystem: %s (%d systems, W=%d)---", name, len(self.systems),
+                 self.world.world_size)
+        log.info("%-*s  %6s  %6s  %6s  %9s  %3s", width, "system", "natoms", "bch_sz", "n_bch",
+                 "prob", "pbc")
+        for i, s in enumerate(self.systems):
+            log.info("%-*s  %6d  %6d  %6d  %9.3e  %3s", width, s.system, s._natoms,
+                     self.batch_sizes[i], self.index[i], prob[i],
+                     "?" if s.meta.backend == "lmdb" else "TF"[not s.meta.pbc])  # LMDB: per frame
+
+    # -- probabilities and state -----------------------------------------------------------
+    def probability_rule(self, prob_style: str | Sequence[float], sys_prob: bool = False,
+                         key: str | None = None) -> StyleRule:
+        """The probability rule of ``prob_style``, written against the unfiltered system list;
+        it gives the probabilities of any world size (:mod:`mdloader.sampling.probability`)."""
+        return StyleRule.of(prob_style, sys_prob, kept=self._kept,
+                            nsys_original=self._nsys_original, key=key)
+
+    def probabilities(self, prob_style: str | Sequence[float], sys_prob: bool = False,
+                      key: str | None = None) -> np.ndarray:
+        """System probabilities from ``index``; inputs written against the unfiltered list."""
+        return self.probability_rule(prob_style, sys_prob, key)(np.asarray(self.index))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The seed and the ``ls[int]`` cursors in use (the sampler saves its own state).
+
+        The cursors walk this rank's shards, so they resume on the same rank and world size only
+        (the sampler's state is the one that resumes on another number of ranks).
+        """
+        used = np.flatnonzero(self._cursor)
+        return {"version": STATE_VERSION, "seed": self.seed, "rank": self.world.rank,
+                "world_size": self.world.world_size, "cursor_sids": used.tolist(),
+                "cursor_counts": self._cursor[used].tolist()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_keys(state, kind="DpLoaderSet", version=STATE_VERSION,
+                   keys=("seed", "rank", "world_size", "cursor_sids", "cursor_counts"))
+        check_same("DpLoaderSet", "world size", int(state["world_size"]), self.world.world_size)
+        check_same("DpLoaderSet", "rank", int(state["rank"]), self.world.rank)
+        sids = np.asarray(state["cursor_sids"], dtype=np.int64)
+        if len(sids) and (sids.min() < 0 or sids.max() >= len(self.systems)):
+            raise StateDictError(f"cursor system index out of range for {len(self.systems)} "
+                                 "systems")
+        if self.seed_given:
+            check_same("DpLoaderSet", "seed", int(state["seed"]), self.seed)
+        elif int(state["seed"]) != self.seed:  # seed=None adopts the saved seed
+            self.seed = int(state["seed"])
+            self._order = FrameOrder(self.nframes, self.batch_sizes, seed=self.seed,
+                                     rank=self.world.rank, world_size=self.world.world_size,
+                                     shuffle=self.shuffle)
+        self._cursor[:] = 0
+        self._cursor[sids] = np.asarray(state["cursor_counts"], dtype=np.int64)
+
+
+def get_weighted_sampler(training_data: DpLoaderSet, prob_style: str | Sequence[float],
+                         sys_prob: bool = False, *, num_samples: int | None = None,
+                         num_workers: int | None = None, key: str | None = None
+                         ) -> WeightedSystemSampler:
+    """DeePMD-kit's ``get_weighted_sampler``, yielding batch keys; attached to ``training_data``.
+
+    One ``iter()`` yields ``total_batch * max(num_workers, 1)`` keys unless ``num_samples`` is
+    given; ``num_workers`` defaults to ``NUM_WORKERS`` as in DeePMD-kit. ``key`` is the JSON path
+    of ``prob_style``, named in its errors.
+    """
+    rule = training_data.probability_rule(prob_style, sys_prob, key)
+    if num_samples is None:
+        workers = default_num_workers(num_workers)
+        num_samples = training_data.total_batch * max(workers, 1)
+    world = training_data.world
+    sampler = WeightedSystemSampler(
+        training_data.nframes, training_data.batch_sizes, rule, seed=training_data.seed,
+        rank=world.rank, world_size=world.world_size, num_samples=num_samples,
+        shuffle=training_data.shuffle,
+        same_system_across_ranks=training_data.same_system_across_ranks,
+        adopt_seed=not training_data.seed_given, type_map=training_data.type_map)
+    log.debug("Generated weighted sampler with prob array: %s", sampler.weights.numpy())
+    training_data.sampler = sampler
+    return sampler
+
+
+def get_validation_sampler(data: DpLoaderSet) -> ShardedValidationSampler:
+    """Keys of one full validation pass on this rank: every frame of ``data`` once over the ranks,
+    without padding (:mod:`mdloader.sampling.validation`)."""
+    return ShardedValidationSampler(data.nframes, data.batch_sizes, rank=data.world.rank,
+                                    world_size=data.world.world_size)
+
+
+def get_sampler_from_params(data: DpLoaderSet, params: Mapping[str, Any], *,
+                            json_path: str | None = None, **kwargs: Any
+                            ) -> WeightedSystemSampler:
+    """``sys_probs`` if set, else ``auto_prob``, else ``prob_sys_size``; errors name the key
+    under ``json_path`` (where ``params`` sit in ``input.json``, ``training.training_data``)."""
+    value, is_sys_probs, name = select_prob_source(params)
+    key = f"{json_path}.{name}" if json_path else None
+    return get_weighted_sampler(data, value, sys_prob=is_sys_probs, key=key, **kwargs)
+
+
+__all__ = ["DpLoaderSet", "get_weighted_sampler", "get_validation_sampler",
+           "get_sampler_from_params", "default_num_workers"]
+
+
+class SystemBatches:
+    """The batches of one system on this rank, for statistics: DeePMD-kit's per-system loader.
+
+    ``len()`` is the batch count the sampler uses; every ``iter()`` starts again at the first
+    batch of the rank's shard of pass 0. No torch ``DataLoader``, no state: creating one is free.
+    """
+
+    def __init__(self, owner: DpLoaderSet, sid: int) -> None:
+        self._owner, self.sid = owner, sid
+        self.dataset = owner.systems[sid]
+        self.batch_size = int(owner.batch_sizes[sid])
+
+    def __len__(self) -> int:
+        return int(self._owner.index[self.sid])
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for j in range(len(self)):
+            yield self._owner.read(self.sid, self._owner._order.fids(self.sid, j))
+
+
+class LazySystemBatches(Sequence):
+    """``dataloaders``: one :class:`SystemBatches` per system, created when indexed."""
+
+    def __init__(self, owner: DpLoaderSet) -> None:
+        self._owner = owner
+
+    def __len__(self) -> int:
+        return len(self._owner.systems)
+
+    def __getitem__(self, sid: int) -> SystemBatches:  # type: ignore[override]
+        n = len(self)
+        if not isinstance(sid, (int, np.integer)) or not -n <= sid < n:
+            raise IndexError(f"system index {sid!r} out of range for {n} systems")
+        return SystemBatches(self._owner, int(sid) % n)

@@ -1,0 +1,208 @@
+"""Elastic resume on rank grids in one process: W -> W' for W, W' in {1, 2, 4}, and chains.
+
+Every check is made on what the samplers *served*, against the definitions of
+docs/sampling.md#elastic-resume, not against the module's own bookkeeping: the old ranks' batches
+of each system split into leftover batches and passes; a pass interrupted on an old rank is a
+*unit*; the new ranks must first serve exactly what was owed (the frames of the interrupted units
+that were not served, and what remained of an older leftover) and then passes numbered after the
+highest pass any old rank started, exactly as a job that always ran on W' ranks shards them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+from elastic_ledger import Ledger
+
+from mdloader.errors import StateDictError
+from mdloader.sampling.batching import batches_per_rank
+from mdloader.sampling.elastic import merge_rank_states
+from mdloader.sampling.probability import StyleRule
+from mdloader.sampling.samplers import WeightedSystemSampler
+
+NFRAMES = [12, 7, 30, 1, 8, 16, 5]
+BSIZES = [2, 3, 4, 1, 1, 3, 2]
+SEED = 5
+RULE = StyleRule.of("prob_sys_size")   # depends on W: the replay must use each generation's own
+
+
+def make(rank: int, world: int, **kw) -> WeightedSystemSampler:
+    return WeightedSystemSampler(NFRAMES, BSIZES, kw.pop("probs", RULE), seed=SEED, rank=rank,
+                                 world_size=world, **kw)
+
+
+def run(samplers: list[WeightedSystemSampler], steps: list[int]) -> list[list]:
+    return [[s.next_key() for _ in range(k)] for s, k in zip(samplers, steps)]
+
+
+def resume(job: dict, world: int, **kw) -> list[WeightedSystemSampler]:
+    samplers = [make(r, world, **kw) for r in range(world)]
+    for s in samplers:
+        s.load_state_dict(job)
+    return samplers
+
+
+def new_ledger(shuffle: bool = True) -> Ledger:
+    return Ledger(NFRAMES, BSIZES, SEED, shuffle)
+
+
+def test_the_ledger_fails_on_a_wrong_continuation() -> None:
+    """The checks below can fail: a resume that restarts at pass 0 is caught."""
+    old = [make(r, 2) for r in range(2)]
+    ledger = new_ledger()
+    ledger.generation(run(old, [40, 41]), 2)
+    fresh_start = [make(r, 2) for r in range(2)]   # ignores the state: repeats frames
+    with pytest.raises(AssertionError):
+        ledger.generation(run(fresh_start, [400, 400]), 2, drained=True)
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["own-streams", "same-system"])
+@pytest.mark.parametrize("new_world", [1, 2, 4])
+@pytest.mark.parametrize("old_world", [1, 2, 4])
+def test_restart_matrix(old_world: int, new_world: int, same: bool) -> None:
+    old = [make(r, old_world, same_system_across_ranks=same) for r in range(old_world)]
+    steps = [23] * old_world if same else [23 + 11 * r for r in range(old_world)]
+    ledger = new_ledger()
+    first = ledger.generation(run(old, steps), old_world)
+    owed = dict(ledger.owed)
+    job = merge_rank_states([s.state_dict() for s in old])
+    new = resume(job, new_world, same_system_across_ranks=same)
+    assert all(s.generation == (0 if new_world == old_world else 1) for s in new)
+    if new_world == old_world:   # exact continuation, bit for bit
+        assert run(new, [50] * new_world) == run(old, [50] * old_world)
+        return
+    second = ledger.generation(run(new, [400] * new_world), new_world, drained=True)
+    for sid in range(len(NFRAMES)):
+        assert second["from_leftover"][sid] == owed[sid], "owed frames lost or served twice"
+        # every frame of an interrupted unit is served as often as the unit holds it: once
+        assert first["prefix"][sid] + second["from_leftover"][sid] == first["units"][sid]
+        if same:   # all ranks were in the same pass: each of its frames is served exactly once
+            assert set(first["units"][sid].values()) <= {1}
+    assert any(first["units"][sid] for sid in range(len(NFRAMES))), "no unit was interrupted"
+
+
+@pytest.mark.parametrize("worlds", [(2, 4, 1, 2), (4, 1, 4), (1, 3, 2, 2)])
+def test_chain_of_elastic_resumes(worlds: tuple[int, ...]) -> None:
+    """Each transition conserves what is owed; the state grows by W + 1 integers per resume."""
+    ledger = new_ledger()
+    samplers = [make(r, worlds[0]) for r in range(worlds[0])]
+    keys, world_of_keys = run(samplers, [30 + 7 * r for r in range(worlds[0])]), worlds[0]
+    for world in worlds[1:]:
+        job = merge_rank_states([s.state_dict() for s in samplers])
+        samplers = resume(job, world)
+        more = run(samplers, [17 + 5 * r for r in range(world)])
+        if world == world_of_keys:   # the same generation goes on
+            keys = [a + b for a, b in zip(keys, more)]
+        else:
+            ledger.generation(keys, world_of_keys)
+            keys, world_of_keys = more, world
+    ledger.generation(keys, world_of_keys)
+    job = merge_rank_states([s.state_dict() for s in samplers])
+    rows = [len(row) for row in job["generations"]]
+    changes = sum(a != b for a, b in zip(worlds, worlds[1:]))
+    assert len(rows) == changes + 1 and sum(rows) == sum(w + 1 for w in _distinct_runs(worlds))
+    owed = dict(ledger.owed)
+    last = ledger.generation(run(resume(job, 3), [600] * 3), 3, drained=True)
+    assert all(last["from_leftover"][sid] == owed[sid] for sid in range(len(NFRAMES)))
+
+
+def _distinct_runs(worlds: tuple[int, ...]) -> list[int]:
+    return [w for i, w in enumerate(worlds) if i == 0 or worlds[i - 1] != w]
+
+
+def test_a_generation_without_steps_is_dropped() -> None:
+    """2 -> 4 with no step, then back to 2: the original streams continue exactly."""
+    old = [make(r, 2) for r in range(2)]
+    run(old, [9, 14])
+    job = merge_rank_states([s.state_dict() for s in old])
+    idle = resume(job, 4)
+    back = resume(merge_rank_states([s.state_dict() for s in idle]), 2)
+    assert [s.generation for s in back] == [0, 0]
+    assert run(back, [30, 30]) == run(old, [30, 30])
+
+
+def test_shuffle_off_and_fixed_probabilities() -> None:
+    probs = [0.2, 0.1, 0.3, 0.05, 0.1, 0.15, 0.1]
+    old = [make(r, 4, shuffle=False, probs=probs) for r in range(4)]
+    ledger = new_ledger(shuffle=False)
+    ledger.generation(run(old, [31, 5, 18, 40]), 4)
+    owed = dict(ledger.owed)
+    new = resume(merge_rank_states([s.state_dict() for s in old]), 2, shuffle=False, probs=probs)
+    second = ledger.generation(run(new, [400, 400]), 2, drained=True)
+    assert all(second["from_leftover"][sid] == owed[sid] for sid in range(len(NFRAMES)))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_new_generation_draws_with_its_own_probabilities(world: int) -> None:
+    old = [make(r, 2) for r in range(2)]
+    run(old, [10, 10])
+    new = resume(merge_rank_states([s.state_dict() for s in old]), world)
+    expected = RULE(batches_per_rank(NFRAMES, BSIZES, world))
+    np.testing.assert_allclose(new[0].weights.numpy(), expected)
+    draws = Counter(k.sid for k in run(new[:1], [20000])[0])
+    counts = np.array([draws[s] for s in range(len(NFRAMES))])
+    sigma = np.sqrt(20000 * expected * (1 - expected))
+    assert np.all(np.abs(counts - 20000 * expected) < 5 * sigma + 1)
+    restarted = [make(r, 2) for r in range(2)]   # and not the draws of the old generation
+    assert [k.sid for k in run(new[:1], [50])[0]] != [k.sid for k in run(restarted[:1], [50])[0]]
+
+
+def test_state_size_does_not_grow_with_steps_or_systems() -> None:
+    def size(nsys: int, steps: int, world: int) -> int:
+        samplers = [WeightedSystemSampler([10] * nsys, [2] * nsys, np.full(nsys, 1 / nsys),
+                                          seed=SEED, rank=r, world_size=world)
+                    for r in range(world)]
+        for s in samplers:
+            s.seek(steps)
+        return len(json.dumps(merge_rank_states([s.state_dict() for s in samplers])))
+
+    small, large = size(10, 10, 4), size(100_000, 1_000_000, 4)
+    assert large - small <= 48   # more digits in the step counts, nsys and digests only
+    assert large < 400           # the whole job on 4 ranks, whatever the number of systems
+
+
+def test_merge_errors() -> None:
+    states = [make(r, 2).state_dict() for r in range(2)]
+    with pytest.raises(StateDictError, match=r"the states of ranks \[1\] of 2 are missing"):
+        merge_rank_states(states[:1])
+    with pytest.raises(StateDictError, match="rank 0 appears twice"):
+        merge_rank_states([states[0], states[0]])
+    other = dict(states[1], seed=6)
+    with pytest.raises(StateDictError, match="not from one job: rank 1 has seed 6 but rank 0 "
+                       "has 5"):
+        merge_rank_states([states[0], other])
+    with pytest.raises(StateDictError, match="no rank state to merge"):
+        merge_rank_states([{}, {}])
+    job = merge_rank_states(states)
+    with pytest.raises(StateDictError, match="merged already can be loaded as it is"):
+        merge_rank_states([job])
+    assert merge_rank_states([{}, *reversed(states)]) == job   # rank order free, {} skipped
+
+
+def test_load_errors_quote_both_values() -> None:
+    old = [make(r, 2) for r in range(2)]
+    run(old, [3, 4])
+    rank_state, job = old[0].state_dict(), merge_rank_states([s.state_dict() for s in old])
+    with pytest.raises(StateDictError, match="world size 2 but this loader has 4; to resume on "
+                       "another number of ranks, load the state of every rank merged"):
+        make(0, 4).load_state_dict(rank_state)
+    cases = [
+        (dict(probs=StyleRule.of("prob_uniform")), r"system probabilities digest \d+ but this "
+         r"loader has \d+ \(this loader's probabilities: auto_prob 'prob_uniform'\)"),
+        (dict(type_map=["O", "H"]), r"type_map digest 0 but this loader has \d+ \(this "
+         r"loader's type_map is \['O', 'H'\]\)"),
+        (dict(same_system_across_ranks=True), "same_system_across_ranks 0 but this loader has 1"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(StateDictError, match=match):
+            make(0, 4, **kwargs).load_state_dict(job)
+    reseeded = WeightedSystemSampler(NFRAMES, BSIZES, RULE, seed=6, rank=0, world_size=4)
+    with pytest.raises(StateDictError, match="seed 5 but this loader has 6"):
+        reseeded.load_state_dict(job)
+    for rows, match in [([[2, 3]], "ran on 2 rank"), ([[0]], "ran on 0 rank"),
+                        ([[1, -3]], "non-negative integer, got -3"), ("x", "list of rows")]:
+        with pytest.raises(StateDictError, match=match):
+            make(0, 4).load_state_dict(dict(job, generations=rows))
