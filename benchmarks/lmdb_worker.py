@@ -45,7 +45,7 @@ class Mdloader:
 
     def __init__(self) -> None:
         import mdloader.loading.loader as loader
-        from mdloader.data.formats.lmdb.env import metadata as lmdb_metadata
+        from mdloader.data.formats.lmdb import metadata as lmdb_metadata
         from mdloader.data.schema import DataRequirementItem
 
         self.loader, self.item, self.meta = loader, DataRequirementItem, lmdb_metadata

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mdloader.catalog import io_pool as overlap
+from mdloader import fs_calls as overlap
 from mdloader.catalog.discover import discover, discover_systems
 from mdloader.data.system import build_system_meta
 from mdloader.errors import ConfigError, NoSystemsFoundError

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mdloader import build, index
-from mdloader.catalog import index_file
+from mdloader.catalog import index, index_file
 from mdloader.data.formats import hdf5
 from mdloader.data.system import build_system_meta
 from mdloader.errors import ConfigError, StaleDataError
+from mdloader.loading import build
 from mdloader.testing import make_system
 
 TYPE_MAP = ["O", "H"]

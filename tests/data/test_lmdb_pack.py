@@ -15,7 +15,7 @@ from mdloader.catalog.discover import discover_systems
 from mdloader.cli.main import main
 from mdloader.cli.pack import pack
 from mdloader.data.dataset import DeepmdDataSetForLoader
-from mdloader.data.formats.lmdb.env import writer as lmdb_writer
+from mdloader.data.formats.lmdb import writer as lmdb_writer
 from mdloader.data.formats.lmdb.sources import frame_bytes, system_chunks
 from mdloader.data.system import build_system_meta
 from mdloader.errors import ConfigError, DataError, MissingDataError

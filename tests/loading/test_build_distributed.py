@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 from distributed_utils import RankError, errors, run_ranks, values
 
+from mdloader import fs_calls as overlap
+from mdloader.catalog import describe
 from mdloader.catalog.discover import discover_systems
-from mdloader.data import describe, overlap
 from mdloader.data.system import build_system_meta
 from mdloader.errors import (
     CollectiveTimeoutError,
