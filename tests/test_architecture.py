@@ -280,3 +280,104 @@ def test_the_cycle_checker_names_a_cycle(tmp_path: Path) -> None:
         "import cycle: mdloader.data.a (mdloader/data/a.py:1) -> "
         "mdloader.data.b (mdloader/data/b.py:2) -> mdloader.data.a"]
     assert cycles(package, expected=(frozenset({"mdloader.data.a", "mdloader.data.b"}),)) == []
+
+
+# -- no reach-ins to another module's private attributes ----------------------------------------
+
+#: Private names of libraries that mdloader uses on purpose, as ``owner._name`` (the owner's last
+#: name part), each with the reason.
+LIBRARY_PRIVATES = {
+    "os._exit": "the documented way to leave a process without cleanup (a failed rank)",
+    "argparse._SubParsersAction": "the type add_subparsers() returns; argparse names it no other "
+                                  "way",
+    "distributed_c10d._get_default_store": "torch's only way to reach the default group's store, "
+                                           "where a failed rank publishes its error",
+}
+#: Reach-ins owned by the other redesign branches: fixed by the plan refactor (loading/loader.py).
+EXPECTED_REACH_INS_FIXED_BY_THE_PLAN_REFACTOR = frozenset({"mdloader/loading/loader.py: s._natoms"})
+
+
+def _defined_names(tree: ast.AST) -> set[str]:
+    """Names this module defines: functions, classes, assigned names, ``self.``/``cls.``
+    attributes, arguments, and ``__slots__`` entries."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            names.add(node.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__"
+                                                   for t in node.targets)):
+            names |= {c.value for c in ast.walk(node.value)
+                      if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+    return names
+
+
+def _owner(node: ast.expr) -> str:
+    """The last name part of an attribute's owner: ``a.b._c`` -> ``b``, ``f()._c`` -> ``f()``."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return ast.unparse(node)
+
+
+def reach_ins(package: Path = PACKAGE,
+              expected: frozenset[str] = EXPECTED_REACH_INS_FIXED_BY_THE_PLAN_REFACTOR
+              ) -> list[str]:
+    """Every ``obj._private`` where ``obj`` is not ``self``/``cls`` and this module does not
+    define ``_private`` itself: such code depends on how another module works inside.
+
+    Dunder names are public protocol. A private name the same module defines (a class's own
+    attribute read on another instance, as in ``__eq__``) is the module's own business.
+    """
+    problems = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        mine = _defined_names(tree)
+        rel = path.relative_to(package.parent)
+        for node in sorted(ast.walk(tree), key=lambda n: getattr(n, "lineno", 0)):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")):
+                continue
+            if node.attr.startswith("__") and node.attr.endswith("__"):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in mine or f"{_owner(node.value)}.{node.attr}" in LIBRARY_PRIVATES:
+                continue
+            text = ast.unparse(node)
+            if f"{rel}: {text}" not in expected:
+                problems.append(f"{rel}:{node.lineno}: {text} reaches into a private attribute "
+                                f"defined elsewhere: use (or add) a public one")
+    return problems
+
+
+def test_no_reach_ins_to_private_attributes() -> None:
+    problems = reach_ins()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_reach_in_checker_names_each_one(tmp_path: Path) -> None:
+    probe = tmp_path / "mdloader" / "train" / "_probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text(
+        "import os\n"
+        "class Box:\n"
+        "    def __init__(self, other):\n"
+        "        self._mine = other._mine\n"          # defined here: fine
+        "        self._n = other.meta._natoms\n"      # defined elsewhere: a reach-in
+        "    def __eq__(self, other):\n"
+        "        return other.__class__ is Box\n"     # dunder: fine
+        "def leave(ds):\n"
+        "    os._exit(ds._ntypes)\n", encoding="utf-8")  # library private: allowed; _ntypes: not
+    assert reach_ins(tmp_path / "mdloader", expected=frozenset()) == [
+        "mdloader/train/_probe.py:5: other.meta._natoms reaches into a private attribute "
+        "defined elsewhere: use (or add) a public one",
+        "mdloader/train/_probe.py:9: ds._ntypes reaches into a private attribute defined "
+        "elsewhere: use (or add) a public one",
+    ]
