@@ -17,6 +17,17 @@ Systems nested in a system's other subfolders are found.
 An LMDB database (a path ending in ``.lmdb`` or a folder holding ``data.mdb``, given as an
 entry) expands into one address per group of frames, in the order of its system ids
 (:mod:`mdloader.data.formats.lmdb.groups`); ``rglob_patterns`` do not apply to it.
+
+Walking directory trees for systems, level by level, overlapping the listings when they wait.
+
+A folder holding ``type.raw`` is a system; the walk does not descend into its ``set.*`` folders
+(they hold frames) nor into symbolic links to folders (as ``os.walk``). Each folder is listed
+once, even when it lies below several roots; a system's listing is kept, so that describing it
+does not list it again. All folders of a level are listed together, in threads when the first
+listings waited on the file system (:mod:`mdloader.data.overlap`).
+
+Given the folders of an earlier walk that have not changed since (:class:`KnownTree`), the walk
+lists only the others: an unchanged folder has the same entries, hence the same subfolders.
 """
 
 from __future__ import annotations

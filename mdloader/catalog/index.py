@@ -14,6 +14,13 @@ entries, the ``rglob`` patterns, the model ``type_map`` and the index format. Mo
 again), ``trust`` (no check: read-only archives), ``off``. A missing index is built; an index
 that cannot be used (corrupt, truncated, another format or mdloader version, another key,
 unreadable) costs one warning and a rebuild; an index that cannot be saved costs one warning.
+
+Discover and describe the systems: from scratch, or starting from a saved index.
+
+:func:`survey` walks the tree and reads every header. :func:`resurvey` starts from what an index
+saved: it checks every path the index depends on (:mod:`mdloader.data.freshness`), and when
+something changed it lists again only the folders that changed and describes again only the
+systems that are new or changed; the others are copied from the index.
 """
 
 from __future__ import annotations

@@ -15,6 +15,16 @@ flag rule: a ``find_*`` flag is 1 only if every frame of the batch has it. Diffe
 drops ``box`` and trains the periodic frames as molecules), a batch without cells carries
 ``box: None`` as npy batches do, ``sid`` is the group's index, and type ids outside the type map
 are errors naming the frame.
+
+A batch of LMDB records stacked field by field: the common case, without per-frame dicts.
+
+When every record of a batch has the same fields, in the same order, as arrays of the same
+dtype and shape, and stores no ``find_*`` flag of its own (what dpdata's and mdloader's writers
+produce for the frames of one group), each field is copied straight from the records' bytes into
+one preallocated block, types are remapped and counted for the whole batch at once, and the data
+requirements are resolved once. The result is the batch that decoding every frame
+(:meth:`~mdloader.data.lmdb_frames.LmdbGroupReader.decode`) and collating would give; any other
+batch returns ``None`` and takes that per-frame path, which also names a defective frame.
 """
 
 from __future__ import annotations
