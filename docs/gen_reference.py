@@ -68,10 +68,10 @@ def _table(actions: list[argparse.Action]) -> list[str]:
 
 
 def cli_page() -> str:
-    from mdloader.cli.main import _common_options, build_parser
+    from mdloader.cli.main import build_parser, common_options
 
     parser = build_parser()
-    common = {a.dest for a in _common_options()._actions}
+    common = {a.dest for a in common_options()._actions}
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     head = HEADER.format(source="mdloader/cli/main.py").rstrip("\n")
     lines = [head, "", "# Command line reference",
@@ -82,7 +82,7 @@ def cli_page() -> str:
              "distributed error); 2 for a usage or configuration error; 130 when interrupted; "
              "143 when `train` stopped on SIGTERM or SIGUSR1 after writing a checkpoint.",
              "", "## Options of every subcommand", ""]
-    lines += _table([a for a in _common_options()._actions])
+    lines += _table([a for a in common_options()._actions])
     for name, subparser in sub.choices.items():
         lines += ["", f"## `mdloader {name}`", "", subparser.description or "", ""]
         own = [a for a in subparser._actions if a.dest not in common]

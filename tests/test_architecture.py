@@ -1,8 +1,14 @@
-"""The import rules of docs/architecture.md, checked on the source: every violation is named."""
+"""The rules of docs/architecture.md, checked on the source: every violation is named.
+
+* imports follow the layers (:func:`violations`);
+* no import cycle between mdloader modules (:func:`cycles`);
+* no reach-in to another module's private attributes (:func:`reach_ins`).
+"""
 
 from __future__ import annotations
 
 import ast
+from collections import deque
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mdloader"
@@ -110,3 +116,268 @@ def test_the_checker_catches_a_violation(tmp_path: Path) -> None:
 def test_every_module_has_a_layer() -> None:
     for path in PACKAGE.rglob("*.py"):
         assert layer_of(module_name(path)) in ALLOWED, path
+
+
+# -- no import cycles ---------------------------------------------------------------------------
+
+#: Cycles allowed for now, each as the modules of its strongly connected component. The only one:
+#: the format registry imports its formats in functions, and the formats (and ``data.system``)
+#: import the registry's types back. Removed by the Backend refactor (``data/formats/base.py``).
+EXPECTED_CYCLES_REMOVED_BY_THE_BACKEND_REFACTOR: tuple[frozenset[str], ...] = (frozenset({
+    "mdloader.data.formats", "mdloader.data.formats.hdf5", "mdloader.data.formats.npy",
+    "mdloader.data.formats.lmdb.groups", "mdloader.data.system"}),)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import of the module, in functions too, except under ``if TYPE_CHECKING:``."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, ast.If) and _is_type_checking(node):
+            todo.extend(node.orelse)
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+    return sorted(found, key=lambda n: n.lineno)
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, dict[str, str]]:
+    """``graph[a][b]``: where module ``a`` imports module ``b`` (``path:line``), both mdloader's.
+
+    ``from p import name`` is an edge to ``p.name`` when that is a module, else to ``p``; the
+    packages that Python imports on the way (``p``'s parents) are not edges.
+    """
+    paths = {module_name(path, package): path for path in sorted(package.rglob("*.py"))}
+
+    def known(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, dict[str, str]] = {me: {} for me in paths}
+    for me, path in paths.items():
+        for node in _import_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif node.level:  # relative: reported by violations(), not followed here
+                continue
+            else:
+                base = node.module or ""
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base
+                           for a in node.names]
+            for target in targets:
+                module = known(target) if target.startswith(package.name) else None
+                if module is not None and module != me:
+                    rel = path.relative_to(package.parent)
+                    graph[me].setdefault(module, f"{rel}:{node.lineno}")
+    return graph
+
+
+def _components(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
+
+
+def _one_cycle(graph: dict[str, dict[str, str]], members: list[str]) -> str:
+    """The shortest cycle through the first module of a component, each import with its line."""
+    start, inside = members[0], set(members)
+    parent: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for child in sorted(graph[node]):
+            if child == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                path.reverse()
+                hops = [f"{a} ({graph[a][b]})" for a, b in zip(path, [*path[1:], start])]
+                return " -> ".join([*hops, start])
+            if child in inside and child not in parent and child != start:
+                parent[child] = node
+                queue.append(child)
+    raise AssertionError(f"no cycle through {start}")  # pragma: no cover
+
+
+def cycles(package: Path = PACKAGE,
+           expected: tuple[frozenset[str], ...] = EXPECTED_CYCLES_REMOVED_BY_THE_BACKEND_REFACTOR
+           ) -> list[str]:
+    """Every import cycle between mdloader modules that is not (part of) an expected one.
+
+    Function-level imports count: an import deferred into a function (for a cheap ``import
+    mdloader`` or an optional dependency) still makes the two modules depend on each other, and
+    a cycle closed that way is a circle the layers hide. Imports under ``if TYPE_CHECKING:`` do
+    not count (they never run). The packages Python imports on the way to a module (its
+    ``__init__`` files) are not edges, only the modules an import names.
+    """
+    graph = import_graph(package)
+    return [f"import cycle: {_one_cycle(graph, members)}"
+            for members in _components(graph)
+            if not any(set(members) <= allowed for allowed in expected)]
+
+
+def test_no_import_cycles() -> None:
+    problems = cycles()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_cycle_checker_names_a_cycle(tmp_path: Path) -> None:
+    package = tmp_path / "mdloader"
+    (package / "data").mkdir(parents=True)
+    (package / "__init__.py").write_text("", encoding="utf-8")
+    (package / "data" / "__init__.py").write_text("", encoding="utf-8")
+    (package / "data" / "a.py").write_text("from mdloader.data import b\n", encoding="utf-8")
+    (package / "data" / "b.py").write_text("def f():\n    from mdloader.data.a import x\n",
+                                           encoding="utf-8")
+    (package / "data" / "c.py").write_text(  # only for the type checker: no cycle
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import mdloader.data.d\n",
+        encoding="utf-8")
+    (package / "data" / "d.py").write_text("import mdloader.data.c\n", encoding="utf-8")
+    assert cycles(package, expected=()) == [
+        "import cycle: mdloader.data.a (mdloader/data/a.py:1) -> "
+        "mdloader.data.b (mdloader/data/b.py:2) -> mdloader.data.a"]
+    assert cycles(package, expected=(frozenset({"mdloader.data.a", "mdloader.data.b"}),)) == []
+
+
+# -- no reach-ins to another module's private attributes ----------------------------------------
+
+#: Private names of libraries that mdloader uses on purpose, as ``owner._name`` (the owner's last
+#: name part), each with the reason.
+LIBRARY_PRIVATES = {
+    "os._exit": "the documented way to leave a process without cleanup (a failed rank)",
+    "argparse._SubParsersAction": "the type add_subparsers() returns; argparse names it no other "
+                                  "way",
+    "distributed_c10d._get_default_store": "torch's only way to reach the default group's store, "
+                                           "where a failed rank publishes its error",
+}
+#: Reach-ins owned by the other redesign branches: fixed by the plan refactor (loading/loader.py).
+EXPECTED_REACH_INS_FIXED_BY_THE_PLAN_REFACTOR = frozenset({"mdloader/loading/loader.py: s._natoms"})
+
+
+def _defined_names(tree: ast.AST) -> set[str]:
+    """Names this module defines: functions, classes, assigned names, ``self.``/``cls.``
+    attributes, arguments, and ``__slots__`` entries."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            names.add(node.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__"
+                                                   for t in node.targets)):
+            names |= {c.value for c in ast.walk(node.value)
+                      if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+    return names
+
+
+def _owner(node: ast.expr) -> str:
+    """The last name part of an attribute's owner: ``a.b._c`` -> ``b``, ``f()._c`` -> ``f()``."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return ast.unparse(node)
+
+
+def reach_ins(package: Path = PACKAGE,
+              expected: frozenset[str] = EXPECTED_REACH_INS_FIXED_BY_THE_PLAN_REFACTOR
+              ) -> list[str]:
+    """Every ``obj._private`` where ``obj`` is not ``self``/``cls`` and this module does not
+    define ``_private`` itself: such code depends on how another module works inside.
+
+    Dunder names are public protocol. A private name the same module defines (a class's own
+    attribute read on another instance, as in ``__eq__``) is the module's own business.
+    """
+    problems = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        mine = _defined_names(tree)
+        rel = path.relative_to(package.parent)
+        for node in sorted(ast.walk(tree), key=lambda n: getattr(n, "lineno", 0)):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")):
+                continue
+            if node.attr.startswith("__") and node.attr.endswith("__"):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in mine or f"{_owner(node.value)}.{node.attr}" in LIBRARY_PRIVATES:
+                continue
+            text = ast.unparse(node)
+            if f"{rel}: {text}" not in expected:
+                problems.append(f"{rel}:{node.lineno}: {text} reaches into a private attribute "
+                                f"defined elsewhere: use (or add) a public one")
+    return problems
+
+
+def test_no_reach_ins_to_private_attributes() -> None:
+    problems = reach_ins()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_reach_in_checker_names_each_one(tmp_path: Path) -> None:
+    probe = tmp_path / "mdloader" / "train" / "_probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text(
+        "import os\n"
+        "class Box:\n"
+        "    def __init__(self, other):\n"
+        "        self._mine = other._mine\n"          # defined here: fine
+        "        self._n = other.meta._natoms\n"      # defined elsewhere: a reach-in
+        "    def __eq__(self, other):\n"
+        "        return other.__class__ is Box\n"     # dunder: fine
+        "def leave(ds):\n"
+        "    os._exit(ds._ntypes)\n", encoding="utf-8")  # library private: allowed; _ntypes: not
+    assert reach_ins(tmp_path / "mdloader", expected=frozenset()) == [
+        "mdloader/train/_probe.py:5: other.meta._natoms reaches into a private attribute "
+        "defined elsewhere: use (or add) a public one",
+        "mdloader/train/_probe.py:9: ds._ntypes reaches into a private attribute defined "
+        "elsewhere: use (or add) a public one",
+    ]

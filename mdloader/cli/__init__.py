@@ -1,1 +1,2 @@
-"""The mdloader command line: check, bench, convert, train, dp."""
+"""The mdloader command line: one module per sub-command (check, bench, train, convert, pack,
+index, dp), and :mod:`mdloader.cli.main`, which dispatches to them."""

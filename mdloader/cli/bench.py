@@ -11,20 +11,20 @@ peak resident memory of the rank and of its DataLoader workers. Rows are gathere
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mdloader.config.input_json import Config
-from mdloader.config.loaders import configured_loader
 from mdloader.data.schema import DataRequirementItem
-from mdloader.distributed.collectives import gather_to_main
-from mdloader.distributed.group import process_group
-from mdloader.loading.loader import default_num_workers
-from mdloader.loading.stateful_loader import StatefulLoader
+from mdloader.errors import ConfigError
 from mdloader.world import World
+
+if TYPE_CHECKING:
+    from mdloader.config.input_json import Config
+    from mdloader.loading.stateful_loader import StatefulLoader
 
 #: Labels read as the training job reads them, but optional: bench also runs on unlabeled data.
 BENCH_LABELS = [DataRequirementItem("energy", 1, atomic=False, must=False, high_prec=True),
@@ -48,6 +48,9 @@ def _peak_rss_mb(who: int) -> float:
 def run_bench(config: Config, *, batches: int = 200, num_workers: int | None = None
               ) -> list[dict[str, Any]] | None:
     """Bench this rank; return every rank's row on rank 0 (``None`` on the others)."""
+    from mdloader.distributed.collectives import gather_to_main  # torch: only when it runs
+    from mdloader.distributed.group import process_group
+
     with process_group() as world:
         row = bench_rank(config, world, batches=batches, num_workers=num_workers)
         return gather_to_main(row)
@@ -56,6 +59,9 @@ def run_bench(config: Config, *, batches: int = 200, num_workers: int | None = N
 def bench_rank(config: Config, world: World, *, batches: int, num_workers: int | None
                ) -> dict[str, Any]:
     """One rank's measurements (see the module docstring)."""
+    from mdloader.config.loaders import configured_loader
+    from mdloader.loading.loader import default_num_workers
+
     workers = default_num_workers(num_workers, "--num-workers")
     t0 = time.perf_counter()
     built = configured_loader(config.training_data, type_map=config.type_map, seed=config.seed,
@@ -106,3 +112,30 @@ def format_bench_rows(rows: list[dict[str, Any]], *, as_json: bool = False) -> s
     lines.append(f"({r0['world_size']} rank(s), {r0['num_workers']} DataLoader worker(s) per "
                  f"rank, {r0['batches']} batches per rank)")
     return "\n".join(lines)
+
+
+# -- the sub-command ----------------------------------------------------------------------------
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """``mdloader bench``'s parser."""
+    p = sub.add_parser("bench", parents=[common], help="time the loader on an input.json",
+                       description="Build the loader as training would and pull N batches "
+                       "through the outer DataLoader; report per rank.")
+    p.add_argument("input", help="DeePMD-kit input.json")
+    p.add_argument("--batches", type=int, default=200, help="batches to pull (default 200)")
+    p.add_argument("--num-workers", type=int, default=None,
+                   help="DataLoader workers (default: NUM_WORKERS or min(4, cpus))")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Bench; rank 0 prints every rank's row."""
+    from mdloader.config.input_json import load_config
+
+    if args.batches < 1:
+        raise ConfigError(f"must be a positive integer, got {args.batches}", path="--batches")
+    rows = run_bench(load_config(args.input), batches=args.batches,
+                     num_workers=args.num_workers)
+    if rows is not None:  # rank 0 only: the gathered rows of every rank
+        print(format_bench_rows(rows, as_json=args.json))
+    return 0

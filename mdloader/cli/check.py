@@ -11,6 +11,7 @@ shorter than its header says (for an LMDB database: decodes every frame).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -273,3 +274,53 @@ def _table(section: SectionReport) -> list[str]:
         lines.append(f"(removed by the batch-size filter: {address})")
     lines.extend(f"note: {note}" for note in section.notes)
     return lines
+
+
+# -- the sub-command ----------------------------------------------------------------------------
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """``mdloader check``'s parser."""
+    p = sub.add_parser("check", parents=[common],
+                       help="validate the data of an input.json, or systems and folders",
+                       description="Discover, build and validate every training and "
+                       "validation system of an input.json, or every system under the paths "
+                       "given; print a summary. Exit 0 when all is well, 1 with every problem "
+                       "listed otherwise.")
+    p.add_argument("input", nargs="+", metavar="INPUT",
+                   help="a DeePMD-kit input.json, or system directories, folders searched "
+                   "recursively, globs and HDF5 files")
+    p.add_argument("--type-map", nargs="+", default=None, metavar="ELEM",
+                   help="model type map for system paths (an input.json has its own)")
+    p.add_argument("--batch-size", default="auto", metavar="RULE",
+                   help="batch size or rule for system paths (default: auto)")
+    p.add_argument("--deep", action="store_true",
+                   help="also read every array: NaN/inf frames, frame counts that disagree")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check, print the report (rank 0), exit 0 when all is well and 1 otherwise."""
+    from mdloader.world import World
+
+    report = check_input(_check_config(args), deep=args.deep)
+    if World.from_env().is_main:  # under torchrun, one copy of the report
+        print(report.to_json() if args.json else format_check_report(report))
+    return 0 if report.ok else 1
+
+
+def _check_config(args: argparse.Namespace) -> Config:
+    """One ``*.json`` file is an input.json; anything else is a list of system paths."""
+    from mdloader.config.input_json import load_config
+    from mdloader.errors import ConfigError
+
+    inputs = list(args.input)
+    if len(inputs) == 1 and inputs[0].endswith(".json") and not os.path.isdir(inputs[0]):
+        if args.type_map is not None or args.batch_size != "auto":
+            raise ConfigError("--type-map and --batch-size apply to system paths; an "
+                              "input.json gives model.type_map and its batch_size",
+                              path="--type-map" if args.type_map is not None else "--batch-size")
+        return load_config(inputs[0])
+    if any(i.endswith(".json") and os.path.isfile(i) for i in inputs):
+        raise ConfigError("give either one input.json or system paths, not both", path="INPUT")
+    batch: int | str = int(args.batch_size) if args.batch_size.isdigit() else args.batch_size
+    return config_for_paths(inputs, type_map=args.type_map, batch_size=batch)

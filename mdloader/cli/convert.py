@@ -16,6 +16,7 @@ first; when that reads nothing from a single file (one ``OUTCAR``), the file is 
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import glob
 import logging
@@ -223,3 +224,29 @@ def _write(data: Any, systems: list[Any], *, src: str, dest: str, fmt: str, to: 
         natoms=tuple(s.get_natoms() for s in systems), labeled=labeled)
     log.info("wrote %d system(s), %d frame(s) to %s", len(addresses), sum(report.nframes), dest)
     return report
+
+
+# -- the sub-command ----------------------------------------------------------------------------
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """``mdloader convert``'s parser."""
+    p = sub.add_parser("convert", parents=[common], help="convert data to DeePMD with dpdata",
+                       description="Read SRC with dpdata and write DeePMD system(s) to DEST.")
+    p.add_argument("src", help="input file or folder")
+    p.add_argument("dest", help="output folder (deepmd/npy) or .h5 file (deepmd/hdf5)")
+    p.add_argument("--from", dest="fmt", required=True, metavar="FMT",
+                   help="dpdata format of SRC, e.g. vasp/outcar, lammps/dump, extxyz")
+    p.add_argument("--to", default="deepmd/npy", choices=["deepmd/npy", "deepmd/hdf5"],
+                   help="output layout (default: deepmd/npy)")
+    p.add_argument("--type-map", nargs="+", default=None, metavar="ELEM",
+                   help="element order of the written type_map.raw")
+    p.add_argument("--set-size", type=int, default=5000, help="frames per set.* (default 5000)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Convert; print one line per system written."""
+    report = convert(args.src, args.dest, fmt=args.fmt, to=args.to, type_map=args.type_map,
+                     set_size=args.set_size)
+    for address, nframes, natoms in zip(report.systems, report.nframes, report.natoms):
+        print(f"{address}\t{nframes} frames\t{natoms} atoms")
+    return 0

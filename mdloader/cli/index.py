@@ -9,6 +9,7 @@ what changed since, without writing anything.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -132,3 +133,23 @@ def _is_index(path: str) -> bool:
             return fh.read(len(MAGIC)) == MAGIC
     except OSError:
         return False
+
+
+# -- the sub-command ----------------------------------------------------------------------------
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """``mdloader index``'s parser."""
+    p = sub.add_parser("index", parents=[common], help="build, refresh or inspect system "
+                       "indexes", description="Describe the training and validation systems "
+                       "of an input.json once and save their indexes, so that every job "
+                       "starts from them (see the HPC guide).")
+    p.add_argument("action", choices=["build", "refresh", "inspect"],
+                   help="build: describe what changed and save; refresh: describe everything "
+                   "again; inspect: show what an index holds and what changed, write nothing")
+    p.add_argument("input", help="DeePMD-kit input.json (inspect: or an index file)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build, refresh or inspect; the exit code of :func:`run_index`."""
+    return run_index(args.action, args.input, as_json=args.json)

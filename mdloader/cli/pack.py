@@ -12,6 +12,7 @@ progress bar on stderr, and the database appears at ``dest`` only when complete.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -172,3 +173,31 @@ def _bar(total: int, show: bool) -> Any:
 
     return tqdm(total=total, desc="mdloader: packing", unit="frame", file=sys.stderr,
                 dynamic_ncols=True)
+
+
+# -- the sub-command ----------------------------------------------------------------------------
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """``mdloader pack``'s parser."""
+    p = sub.add_parser("pack", parents=[common], help="write systems into one LMDB database",
+                       description="Write every system of SRC (npy, HDF5, or a dpdata format "
+                       "with --from) into the LMDB database DEST, one system id per source "
+                       "system in mdloader's order; DeePMD-kit 3.2.0 reads it as is.")
+    p.add_argument("src", nargs="+", help="systems, roots, globs or HDF5 files (one input with "
+                   "--from)")
+    p.add_argument("dest", help="the database to create, e.g. train.lmdb")
+    p.add_argument("--from", dest="fmt", default=None, metavar="FMT",
+                   help="read SRC with dpdata in this format (e.g. vasp/outcar, extxyz)")
+    p.add_argument("--type-map", nargs="+", default=None, metavar="ELEM",
+                   help="element order of the stored type ids (default: order of appearance)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace DEST once the new database is complete")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Pack; print one summary line."""
+    report = pack(args.src, args.dest, fmt=args.fmt, type_map=args.type_map,
+                  overwrite=args.overwrite)
+    print(f"{report.dest}\t{len(report.systems)} systems\t{report.total_frames} frames\t"
+          f"type_map {' '.join(report.type_map)}")
+    return 0

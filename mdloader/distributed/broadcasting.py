@@ -18,7 +18,7 @@ the others pass ``None``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
@@ -28,8 +28,11 @@ from mdloader.distributed.group import current_world, group_rank, group_size, su
 from mdloader.distributed.packets import Kind, Packet, Stop, data_packet, error_packet, open_packet
 from mdloader.errors import ConfigError, DistributedError
 from mdloader.settings import resolve
+from mdloader.state import check_keys, check_same
 
 DEFAULT_AXES = ("cp", "tp")
+#: Version of :meth:`BroadcastingDataLoader.state_dict` (1: ``{"version", "source"}``).
+STATE_VERSION = 1
 
 
 def active_axes(device_mesh: Any, axes: Sequence[str]) -> tuple[str, ...]:
@@ -204,10 +207,25 @@ class BroadcastingDataLoader:
         return self.length
 
     def state_dict(self) -> dict[str, Any]:
-        """The source's state on the source rank, ``{}`` elsewhere."""
-        return self.source.state_dict() if self.is_source else {}  # type: ignore[union-attr]
+        """``{"version": 1, "source": ...}``: the source's state on the source rank, ``None``
+        elsewhere (:func:`~mdloader.sampling.elastic.merge_rank_states` merges the sources')."""
+        source = self.source.state_dict() if self.is_source else None  # type: ignore[union-attr]
+        return {"version": STATE_VERSION, "source": source}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the source on the source rank; nothing to restore elsewhere."""
-        if self.is_source:
-            self.source.load_state_dict(state)  # type: ignore[union-attr]
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the source on the source rank; elsewhere only check the state.
+
+        Raises
+        ------
+        StateDictError
+            Unknown or missing keys, another version, or no source's state to give the source
+            rank (a non-source rank's own state, not the merged job state).
+        """
+        check_keys(state, kind="BroadcastingDataLoader", version=STATE_VERSION, keys=("source",))
+        if not self.is_source:
+            return
+        if state["source"] is None:  # a non-source rank's own state
+            check_same("BroadcastingDataLoader", "source state", None,
+                       "one to restore on its source rank",
+                       hint="; load the job state merged from every rank (merge_rank_states)")
+        self.source.load_state_dict(state["source"])  # type: ignore[union-attr]

@@ -277,8 +277,9 @@ def resume_point(gens: Sequence[Generation], rank: int,
 
 
 def merge_rank_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The job state from every rank's state (sampler or ``StatefulLoader`` states, rank order
-    free; the ``{}`` of a ``BroadcastingDataLoader``'s non-source ranks is skipped).
+    """The job state from every rank's state (sampler, ``StatefulLoader`` or
+    ``BroadcastingDataLoader`` states, rank order free; a ``BroadcastingDataLoader``'s
+    non-source ranks hold no source state, which is skipped).
 
     Load it on any number of ranks: the same number continues every rank exactly, another one
     resumes elastically (:mod:`mdloader.sampling.elastic`).
@@ -286,12 +287,14 @@ def merge_rank_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     present = [s for s in states if s]
     if not present:
         raise StateDictError("no rank state to merge")
-    if all("sampler" in s and "history" not in s for s in present):
-        versions = {s.get("version") for s in present}
-        if len(versions) != 1:
-            raise StateDictError(f"the loader states have different versions {sorted(versions)}")
-        return {"version": versions.pop(), "sampler": merge_rank_states(
-            [s["sampler"] for s in present])}
+    for inner in ("source", "sampler"):  # a BroadcastingDataLoader's, a StatefulLoader's
+        if all(inner in s and "history" not in s for s in present):
+            versions = {s.get("version") for s in present}
+            if len(versions) != 1:
+                raise StateDictError(f"the loader states have different versions "
+                                     f"{sorted(versions)}")
+            return {"version": versions.pop(), inner: merge_rank_states(
+                [s[inner] for s in present if s[inner] is not None])}
     for s in present:
         if "history" not in s:
             raise StateDictError(f"not a rank state of a sampler (keys {sorted(s)}); a state "

@@ -135,7 +135,7 @@ class _Trainer:
         self.schedule = ExpDecayLR.from_config(config.learning_rate, self.numb_steps)
         self.loss_fn = EnergyForceLoss.from_config(config.loss, self.schedule.start_lr)
         ntypes = len(config.type_map) if config.type_map else max(
-            s._ntypes for s in self.train_set.systems)
+            s.meta.ntypes for s in self.train_set.systems)
         self.model_args = {"ntypes": ntypes, "rcut": options.rcut, "nbasis": options.nbasis,
                            "hidden": list(options.hidden)}
         with torch.random.fork_rng(devices=[]):  # seeded init, no global side effect

@@ -348,7 +348,7 @@ def test_rank0_failure_prints_one_line_without_debug(
                           context="building", system="/d/sys", file="/d/sys/set.000/coord.npy",
                           traceback_text="Traceback (most recent call last):\n  boom\n")
 
-    monkeypatch.setitem(cli.RUNNERS, "check", fail)
+    monkeypatch.setattr(cli.COMMANDS["check"], "run", fail)
     assert main(["check", str(tmp_path / "input.json")]) == 1
     err = capsys.readouterr().err
     assert "rank 0 failed (building): MissingDataError: no coord" in err
@@ -378,7 +378,7 @@ def test_error_line_is_one_write(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
         raise MissingDataError("a required key is missing: force", system="/d/s",
                                file="/d/s/set.000/force.npy")
 
-    monkeypatch.setitem(cli.RUNNERS, "check", fail)
+    monkeypatch.setattr(cli.COMMANDS["check"], "run", fail)
     stderr = Recorder()
     monkeypatch.setattr(sys, "stderr", stderr)
     assert main(["check", str(tmp_path / "input.json")]) == 1

@@ -15,7 +15,7 @@ from distributed_utils import run_ranks, values
 
 from mdloader.distributed import broadcasting as bc
 from mdloader.distributed.packets import Kind, Packet, data_packet
-from mdloader.errors import ConfigError, DistributedError, RemoteError
+from mdloader.errors import ConfigError, DistributedError, RemoteError, StateDictError
 from mdloader.testing import make_system
 from mdloader.world import World
 
@@ -110,7 +110,7 @@ def test_without_process_group_the_loader_is_its_source() -> None:
     source = Source([1, 2, 3])
     loader = bc.BroadcastingDataLoader(source, FakeMesh(("tp",), (2,), 1))
     assert not loader.broadcasting and list(loader) == [1, 2, 3] and len(loader) == 3
-    assert loader.state_dict() == {"pos": 3}
+    assert loader.state_dict() == {"version": 1, "source": {"pos": 3}}
     assert bc.broadcast_batch({"a": 1}) == {"a": 1}
     with pytest.raises(TypeError, match="has no len"):
         len(bc.BroadcastingDataLoader(iter([1])))
@@ -160,7 +160,8 @@ def test_receiver_checks_the_step(fake_dist: type[FakeChannel],
     fake_dist.inbox = [data_packet("x", rank=0, count=0), data_packet("y", rank=0, count=5)]
     loader = bc.BroadcastingDataLoader(None, FakeMesh(("tp",), (2,), 1), length=7)
     it = iter(loader)
-    assert next(it) == "x" and len(loader) == 7 and loader.state_dict() == {}
+    assert next(it) == "x" and len(loader) == 7
+    assert loader.state_dict() == {"version": 1, "source": None}
     with pytest.raises(DistributedError,
                        match="expected step 1 from source rank 0, received step 5"):
         next(it)
@@ -188,11 +189,24 @@ def test_several_axes_make_one_subgroup_of_the_submesh(fake_dist: type[FakeChann
 def test_state_dict_delegates_on_the_source(fake_dist: type[FakeChannel]) -> None:
     source = Source([1])
     loader = bc.BroadcastingDataLoader(source, FakeMesh(("tp",), (2,), 0))
-    loader.load_state_dict({"pos": 1})
-    assert source.loaded == {"pos": 1} and loader.state_dict() == {"pos": 3}
+    loader.load_state_dict({"version": 1, "source": {"pos": 1}})
+    assert source.loaded == {"pos": 1}
+    assert loader.state_dict() == {"version": 1, "source": {"pos": 3}}
     other = bc.BroadcastingDataLoader(None, FakeMesh(("tp",), (2,), 1))
-    other.load_state_dict({"pos": 1})
-    assert other.state_dict() == {}
+    other.load_state_dict({"version": 1, "source": {"pos": 1}})
+    assert other.state_dict() == {"version": 1, "source": None}
+
+
+def test_a_source_rank_refuses_a_state_without_the_source_state(
+        fake_dist: type[FakeChannel]) -> None:
+    loader = bc.BroadcastingDataLoader(Source([1]), FakeMesh(("tp",), (2,), 0))
+    with pytest.raises(StateDictError, match="saved state has source state None but this loader "
+                       "has one to restore on its source rank; load the job state merged"):
+        loader.load_state_dict({"version": 1, "source": None})
+    with pytest.raises(StateDictError, match="version 2 is not supported"):
+        loader.load_state_dict({"version": 2, "source": {"pos": 1}})
+    with pytest.raises(StateDictError, match=r"unknown keys \['pos'\] and lacks keys \['source'\]"):
+        loader.load_state_dict({"version": 1, "pos": 1})
 
 
 # ----------------------------------------------------------------------------- real ranks
@@ -333,4 +347,4 @@ def test_early_break_and_resume_through_state_dict(tmp_path: Path) -> None:
         assert len(g["head"]) == 3 and len(g["rest"]) == 7 and g["again"] == g["rest"]
         assert g["head"] == got[0]["head"] and g["rest"] == got[0]["rest"]
         assert g["after"] == {"r": 0}
-    assert got[0]["state"]["sampler"] and got[1]["state"] == {}
+    assert got[0]["state"]["source"]["sampler"] and got[1]["state"]["source"] is None

@@ -111,4 +111,4 @@ def test_broadcasting_loader_in_one_process(default_device: str, systems: list[s
     loader = BroadcastingDataLoader(StatefulLoader(ls, sampler))
     for _, batch in zip(range(4), loader):
         _all_cpu(batch)
-    assert loader.state_dict()["sampler"]["steps"] == 4
+    assert loader.state_dict()["source"]["sampler"]["steps"] == 4

@@ -171,6 +171,27 @@ def test_restore_refuses_another_seed(systems: list[str]) -> None:
         other.load_state_dict(state)
 
 
+
+def test_broadcasting_refuses_what_its_source_cannot_continue(systems: list[str]) -> None:
+    """Its own checks (a source rank given a non-source rank's state), then its source's."""
+    loader = BroadcastingDataLoader(_stateful_loader(systems, 0))
+    with pytest.raises(StateDictError, match="the saved state has source state None but this "
+                       "loader has one to restore on its source rank"):
+        loader.load_state_dict({"version": 1, "source": None})
+    state = loader.state_dict()
+    assert state["version"] == 1 and set(state) == {"version", "source"}
+    ls = DpLoaderSet(systems, 2, TYPE_MAP, seed=12)
+    other = BroadcastingDataLoader(StatefulLoader(ls, get_weighted_sampler(
+        ls, "prob_sys_size", num_samples=EPOCH), num_workers=0))
+    with pytest.raises(StateDictError, match="seed 11 but this loader has 12"):
+        other.load_state_dict(state)
+
+
+def test_broadcasting_states_merge_without_the_non_source_ranks(systems: list[str]) -> None:
+    state = BroadcastingDataLoader(_stateful_loader(systems, 0)).state_dict()
+    job = merge_rank_states([{"version": 1, "source": None}, state])
+    assert job == {"version": 1, "source": merge_rank_states([state["source"]])}
+
 # -- elastic: a state saved on W ranks (K workers) resumes on W' ranks (K' workers) -------------
 
 WORLDS = [1, 2, 4]
