@@ -118,6 +118,10 @@ class UnreadableFileError(DataError):
     """A file of a built system cannot be read any more (permissions, I/O error)."""
 
 
+class UnknownFormatError(DataError):
+    """No registered storage format recognises an address, or none has the name asked for."""
+
+
 class NonFiniteError(DataError):
     """NaN or infinity where training needs finite numbers: labels, a loss, the weights."""
 

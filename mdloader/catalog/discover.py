@@ -14,9 +14,11 @@ difference this makes: a ``type.raw`` *inside* a system's ``set.*`` folder is no
 for a system (DeePMD-kit's ``rglob`` would take it; such a tree mixes a set and a system).
 Systems nested in a system's other subfolders are found.
 
-An LMDB database (a path ending in ``.lmdb`` or a folder holding ``data.mdb``, given as an
-entry) expands into one address per group of frames, in the order of its system ids
-(:mod:`mdloader.data.formats.lmdb.groups`); ``rglob_patterns`` do not apply to it.
+An entry that a storage format holds as a file or a database (an HDF5 file, an LMDB database:
+a path ending in ``.lmdb`` or a folder holding ``data.mdb``) is expanded by its format
+(:meth:`mdloader.data.formats.base.Backend.expand`): an HDF5 file into its groups holding
+``type.raw``, a database into one address per group of frames, in the order of its system ids
+(``rglob_patterns`` do not apply to it).
 
 Walking directory trees for systems, level by level, overlapping the listings when they wait.
 
@@ -24,7 +26,7 @@ A folder holding ``type.raw`` is a system; the walk does not descend into its ``
 (they hold frames) nor into symbolic links to folders (as ``os.walk``). Each folder is listed
 once, even when it lies below several roots; a system's listing is kept, so that describing it
 does not list it again. All folders of a level are listed together, in threads when the first
-listings waited on the file system (:mod:`mdloader.data.overlap`).
+listings waited on the file system (:mod:`mdloader.fs_calls`).
 
 Given the folders of an earlier walk that have not changed since (:class:`KnownTree`), the walk
 lists only the others: an unchanged folder has the same entries, hence the same subfolders.
@@ -38,10 +40,9 @@ import os
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
 
-from mdloader.data.formats import Listing, address_sort_key, parse_address
-from mdloader.data.formats.lmdb.groups import group_addresses
+from mdloader.data.formats import Listing, address_sort_key, backend_of, locate_entry, parse_address
+from mdloader.data.formats.base import matches
 from mdloader.data.formats.npy import list_dir
 from mdloader.errors import ConfigError, NoSystemsFoundError
 from mdloader.fs_calls import Overlap
@@ -159,50 +160,19 @@ def _expand_globs(entry: str, globs: dict[str, list[str]], where: str) -> list[s
 
 def _part(path: str, patterns: Sequence[str] | None, out: Discovery, roots: dict[str, int],
           known_files: dict[str, list[str]], where: str) -> int | list[str]:
-    """An HDF5 file's or LMDB database's systems (listed now), or a folder's index among the
-    roots of the walk; an entry that does not exist is a :class:`ConfigError` naming ``where``."""
-    loc = parse_address(path)
-    if not os.path.exists(loc.path):
+    """The systems a file or database holds, expanded by its format now, or a folder's index
+    among the roots of the walk; an entry that does not exist is a :class:`ConfigError` naming
+    ``where``."""
+    if not os.path.exists(parse_address(path).path):
         raise ConfigError(f"{path} does not exist", path=where)
-    if loc.backend == "lmdb":  # a path ending in .lmdb, or one group's address
-        return [os.path.abspath(loc.path) + "#" + loc.group] if loc.group else \
-            group_addresses(path)
-    if "#" in path or (loc.backend == "hdf5" and os.path.isfile(loc.path)):
-        file, group = loc.path, loc.group
-    elif os.path.isfile(path):
-        file, group = path, "/"  # DeePMD-kit: any existing file is HDF5
-    else:
-        root = os.path.normpath(os.path.abspath(path))
-        if os.path.isfile(os.path.join(root, "data.mdb")):  # an LMDB database named otherwise
-            return group_addresses(root)
-        return roots.setdefault(root, len(roots))
-    file = os.path.abspath(file)
-    out.files.append(file)
-    if file in known_files:
-        prefix = f"{file}#{group.rstrip('/')}"
-        return [a for a in known_files[file]
-                if group == "/" or a == prefix or a.startswith(prefix + "/")]
-    return _hdf5_systems(file, group, patterns)
-
-
-def _hdf5_systems(path: str, group: str, patterns: Sequence[str] | None) -> list[str]:
-    from mdloader.data.formats.hdf5 import open_file
-
-    handle = open_file(path, f"{path}#{group}")
-    top = handle[group] if group != "/" else handle
-    out = []
-    if "type.raw" in top and matches(".", patterns):
-        out.append(f"{path}#{group}")
-    prefix = group.rstrip("/")
-
-    def visit(name: str, obj: object) -> None:
-        if name.endswith("/type.raw") or name == "type.raw":
-            grp = name[: -len("type.raw")].rstrip("/")
-            if grp and matches(grp, patterns):
-                out.append(f"{path}#{prefix}/{grp}")
-
-    top.visititems(visit)
-    return out
+    loc = locate_entry(path)
+    backend = backend_of(loc)
+    if backend.walks:
+        return roots.setdefault(os.path.normpath(os.path.abspath(path)), len(roots))
+    file = backend.container(loc)
+    if file is not None:
+        out.files.append(file)
+    return backend.expand(loc, patterns, known_files.get(file) if file is not None else None)
 
 
 log = logging.getLogger(__name__)
@@ -286,11 +256,3 @@ def _listing_or_none(folder: str) -> Listing | None:
     except OSError as exc:
         log.debug("cannot list %s: %s", folder, exc)
         return None
-
-
-def matches(relpath: str, patterns: Sequence[str] | None) -> bool:
-    """Whether ``relpath`` (below a root) matches one of ``patterns`` at any depth."""
-    if not patterns:
-        return True
-    rel = PurePosixPath(relpath.replace(os.sep, "/"))
-    return any(rel.match(p) for p in patterns)

@@ -9,8 +9,9 @@ Per npy system that is: its folder (a set, ``nopbc``, ``type_map.raw`` or a nest
 or removed changes it), ``type.raw`` and ``type_map.raw`` (rewritten in place, they would change
 nothing else), and each ``set.*`` folder (an array added or removed). An array rewritten in
 place is checked when it is read: its frames, width and size must still match
-(:func:`mdloader.data.formats.npy.read_rows`). An HDF5 system is its file. Systems of any other
-backend are always described again.
+(:func:`mdloader.data.formats.npy.read_rows`). An HDF5 system is its file. Each format says which
+paths it depends on (:meth:`mdloader.data.formats.base.Backend.freshness_paths`); systems of a
+format that names none are always described again.
 """
 
 from __future__ import annotations
@@ -24,10 +25,8 @@ import numpy as np
 
 from mdloader.catalog.index_file import SavedIndex
 from mdloader.catalog.table import SystemTable
-from mdloader.data.formats import parse_address
+from mdloader.data.formats import backend_of
 from mdloader.fs_calls import Overlap, timed
-
-_HDF5 = (".h5", ".hdf5", ".hdf")  # parse_address's rule for a plain path
 
 
 def changed(paths: Sequence[str], since_ns: int, overlap: Overlap) -> np.ndarray:
@@ -45,28 +44,19 @@ def _changed(path: str, since_ns: int) -> bool:
 
 
 def system_paths(table: SystemTable) -> tuple[list[str], np.ndarray, list[int]]:
-    """The paths checked for the systems of ``table``, the row of each path, and the rows of
-    systems that cannot be checked (another backend)."""
+    """The paths checked for the systems of ``table`` (each format's
+    :meth:`~mdloader.data.formats.base.Backend.freshness_paths`), the row of each path, and the
+    rows of systems that cannot be checked (described again at every start)."""
     paths: list[str] = []
     rows: list[int] = []
     uncheckable: list[int] = []
-    suffixes: dict[tuple[bool, tuple[str, ...]], tuple[str, ...]] = {}
     for row, (address, layout) in enumerate(zip(table.addresses(), table.layouts())):
-        if "#" not in address and not address.lower().endswith(_HDF5):
-            ends = suffixes.get(layout)
-            if ends is None:
-                extra = ("/type_map.raw",) if layout[0] else ()
-                ends = suffixes[layout] = ("", "/type.raw", *extra,
-                                           *("/" + s for s in layout[1]))
-            paths.extend([address + end for end in ends])
-            rows.extend([row] * len(ends))
-            continue
-        loc = parse_address(address)
-        if loc.backend == "hdf5":
-            paths.append(loc.path)
-            rows.append(row)
-        else:
+        found = backend_of(address).freshness_paths(address, layout)
+        if found is None:
             uncheckable.append(row)
+            continue
+        paths.extend(found)
+        rows.extend([row] * len(found))
     return paths, np.asarray(rows, dtype=np.int64), uncheckable
 
 

@@ -49,7 +49,7 @@ from mdloader.catalog.index_file import (
     write_index,
 )
 from mdloader.catalog.table import TableBuilder
-from mdloader.data.formats import parse_address
+from mdloader.data.formats import backend_of, parse_address
 from mdloader.data.system import SystemMeta
 from mdloader.fs_calls import Overlap
 from mdloader.settings import resolve
@@ -238,10 +238,10 @@ def resurvey(saved: SavedIndex, systems: object, rglob_patterns: Sequence[str] |
         return Survey(saved, check_seconds=checked - start, reused=len(saved.table))
     stale, table = check.systems, saved.table
     addresses = table.addresses()
-    npy = {a: i for i, a in enumerate(addresses) if parse_address(a).backend == "npy"}
-    walked = {**saved.walked, **dict.fromkeys(npy, True)}
+    folders = {a: i for i, a in enumerate(addresses) if backend_of(a).walks}  # found walking
+    walked = {**saved.walked, **dict.fromkeys(folders, True)}
     unchanged = {p for p, s in zip(saved.walked, check.folders) if not s}
-    unchanged.update(a for a, i in npy.items() if not stale[i])
+    unchanged.update(a for a, i in folders.items() if not stale[i])
     by_file: dict[str, list[str]] = {}
     for address in addresses:
         if "#" in address:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from mdloader.catalog.table import SystemTable, TableBuilder
+from mdloader.data.formats import backend_of
 from mdloader.data.system import SetMeta, restore_set
 
 MAGIC = b"MDLINDEX"
@@ -138,15 +139,18 @@ def _json(raw: bytes | memoryview, path: str, part: str) -> Any:
 
 
 def _storable(table: SystemTable) -> tuple[SystemTable, bool]:
-    """The rows a file holds (those described by npy/HDF5 sets), and whether some were left out."""
+    """The rows a file holds (systems of a format whose descriptions may be stored, described by
+    sets), and whether some were left out (they are described again at every start)."""
     sets = table.parts()["sets"]
     other = {i for i, s in enumerate(sets) if not isinstance(s, SetMeta)}
-    if not other:
+    keep = [not other.intersection(table.set_ids(row).tolist()) if other else True
+            for row in range(len(table))]
+    keep = [k and backend_of(a).indexable for k, a in zip(keep, table.addresses())]
+    if all(keep):
         return table, False
     builder = TableBuilder()
-    for row in range(len(table)):
-        if not other.intersection(table.set_ids(row).tolist()):
-            builder.add_row(table, row)
+    for row in np.flatnonzero(keep).tolist():
+        builder.add_row(table, row)
     return builder.table(), True
 
 

@@ -18,19 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from mdloader.catalog.discover import discover_systems
 from mdloader.config.input_json import Config, DataConfig, parse_config
-from mdloader.data.formats import backend_of, parse_address
-from mdloader.data.layout import stored_flat
+from mdloader.data.formats import backend_of
 from mdloader.data.system import SystemMeta, inspect_system
 from mdloader.errors import MdloaderError
 from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
 from mdloader.sampling.probability import select_prob_source, system_probabilities
-
-#: Frames read at once by ``--deep`` (bounds memory on large sets).
-DEEP_CHUNK = 1024
 
 
 @dataclass
@@ -117,7 +111,8 @@ def check_input(config: Config, *, deep: bool = False, threads: int = 4) -> Chec
         if metas is None:
             continue
         section.rows = [SystemRow(m.address, m.natoms, m.nframes,
-                                  None if m.backend == "lmdb" else m.pbc) for m in metas]
+                                  None if backend_of(m.location).pbc_per_frame else m.pbc)
+                        for m in metas]
         if not any(p.section == name for p in problems):
             _plan(data, metas, section, problems)
         if deep:
@@ -155,18 +150,9 @@ def _inspect(address: str, type_map: tuple[str, ...] | None
 
 
 def flat_notes(meta: SystemMeta) -> list[str]:
-    """One line per array stored flat, read reshaped as DeePMD-kit's whole-set reader does."""
-    if meta.backend == "lmdb":  # frames stored one by one: nothing is stored flat
-        return []
-    loc = parse_address(meta.address)
-    io = backend_of(loc)
-    notes = []
-    for s in meta.sets:
-        for key, shape in io.set_shapes(loc, s.name).items():
-            if stored_flat(shape, s.nframes):
-                notes.append(f"{io.file_of(loc, s.name, key + '.npy')} of shape {shape} is "
-                             f"read as ({s.nframes}, {s.width(key)}): frames x values")
-    return notes
+    """One line per array read reshaped (stored flat, as DeePMD-kit's whole-set reader reads it),
+    from the system's format."""
+    return backend_of(meta.location).notes(meta)
 
 
 def _plan(data: DataConfig, metas: list[SystemMeta], section: SectionReport,
@@ -192,46 +178,9 @@ def _plan(data: DataConfig, metas: list[SystemMeta], section: SectionReport,
 
 
 def deep_check(meta: SystemMeta) -> list[str]:
-    """Read every array of every set (every frame of an LMDB group); report NaN/inf frames and
-    unreadable or short data."""
-    if meta.backend == "lmdb":
-        from mdloader.data.formats.lmdb.check import check_group
-
-        return check_group(meta)
-    loc = parse_address(meta.address)
-    io = backend_of(loc)
-    found: list[str] = []
-    start = 0
-    for s in meta.sets:
-        for key in s.keys:
-            where = io.file_of(loc, s.name, key + ".npy")
-            try:
-                bad = _nonfinite_frames(io, loc, s.name, key, s.nframes)
-            except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file, any backend
-                found.append(f"cannot read {s.nframes} frames from {where}: "
-                             f"{type(exc).__name__}: {exc}")
-                continue
-            if len(bad):
-                shown = ", ".join(str(start + int(f)) for f in bad[:10])
-                more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
-                found.append(f"NaN/inf in {where}: {len(bad)} frame(s), system frame ids "
-                             f"{shown}{more}")
-        start += s.nframes
-    return found
-
-
-def _nonfinite_frames(io: Any, loc: Any, set_name: str, key: str, nframes: int) -> np.ndarray:
-    bad = []
-    for lo in range(0, nframes, DEEP_CHUNK):
-        rows = np.arange(lo, min(nframes, lo + DEEP_CHUNK))
-        block = io.read_rows(loc, set_name, key, rows, nframes)
-        if block.shape[0] != len(rows):
-            raise ValueError(f"got {block.shape[0]} rows, expected {len(rows)}")
-        if np.issubdtype(block.dtype, np.floating) or np.issubdtype(block.dtype,
-                                                                   np.complexfloating):
-            rows_bad = ~np.isfinite(block).all(axis=1)
-            bad.append(rows[rows_bad])
-    return np.concatenate(bad) if bad else np.empty(0, dtype=np.int64)
+    """Every problem found by reading every frame of the system: NaN/inf frames, unreadable or
+    short data (:meth:`mdloader.data.formats.base.Backend.deep_check`)."""
+    return backend_of(meta.location).deep_check(meta)
 
 
 def format_check_report(report: CheckReport) -> str:

@@ -15,9 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.data.formats import Listing, Location, backend_of, parse_address
-from mdloader.data.layout import frames_and_width, known_width
-from mdloader.errors import DataError, MissingDataError, ShapeError, TypeMapError
+from mdloader.data.formats.base import Listing, Location, backend_of, parse_address
+from mdloader.errors import DataError
 
 _SHARED: dict[Any, Any] = {}
 _SHARED_LIMIT = 1 << 20
@@ -96,6 +95,8 @@ class SystemMeta:
 
     @property
     def backend(self) -> str:
+        """The name of its storage format (:func:`mdloader.data.formats.backend_of` gives the
+        format itself)."""
         return self.location.backend
 
     def natoms_vec(self) -> np.ndarray:
@@ -160,141 +161,8 @@ def inspect_system(address: str, type_map: Sequence[str] | None = None, *,
     """
     problems: list[DataError] = []
     try:
-        meta = _describe_system(address, type_map, problems, listing)
+        loc = parse_address(address)
+        meta = backend_of(loc).describe(loc, type_map, problems, listing)
     except DataError as exc:
         problems.append(exc)
     return (None if problems else meta), problems
-
-
-def _describe_system(address: str, type_map: Sequence[str] | None, problems: list[DataError],
-                     listing: Listing | None = None) -> SystemMeta:
-    """Raise what ends the inspection, append to ``problems`` what does not."""
-    loc = parse_address(address)
-    if loc.backend == "lmdb":  # a group of frames in a database: described from its metadata
-        from mdloader.data.formats.lmdb.groups import describe_group
-
-        return describe_group(loc, type_map)
-    io = backend_of(loc)
-    pbc, set_names = io.scan_system(loc, listing) if listing else io.scan_system(loc)
-    types = io.read_type_raw(loc)
-    if types.size == 0:
-        raise DataError("the system has no atoms (type.raw is empty)", system=loc.address,
-                        file=io.file_of(loc, None, "type.raw"))
-    if not set_names:
-        raise MissingDataError("no set.* is found in the system", system=loc.address,
-                               file=io.file_of(loc, None, "set.*"))
-    described = [_describe_set(loc, io, name, len(types), pbc, problems) for name in set_names]
-    sets = tuple(s for s in described if s is not None)
-    mixed = _collect(problems, _mixed_flag, loc, io, sets) if sets else False
-    if not problems and sum(s.nframes for s in sets) == 0:
-        problems.append(DataError("the system has no frames", system=loc.address,
-                                  file=io.file_of(loc, sets[0].name, "coord.npy"),
-                                  expected=">= 1 frame", found="0 frames"))
-    sys_map = io.read_type_map(loc, listing) if listing else io.read_type_map(loc)
-    resolved = _collect(problems, _resolve_types, loc, io, types, sys_map, type_map,
-                        mixed) or (types, None, None)
-    atom_types, final_map, idx_map = resolved
-    atom_types = atom_types.astype(np.int32)
-    atom_types.flags.writeable = False
-    return SystemMeta(address=loc.address, atom_types=atom_types, type_map=shared(final_map),
-                      pbc=pbc, mixed_type=bool(mixed), sets=shared(sets), mixed_idx_map=idx_map)
-
-
-def _collect(problems: list[DataError], check: Any, *args: Any) -> Any:
-    """``check(*args)``, or ``None`` with its DataError appended to ``problems``."""
-    try:
-        return check(*args)
-    except DataError as exc:
-        problems.append(exc)
-        return None
-
-
-def _describe_set(loc: Location, io: Any, name: str, natoms: int, pbc: bool,
-                  problems: list[DataError]) -> SetMeta | None:
-    """The set's description, or ``None`` when its frames cannot be known (no coord.npy);
-    its problems go to ``problems``."""
-    shapes = io.set_shapes(loc, name)
-    if "coord" not in shapes:
-        problems.append(MissingDataError("the set has no coord.npy", system=loc.address,
-                                         file=io.file_of(loc, name, "coord.npy")))
-    if pbc and "box" not in shapes:
-        problems.append(MissingDataError(
-            "a periodic system needs box.npy in every set (add an empty 'nopbc' file "
-            "to the system if it is not periodic)",
-            system=loc.address, file=io.file_of(loc, name, "box.npy")))
-    if "coord" not in shapes:
-        return None
-    nframes, _ = frames_and_width(shapes["coord"], None)
-    widths = {}
-    for key, shape in shapes.items():
-        width, problem = _array_width(loc, io, name, key, shape, nframes, natoms)
-        if problem is None:
-            widths[key] = width
-        else:
-            problems.append(problem)
-    return restore_set(name, nframes, tuple(widths), tuple(widths.values()))
-
-
-def _array_width(loc: Location, io: Any, set_name: str, key: str, shape: tuple[int, ...],
-                 nframes: int, natoms: int) -> tuple[int, ShapeError | None]:
-    """Values per frame of ``key.npy``, or what is wrong with it: its frame count, or a width
-    that the format fixes and it does not have."""
-    where = {"system": loc.address, "file": io.file_of(loc, set_name, key + ".npy")}
-    frames, width = frames_and_width(shape, nframes)
-    if frames != nframes:
-        return width, ShapeError(
-            f"frame counts disagree within {set_name}: coord.npy has {nframes} frames",
-            expected=f"{nframes} frames", found=f"{frames} frames (shape {shape})", **where)
-    fixed = known_width(key, natoms)
-    if fixed is None or fixed[0] == width:
-        return width, None
-    return width, ShapeError(f"per-frame width of {key}.npy does not match the system",
-                             expected=f"{fixed[0]} values per frame ({fixed[1]})",
-                             found=f"{width} (shape {shape})", **where)
-
-
-def _mixed_flag(loc: Location, io: Any, sets: tuple[SetMeta, ...]) -> bool:
-    flags = {s.name: "real_atom_types" in s.keys for s in sets}
-    if len(set(flags.values())) > 1:
-        mixed = sorted(n for n, f in flags.items() if f)
-        plain = sorted(n for n, f in flags.items() if not f)
-        raise DataError("either every set of a system is mixed type (real_atom_types.npy) "
-                        "or none is", system=loc.address,
-                        file=io.file_of(loc, plain[0], "real_atom_types.npy"),
-                        found=f"mixed: {mixed}; not mixed: {plain}")
-    return next(iter(flags.values()))
-
-
-def _resolve_types(
-    loc: Location, io: Any, types: np.ndarray, sys_map: list[str] | None,
-    model_map: Sequence[str] | None, mixed: bool,
-) -> tuple[np.ndarray, tuple[str, ...] | None, tuple[int, ...] | None]:
-    """DeePMD-kit's type-map rules (``DeepmdData.__init__``), with errors instead of asserts."""
-    type_file = io.file_of(loc, None, "type.raw")
-    if types.min() < 0:
-        raise TypeMapError("type.raw holds a negative type id", system=loc.address,
-                           file=type_file, expected="ids >= 0", found=int(types.min()))
-    if sys_map is not None and types.max() >= len(sys_map):
-        raise TypeMapError("type.raw holds a type id outside type_map.raw", system=loc.address,
-                           file=type_file, expected=f"ids < {len(sys_map)} ({' '.join(sys_map)})",
-                           found=f"id {int(types.max())}")
-    model = list(model_map) if model_map is not None else None
-    if model and sys_map is not None:
-        missing = [e for e in sys_map if e not in model]
-        if missing:
-            raise TypeMapError(f"Elements {missing} are not present in the provided type_map.",
-                               system=loc.address, file=io.file_of(loc, None, "type_map.raw"),
-                               expected=f"elements within {model}", found=sys_map)
-        order = [model.index(name) for name in sys_map]
-        if mixed:
-            return types, tuple(model), tuple(order) + (-1,)
-        return np.asarray(order, dtype=np.int64)[types], tuple(model), None
-    if mixed and model is None and sys_map is None:
-        raise DataError("a mixed-type system needs type_map.raw or a model type_map",
-                        system=loc.address, file=io.file_of(loc, None, "type_map.raw"))
-    if model and sys_map is None and not mixed and types.max() >= len(model):
-        raise TypeMapError("type.raw holds a type id outside the model type_map",
-                           system=loc.address, file=type_file,
-                           expected=f"ids < {len(model)} ({' '.join(model)})",
-                           found=f"id {int(types.max())}")
-    return types, None if sys_map is None else tuple(sys_map), None

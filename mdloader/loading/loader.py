@@ -28,6 +28,7 @@ import numpy as np
 from torch.utils.data import Dataset, get_worker_info
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
+from mdloader.data.formats import backend_of
 from mdloader.data.schema import as_requirement
 from mdloader.data.system import SystemMeta
 from mdloader.distributed.collectives import agreed_seed
@@ -200,7 +201,8 @@ class DpLoaderSet(Dataset):
         for i, s in enumerate(self.systems):
             log.info("%-*s  %6d  %6d  %6d  %9.3e  %3s", width, s.system, s._natoms,
                      self.batch_sizes[i], self.index[i], prob[i],
-                     "?" if s.meta.backend == "lmdb" else "TF"[not s.meta.pbc])  # LMDB: per frame
+                     "?" if backend_of(s.meta.location).pbc_per_frame  # known per frame
+                     else "TF"[not s.meta.pbc])
 
     # -- probabilities and state -----------------------------------------------------------
     def probability_rule(self, prob_style: str | Sequence[float], sys_prob: bool = False,

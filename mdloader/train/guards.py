@@ -15,12 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.data.formats import backend_of
-from mdloader.data.schema import stem_in
 from mdloader.distributed.collectives import fail_together
 from mdloader.errors import DataError, NonFiniteError
 from mdloader.train.model import box_heights, box_too_small
@@ -32,17 +30,7 @@ CHECKED_KEYS = ("coord", "box", "energy", "force")
 def frame_file(system: DeepmdDataSetForLoader, key: str, fid: int) -> str | None:
     """The file that holds ``key`` for frame ``fid`` of ``system`` (``None`` when none does);
     for an LMDB group, the database entry of frame ``fid`` (a database index)."""
-    meta = system.meta
-    io = backend_of(meta.location)
-    if meta.backend == "lmdb":
-        return io.entry_of(meta.location.path, io.frame_key(fid, meta.sets[0].frame_format))
-    start = 0
-    for s in meta.sets:
-        if fid < start + s.nframes:
-            stem = stem_in(s.keys, key)
-            return None if stem is None else io.file_of(meta.location, s.name, stem + ".npy")
-        start += s.nframes
-    return None
+    return backend_of(system.meta.location).frame_file(system.meta, key, fid)
 
 
 def nonfinite_loss(batch: dict[str, Any], system: DeepmdDataSetForLoader, *, loss: float,
@@ -102,14 +90,11 @@ def check_boxes(systems: Sequence[DeepmdDataSetForLoader], rcut: float, world: W
 
 def _box_problem(system: DeepmdDataSetForLoader, rcut: float) -> DataError | None:
     meta = system.meta
-    if not meta.pbc or meta.backend == "lmdb":  # LMDB: boxes are in the frames, checked as read
+    backend = backend_of(meta.location)
+    if not meta.pbc or backend.pbc_per_frame:  # boxes in the frames (LMDB): checked as read
         return None
-    io = backend_of(meta.location)
-    start = 0
-    for s in meta.sets:
-        file = io.file_of(meta.location, s.name, "box.npy")
-        rows = torch.as_tensor(io.read_rows(meta.location, s.name, "box", np.arange(s.nframes),
-                                            s.nframes, s.width("box")), dtype=torch.float64)
+    for file, start, block in backend.box_blocks(meta):
+        rows = torch.as_tensor(block, dtype=torch.float64)
         bad = torch.nonzero(~torch.isfinite(rows).all(dim=1)).flatten().tolist()
         if bad:
             return NonFiniteError(f"the box of frame {start + bad[0]} holds NaN/inf",
@@ -121,5 +106,4 @@ def _box_problem(system: DeepmdDataSetForLoader, rcut: float) -> DataError | Non
                                  what=f"the box of frame {start + small[0]}",
                                  note=f"; {len(small)} frame(s) of this set",
                                  system=meta.address, file=file)
-        start += s.nframes
     return None

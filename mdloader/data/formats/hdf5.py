@@ -1,4 +1,8 @@
-"""The HDF5 backend: the npy layout as groups and datasets inside one file.
+"""The HDF5 format: the npy layout as groups and datasets inside one file.
+
+An address is ``file.h5#/group`` (``file.h5`` alone, or ``file.h5#/``, for the file's root); a
+``systems`` entry that is a file expands into every group holding ``type.raw``
+(DeePMD-kit takes any existing file given as a system for HDF5).
 
 ``/<grp>/type.raw``, ``/<grp>/type_map.raw`` (byte strings), ``/<grp>/nopbc`` (presence only),
 ``/<grp>/set.000/coord.npy`` ... Files are opened on first use and cached per process (bounded);
@@ -9,13 +13,16 @@ for every frame).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from mdloader.data.formats import Location
+from mdloader.data.formats.base import Listing, Location, matches
 from mdloader.data.formats.handles import HandleCache
 from mdloader.data.formats.npy import as_rows
+from mdloader.data.formats.sets import SetBackend
 from mdloader.data.layout import frames_and_width
 from mdloader.errors import (
     CorruptFileError,
@@ -85,7 +92,7 @@ def read_type_raw(loc: Location) -> np.ndarray:
                                file=file_of(loc, None, "type.raw"), found=str(exc)) from exc
 
 
-def read_type_map(loc: Location) -> list[str] | None:
+def read_type_map(loc: Location, listing: Listing | None = None) -> list[str] | None:
     grp = _group(loc)
     if "type_map.raw" not in grp:
         return None
@@ -93,7 +100,7 @@ def read_type_map(loc: Location) -> list[str] | None:
     return [v.decode() if isinstance(v, bytes) else str(v) for v in raw.tolist()]
 
 
-def scan_system(loc: Location) -> tuple[bool, list[str]]:
+def scan_system(loc: Location, listing: Listing | None = None) -> tuple[bool, list[str]]:
     grp = _group(loc)
     names = list(grp.keys())
     sets = sorted(n for n in names if n.startswith("set.") and hasattr(grp[n], "keys"))
@@ -137,3 +144,76 @@ def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray, set_nfr
                                   "build?)", system=loc.address, file=where,
                                   found=f"{type(exc).__name__}: {exc}") from exc
     return np.asarray(block)[inverse].reshape(len(rows), -1)
+
+
+_SUFFIXES = (".h5", ".hdf5", ".hdf")
+
+
+def hdf5_systems(path: str, group: str, patterns: Sequence[str] | None) -> list[str]:
+    """Every group below ``group`` of the file ``path`` that holds ``type.raw`` and matches
+    ``patterns`` (relative to ``group``)."""
+    handle = open_file(path, f"{path}#{group}")
+    top = handle[group] if group != "/" else handle
+    out = []
+    if "type.raw" in top and matches(".", patterns):
+        out.append(f"{path}#{group}")
+    prefix = group.rstrip("/")
+
+    def visit(name: str, obj: object) -> None:
+        if name.endswith("/type.raw") or name == "type.raw":
+            grp = name[: -len("type.raw")].rstrip("/")
+            if grp and matches(grp, patterns):
+                out.append(f"{path}#{prefix}/{grp}")
+
+    top.visititems(visit)
+    return out
+
+
+class Hdf5Backend(SetBackend):
+    """HDF5 files of DeePMD systems (:class:`~mdloader.data.formats.sets.SetBackend`)."""
+
+    def parse(self, address: str) -> Location | None:
+        path, sep, group = address.partition("#")
+        if sep:
+            return Location(self.name, path, "/" + group.strip("/")) if path else None
+        if address.lower().endswith(_SUFFIXES):
+            return Location(self.name, address, "/")
+        return None
+
+    def claim(self, path: str) -> Location | None:
+        """Any existing file (DeePMD-kit's rule), whatever its name."""
+        return Location(self.name, path, "/") if os.path.isfile(path) else None
+
+    def container(self, loc: Location) -> str | None:
+        return os.path.abspath(loc.path)
+
+    def expand(self, loc: Location, patterns: Sequence[str] | None,
+               known: list[str] | None = None) -> list[str]:
+        file, group = os.path.abspath(loc.path), loc.group
+        if known is not None:
+            prefix = f"{file}#{group.rstrip('/')}"
+            return [a for a in known
+                    if group == "/" or a == prefix or a.startswith(prefix + "/")]
+        return hdf5_systems(file, group, patterns)
+
+    def freshness_paths(self, address: str, layout: tuple[bool, tuple[str, ...]]
+                        ) -> list[str] | None:
+        """The file: any change to it describes its systems again."""
+        path = address.partition("#")[0]
+        return [path]
+
+    file_of = staticmethod(file_of)
+    read_type_raw = staticmethod(read_type_raw)
+    set_shapes = staticmethod(set_shapes)
+    read_rows = staticmethod(read_rows)
+    release = staticmethod(release)
+
+    def scan_system(self, loc: Location, listing: Listing | None = None
+                    ) -> tuple[bool, list[str]]:
+        return scan_system(loc)
+
+    def read_type_map(self, loc: Location, listing: Listing | None = None) -> list[str] | None:
+        return read_type_map(loc)
+
+
+BACKEND = Hdf5Backend()

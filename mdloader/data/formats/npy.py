@@ -1,4 +1,7 @@
-"""The npy directory backend: text files, ``set.*`` folders, npy headers and memory-mapped rows.
+"""The npy directory format: text files, ``set.*`` folders, npy headers and memory-mapped rows.
+
+Its systems are folders, found by walking the ``systems`` entries
+(:mod:`mdloader.catalog.discover`); any plain path the other formats do not claim is one.
 
 Building reads only headers, never arrays: one listing per folder (the system's comes from
 discovery) and one ``open`` per file. Frame reads go through memory maps
@@ -17,8 +20,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mdloader.data.formats import Listing, Location
+from mdloader.data.formats.base import Listing, Location
 from mdloader.data.formats.handles import HandleCache
+from mdloader.data.formats.sets import SetBackend
 from mdloader.data.layout import frames_and_width
 from mdloader.data.system import shared
 from mdloader.errors import (
@@ -280,6 +284,46 @@ def _check_unchanged(loc: Location, path: str, shape: tuple[int, ...], nframes: 
 def release() -> None:
     """Close every map of this process (:func:`mdloader.data.formats.release_handles`)."""
     _MAPS.clear()
+
+
+class NpyBackend(SetBackend):
+    """DeePMD-kit's npy directories (:class:`~mdloader.data.formats.sets.SetBackend`)."""
+
+    walks = True
+
+    def parse(self, address: str) -> Location | None:
+        if "#" in address or not address:
+            return None
+        return Location(self.name, address.rstrip("/") or "/", "")
+
+    def freshness_paths(self, address: str, layout: tuple[bool, tuple[str, ...]]
+                        ) -> list[str] | None:
+        """The folder, ``type.raw``, ``type_map.raw`` (when it has one) and each ``set.*``
+        folder; an array rewritten in place is checked when it is read (:func:`read_rows`)."""
+        ends = self._ends.get(layout)
+        if ends is None:
+            extra = ("/type_map.raw",) if layout[0] else ()
+            ends = self._ends[layout] = ("", "/type.raw", *extra, *("/" + s for s in layout[1]))
+        return [address + end for end in ends]
+
+    def __init__(self) -> None:
+        self._ends: dict[tuple[bool, tuple[str, ...]], tuple[str, ...]] = {}
+
+    file_of = staticmethod(file_of)
+    read_type_raw = staticmethod(read_type_raw)
+    set_shapes = staticmethod(set_shapes)
+    read_rows = staticmethod(read_rows)
+    release = staticmethod(release)
+
+    def scan_system(self, loc: Location, listing: Listing | None = None
+                    ) -> tuple[bool, list[str]]:
+        return scan_system(loc, listing)
+
+    def read_type_map(self, loc: Location, listing: Listing | None = None) -> list[str] | None:
+        return read_type_map(loc, listing)
+
+
+BACKEND = NpyBackend()
 
 
 def open_map_count() -> int:

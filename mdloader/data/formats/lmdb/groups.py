@@ -8,7 +8,7 @@ a :class:`~mdloader.data.system.SystemMeta` whose one set-like entry, :class:`Lm
 its frames as runs of consecutive indices, so the description stays small at 10⁶ frames.
 
 Only the ``__metadata__`` entry is read, except when it lacks ``frame_nlocs``: then every frame is
-read once, here (on rank 0), for its atom count. The index of each database is kept per process
+read once, here (on rank 0), for its atom count. The groups of each database are kept per process
 (a few, keyed by the file's size and modification time), because discovery and the description
 of every group both need it.
 """
@@ -24,14 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.data.formats import Location, lmdb_group_of
+from mdloader.data.formats.base import Location
 from mdloader.data.formats.lmdb import env as io
+from mdloader.data.formats.lmdb.address import group_address, lmdb_group_of
 from mdloader.data.formats.lmdb.frame_runs import FrameRuns, encode_groups
 from mdloader.data.formats.lmdb.metadata import Metadata, read_metadata
 from mdloader.data.system import SystemMeta, shared
 from mdloader.errors import DataError, MissingDataError, TypeMapError
 
-_CACHE: OrderedDict[str, tuple[tuple[int, int], LmdbIndex]] = OrderedDict()
+_CACHE: OrderedDict[str, tuple[tuple[int, int], LmdbGroups]] = OrderedDict()
 _CACHE_LIMIT = 8
 _LOCK = threading.Lock()
 _PLACEHOLDERS: dict[int, np.ndarray] = {}
@@ -60,7 +61,7 @@ def _restore_group(nframes: int, blob: bytes, frame_format: str,
 
 
 @dataclass(frozen=True)
-class LmdbIndex:
+class LmdbGroups:
     """A database's checked metadata and its groups, in (system id, atoms) order."""
 
     path: str
@@ -71,19 +72,13 @@ class LmdbIndex:
         return [group_address(self.path, sid, natoms) for sid, natoms in self.groups]
 
 
-def group_address(path: str, sid: int, natoms: int) -> str:
-    """``<db>#system=S,natoms=N`` (``<db>#natoms=N`` when the database has no system ids)."""
-    head = f"system={sid}," if sid >= 0 else ""
-    return f"{path}#{head}natoms={natoms}"
-
-
 def group_addresses(entry: str) -> list[str]:
     """One address per group of the database at ``entry`` (discovery's expansion)."""
-    return read_index(os.path.abspath(os.fspath(entry).rstrip("/"))).addresses()
+    return read_groups(os.path.abspath(os.fspath(entry).rstrip("/"))).addresses()
 
 
-def read_index(path: str) -> LmdbIndex:
-    """The index of the database at ``path``, from this process's cache when still current."""
+def read_groups(path: str) -> LmdbGroups:
+    """The groups of the database at ``path``, from this process's cache when still current."""
     stamp = _stamp(path)
     with _LOCK:
         hit = _CACHE.get(path)
@@ -92,31 +87,31 @@ def read_index(path: str) -> LmdbIndex:
             return hit[1]
         if hit is not None:  # replaced: this process's environment still maps the old file
             io.forget(path)
-        index = _build_index(path)
-        _CACHE[path] = (stamp, index)
+        groups = _read_groups(path)
+        _CACHE[path] = (stamp, groups)
         while len(_CACHE) > _CACHE_LIMIT:
             _CACHE.popitem(last=False)
-        return index
+        return groups
 
 
-def cached_index(path: str) -> LmdbIndex:
-    """The index discovery just read (no ``stat``: 10⁵ groups are described in a row), else
-    :func:`read_index`."""
+def cached_groups(path: str) -> LmdbGroups:
+    """The groups discovery just read (no ``stat``: 10⁵ groups are described in a row), else
+    :func:`read_groups`."""
     hit = _CACHE.get(path)
-    return hit[1] if hit is not None else read_index(path)
+    return hit[1] if hit is not None else read_groups(path)
 
 
 def _stamp(path: str) -> tuple[int, int]:
     try:
         st = os.stat(os.path.join(path, "data.mdb"))
     except OSError:
-        return (-1, -1)  # _build_index names the problem
+        return (-1, -1)  # _read_groups names the problem
     return st.st_mtime_ns, st.st_size
 
 
-def _build_index(path: str) -> LmdbIndex:
+def _read_groups(path: str) -> LmdbGroups:
     meta = read_metadata(path)
-    return LmdbIndex(path, meta, group_frames(meta.frame_nlocs, meta.frame_system_ids))
+    return LmdbGroups(path, meta, group_frames(meta.frame_nlocs, meta.frame_system_ids))
 
 
 def group_frames(nlocs: np.ndarray, sids: np.ndarray | None) -> dict[tuple[int, int],
@@ -146,26 +141,26 @@ def group_frames(nlocs: np.ndarray, sids: np.ndarray | None) -> dict[tuple[int, 
 
 
 def describe_group(loc: Location, type_map: Sequence[str] | None) -> SystemMeta:
-    """The :class:`SystemMeta` of one group (rank 0; reads nothing once the index is cached)."""
+    """The :class:`SystemMeta` of one group (rank 0; reads nothing once the groups are cached)."""
     if not loc.group:
         raise DataError("an LMDB database holds many systems: pass it to discover_systems "
                         "(or as `systems` in input.json), or name one group as "
                         f"'{loc.path}#system=0,natoms=6'", system=loc.path, file=loc.path)
-    index = cached_index(os.path.abspath(loc.path))
+    found = cached_groups(os.path.abspath(loc.path))
     sid, natoms = lmdb_group_of(loc)
-    runs = index.groups.get((sid, natoms))
+    runs = found.groups.get((sid, natoms))
     if runs is None:
         raise MissingDataError("the database has no such group of frames", system=loc.address,
                                file=io.entry_of(loc.path, io.METADATA_KEY),
-                               expected=f"one of {_some_groups(index)}")
-    final_map, remap = _type_maps(index, type_map, loc.address)
-    group = _restore_group(runs.nframes, runs.blob, index.metadata.frame_format, remap)
+                               expected=f"one of {_some_groups(found)}")
+    final_map, remap = _type_maps(found, type_map, loc.address)
+    group = _restore_group(runs.nframes, runs.blob, found.metadata.frame_format, remap)
     return SystemMeta(address=loc.address, atom_types=_placeholder(natoms),
                       type_map=shared(final_map), pbc=True, mixed_type=True, sets=(group,))
 
 
-def _some_groups(index: LmdbIndex) -> str:
-    names = [a.rpartition("#")[2] for a in index.addresses()]
+def _some_groups(found: LmdbGroups) -> str:
+    names = [a.rpartition("#")[2] for a in found.addresses()]
     return ", ".join(names[:5]) + (f" ... ({len(names)} groups)" if len(names) > 5 else "")
 
 
@@ -180,14 +175,14 @@ def _placeholder(natoms: int) -> np.ndarray:
     return found
 
 
-def _type_maps(index: LmdbIndex, model_map: Sequence[str] | None, address: str
+def _type_maps(found: LmdbGroups, model_map: Sequence[str] | None, address: str
                ) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
     """(type map of the frames, remap from stored ids to it): DeePMD-kit's name-based rule."""
-    stored = index.metadata.type_map
+    stored = found.metadata.type_map
     if model_map is None:
         if stored is None:
             raise DataError("the database has no type_map: give the model's type_map",
-                            system=address, file=io.entry_of(index.path, io.METADATA_KEY))
+                            system=address, file=io.entry_of(found.path, io.METADATA_KEY))
         return stored, None
     model = tuple(model_map)
     if stored is None or stored == model:
@@ -196,6 +191,6 @@ def _type_maps(index: LmdbIndex, model_map: Sequence[str] | None, address: str
     if missing:
         raise TypeMapError(f"Elements {missing} of the database's type_map are not in the "
                            "model type_map", system=address,
-                           file=io.entry_of(index.path, io.METADATA_KEY),
+                           file=io.entry_of(found.path, io.METADATA_KEY),
                            expected=f"elements within {list(model)}", found=list(stored))
     return model, tuple(model.index(name) for name in stored)
