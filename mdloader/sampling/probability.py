@@ -30,7 +30,7 @@ import numbers
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -280,6 +280,7 @@ __all__ = [
 ]
 
 
+@runtime_checkable
 class ProbabilityRule(Protocol):
     """``rule(nbatch)`` gives one probability per system; ``digest`` identifies the rule."""
 
