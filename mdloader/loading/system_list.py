@@ -90,7 +90,7 @@ def natoms_of(systems: Sequence[Any]) -> np.ndarray:
     """Atoms per system (int64), from the columns when ``systems`` is a :class:`SystemDatasets`."""
     if isinstance(systems, SystemDatasets):
         return systems.natoms()
-    return np.fromiter((s._natoms for s in systems), dtype=np.int64, count=len(systems))
+    return np.fromiter((s.meta.natoms for s in systems), dtype=np.int64, count=len(systems))
 
 
 def nframes_of(systems: Sequence[Any]) -> np.ndarray:
