@@ -272,11 +272,14 @@ class DpLoaderSet(Dataset):
         if len(sids) and (sids.min() < 0 or sids.max() >= len(self.systems)):
             raise StateDictError(f"cursor system index out of range for {len(self.systems)} "
                                  "systems")
+        counts = np.asarray(state["cursor_counts"], dtype=np.int64)
+        if counts.shape != sids.shape:
+            raise StateDictError(f"{len(counts)} cursor counts for {len(sids)} cursor systems")
         # Every other check passed: the saved seed (refused if the user gave another one) becomes
         # the plan's, and so the seed of the samplers of this set too.
         self.plan_owner.adopt_seed(state["seed"], "DpLoaderSet")
         self._cursor[:] = 0
-        self._cursor[sids] = np.asarray(state["cursor_counts"], dtype=np.int64)
+        self._cursor[sids] = counts
 
 
 def get_weighted_sampler(training_data: DpLoaderSet, prob_style: str | Sequence[float],

@@ -202,6 +202,8 @@ def test_a_refused_state_changes_nothing(paths):
         drawn_sampler.load_state_dict(foreign)
     with pytest.raises(StateDictError, match="rank 1 but this loader has 0"):
         drawn.load_state_dict(dict(other.state_dict(), rank=1))
+    with pytest.raises(StateDictError, match="1 cursor counts for 0 cursor systems"):
+        drawn.load_state_dict(dict(other.state_dict(), cursor_counts=[3]))
     assert drawn.plan is plan and drawn_sampler.state_dict() == before
 
 
