@@ -23,8 +23,7 @@ from mdloader.config.input_json import Config, DataConfig, parse_config
 from mdloader.data.formats import backend_of
 from mdloader.data.system import SystemMeta, inspect_system
 from mdloader.errors import MdloaderError
-from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
-from mdloader.sampling.probability import select_prob_source, system_probabilities
+from mdloader.sampling.plan import LoaderPlan
 
 
 @dataclass
@@ -158,19 +157,15 @@ def flat_notes(meta: SystemMeta) -> list[str]:
 def _plan(data: DataConfig, metas: list[SystemMeta], section: SectionReport,
           problems: list[Problem]) -> None:
     """Batch sizes, batches (one rank) and probabilities, as the training loader computes them."""
-    path = data.json_path
     try:
-        plan = resolve_batch_sizes(data.batch_size_value(), [m.natoms for m in metas],
-                                   key=f"{path}.batch_size")
-        kept = [metas[i] for i in plan.kept]
-        nb = batches_per_rank([m.nframes for m in kept], plan.batch_sizes)
-        value, is_sys, key = select_prob_source(data.sampler_params())
-        probs = system_probabilities(nb, value, is_sys, kept=plan.kept,
-                                     nsys_original=len(metas), key=f"{path}.{key}")
+        plan = LoaderPlan.build([m.natoms for m in metas], [m.nframes for m in metas],
+                                data.batch_size_value(), seed=None, json_path=data.json_path,
+                                sampler_params=data.sampler_params())
     except MdloaderError as exc:
         problems.append(Problem(section.name, str(exc)))
         return
-    for index, size, nbatch, prob in zip(plan.kept, plan.batch_sizes, nb, probs):
+    for index, size, nbatch, prob in zip(plan.kept, plan.batch_sizes, plan.nbatches,
+                                         plan.probabilities):
         row = section.rows[int(index)]
         row.batch_size, row.batches, row.prob = int(size), int(nbatch), float(prob)
     kept_set = {int(i) for i in plan.kept}

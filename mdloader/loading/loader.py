@@ -36,8 +36,8 @@ from mdloader.distributed.group import current_world
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.loading.build import build_systems
 from mdloader.loading.system_list import SystemDatasets, kept_systems, natoms_of, nframes_of
-from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
 from mdloader.sampling.order import FrameOrder, normalize_seed
+from mdloader.sampling.plan import LoaderPlan, PlanOwner
 from mdloader.sampling.probability import StyleRule, select_prob_source
 from mdloader.sampling.samplers import BatchKey, WeightedSystemSampler
 from mdloader.sampling.validation import ShardedValidationSampler
@@ -117,27 +117,65 @@ class DpLoaderSet(Dataset):
         self.world = world
         self.type_map = list(type_map) if type_map else None
         user_seed = normalize_seed(seed, world.rank)
-        self.seed_given = user_seed is not None
-        self.seed = agreed_seed(user_seed, world)
-        self.shuffle = bool(shuffle)
-        self.same_system_across_ranks = bool(same_system_across_ranks)
+        seed_agreed = agreed_seed(user_seed, world)
         built = _build(systems, type_map, rglob_patterns, index_file, index_mode)
-        plan = resolve_batch_sizes(batch_size, natoms_of(built),
-                                   f"{json_path}.batch_size" if json_path else "batch_size")
-        self._nsys_original = len(built)
-        self._kept = plan.kept
+        self.plan_owner = PlanOwner(LoaderPlan.build(
+            natoms_of(built), nframes_of(built), batch_size, seed=seed_agreed,
+            seed_given=user_seed is not None, world_size=world.world_size, shuffle=shuffle,
+            same_system_across_ranks=same_system_across_ranks, json_path=json_path))
+        """Holds the plan in force: the seed's one owner, shared with the samplers of this set."""
+        plan = self.plan
         self.systems: Sequence[DeepmdDataSetForLoader] = kept_systems(built, plan.kept)
-        self.batch_sizes = plan.batch_sizes
-        self.nframes = nframes_of(self.systems)
-        nb = batches_per_rank(self.nframes, self.batch_sizes, world.world_size)
-        self.index: list[int] = nb.tolist()
-        self.total_batch = int(nb.sum())
-        self._order = FrameOrder(self.nframes, self.batch_sizes, seed=self.seed, rank=world.rank,
-                                 world_size=world.world_size, shuffle=self.shuffle)
+        self.index: list[int] = plan.nbatches.tolist()
+        self.total_batch = plan.total_batches
+        self._order: FrameOrder | None = None
         self._cursor = np.zeros(len(self.systems), dtype=np.int64)
         self.dataloaders = LazySystemBatches(self)
         self.sampler: WeightedSystemSampler | None = None
         self._warned_worker = False
+
+    # -- the plan: sizes, batch counts and the seed, read from one place ----------------------
+    @property
+    def plan(self) -> LoaderPlan:
+        """The loader plan in force (:mod:`mdloader.sampling.plan`)."""
+        return self.plan_owner.plan
+
+    @property
+    def seed(self) -> int:
+        """The job seed; a loaded state's seed once adopted (``seed=None``)."""
+        return self.plan.seed  # type: ignore[return-value]
+
+    @property
+    def seed_given(self) -> bool:
+        """The user chose the seed: a state with another one is refused."""
+        return self.plan.seed_given
+
+    @property
+    def shuffle(self) -> bool:
+        return self.plan.shuffle
+
+    @property
+    def same_system_across_ranks(self) -> bool:
+        return self.plan.same_system_across_ranks
+
+    @property
+    def batch_sizes(self) -> np.ndarray:
+        """Batch size of every system (read-only)."""
+        return self.plan.batch_sizes
+
+    @property
+    def nframes(self) -> np.ndarray:
+        """Frames of every system (read-only)."""
+        return self.plan.nframes
+
+    @property
+    def frame_order(self) -> FrameOrder:
+        """Which frames the n-th batch of each system holds on this rank, under the plan's
+        current seed (followed when a loaded state brought another one)."""
+        seed = self.plan.seed
+        if self._order is None or self._order.seed != seed:
+            self._order = self.plan.frame_order(self.world.rank)
+        return self._order
 
     def __getstate__(self) -> dict[str, Any]:
         # What DataLoader workers receive (spawn/forkserver): no sampler, they only read.
@@ -172,7 +210,7 @@ class DpLoaderSet(Dataset):
                         "whose keys make workers read disjoint batches")
         occ = int(self._cursor[sid])
         self._cursor[sid] = occ + 1
-        return self.read(sid, self._order.fids(sid, occ))
+        return self.read(sid, self.frame_order.fids(sid, occ))
 
     def read(self, sid: int, fids: Sequence[int]) -> dict[str, Any]:
         """The collated batch of frames ``fids`` of system ``sid`` (with ``sid`` set)."""
@@ -199,7 +237,7 @@ class DpLoaderSet(Dataset):
         log.info("%-*s  %6s  %6s  %6s  %9s  %3s", width, "system", "natoms", "bch_sz", "n_bch",
                  "prob", "pbc")
         for i, s in enumerate(self.systems):
-            log.info("%-*s  %6d  %6d  %6d  %9.3e  %3s", width, s.system, s._natoms,
+            log.info("%-*s  %6d  %6d  %6d  %9.3e  %3s", width, s.system, s.meta.natoms,
                      self.batch_sizes[i], self.index[i], prob[i],
                      "?" if backend_of(s.meta.location).pbc_per_frame  # known per frame
                      else "TF"[not s.meta.pbc])
@@ -209,13 +247,12 @@ class DpLoaderSet(Dataset):
                          key: str | None = None) -> StyleRule:
         """The probability rule of ``prob_style``, written against the unfiltered system list;
         it gives the probabilities of any world size (:mod:`mdloader.sampling.probability`)."""
-        return StyleRule.of(prob_style, sys_prob, kept=self._kept,
-                            nsys_original=self._nsys_original, key=key)
+        return self.plan.rule_of(prob_style, sys_prob, key)
 
     def probabilities(self, prob_style: str | Sequence[float], sys_prob: bool = False,
                       key: str | None = None) -> np.ndarray:
         """System probabilities from ``index``; inputs written against the unfiltered list."""
-        return self.probability_rule(prob_style, sys_prob, key)(np.asarray(self.index))
+        return self.plan.with_probabilities(prob_style, sys_prob, key).probabilities
 
     def state_dict(self) -> dict[str, Any]:
         """The seed and the ``ls[int]`` cursors in use (the sampler saves its own state).
@@ -237,15 +274,14 @@ class DpLoaderSet(Dataset):
         if len(sids) and (sids.min() < 0 or sids.max() >= len(self.systems)):
             raise StateDictError(f"cursor system index out of range for {len(self.systems)} "
                                  "systems")
-        if self.seed_given:
-            check_same("DpLoaderSet", "seed", int(state["seed"]), self.seed)
-        elif int(state["seed"]) != self.seed:  # seed=None adopts the saved seed
-            self.seed = int(state["seed"])
-            self._order = FrameOrder(self.nframes, self.batch_sizes, seed=self.seed,
-                                     rank=self.world.rank, world_size=self.world.world_size,
-                                     shuffle=self.shuffle)
+        counts = np.asarray(state["cursor_counts"], dtype=np.int64)
+        if counts.shape != sids.shape:
+            raise StateDictError(f"{len(counts)} cursor counts for {len(sids)} cursor systems")
+        # Every other check passed: the saved seed (refused if the user gave another one) becomes
+        # the plan's, and so the seed of the samplers of this set too.
+        self.plan_owner.adopt_seed(state["seed"], "DpLoaderSet")
         self._cursor[:] = 0
-        self._cursor[sids] = np.asarray(state["cursor_counts"], dtype=np.int64)
+        self._cursor[sids] = counts
 
 
 def get_weighted_sampler(training_data: DpLoaderSet, prob_style: str | Sequence[float],
@@ -262,13 +298,9 @@ def get_weighted_sampler(training_data: DpLoaderSet, prob_style: str | Sequence[
     if num_samples is None:
         workers = default_num_workers(num_workers)
         num_samples = training_data.total_batch * max(workers, 1)
-    world = training_data.world
-    sampler = WeightedSystemSampler(
-        training_data.nframes, training_data.batch_sizes, rule, seed=training_data.seed,
-        rank=world.rank, world_size=world.world_size, num_samples=num_samples,
-        shuffle=training_data.shuffle,
-        same_system_across_ranks=training_data.same_system_across_ranks,
-        adopt_seed=not training_data.seed_given, type_map=training_data.type_map)
+    sampler = WeightedSystemSampler.of_plan(
+        training_data.plan_owner, rule, rank=training_data.world.rank, num_samples=num_samples,
+        type_map=training_data.type_map)
     log.debug("Generated weighted sampler with prob array: %s", sampler.weights.numpy())
     training_data.sampler = sampler
     return sampler
@@ -277,8 +309,7 @@ def get_weighted_sampler(training_data: DpLoaderSet, prob_style: str | Sequence[
 def get_validation_sampler(data: DpLoaderSet) -> ShardedValidationSampler:
     """Keys of one full validation pass on this rank: every frame of ``data`` once over the ranks,
     without padding (:mod:`mdloader.sampling.validation`)."""
-    return ShardedValidationSampler(data.nframes, data.batch_sizes, rank=data.world.rank,
-                                    world_size=data.world.world_size)
+    return ShardedValidationSampler.of_plan(data.plan, rank=data.world.rank)
 
 
 def get_sampler_from_params(data: DpLoaderSet, params: Mapping[str, Any], *,
@@ -308,11 +339,11 @@ class SystemBatches:
         self.batch_size = int(owner.batch_sizes[sid])
 
     def __len__(self) -> int:
-        return int(self._owner.index[self.sid])
+        return int(self._owner.plan.nbatches[self.sid])
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for j in range(len(self)):
-            yield self._owner.read(self.sid, self._owner._order.fids(self.sid, j))
+            yield self._owner.read(self.sid, self._owner.frame_order.fids(self.sid, j))
 
 
 class LazySystemBatches(Sequence):

@@ -35,7 +35,7 @@ integers per elastic resume, never with the number of steps or of systems.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -43,7 +43,8 @@ import numpy as np
 
 from mdloader.errors import StateDictError
 from mdloader.sampling.batching import batches_per_rank
-from mdloader.sampling.order import Continuation, frame_permutation, stream_counts, weights_to_cdf
+from mdloader.sampling.order import Continuation, frame_permutation, stream_counts
+from mdloader.sampling.plan import LoaderPlan
 
 SYSTEM_BLOCK = 4096
 """Systems processed together, so temporaries stay a few MB whatever the number of systems."""
@@ -63,19 +64,36 @@ class Generation:
 
 @dataclass(frozen=True)
 class JobSampling:
-    """What every generation of a job shares: sizes, seed, flags and the probability rule."""
+    """What every generation of a job shares: its loader plan (sizes, seed, flags, probability
+    rule), read here, never recomputed."""
 
-    nframes: np.ndarray
-    batch_sizes: np.ndarray
-    seed: int
-    shuffle: bool
-    same_system_across_ranks: bool
-    probabilities: Callable[[np.ndarray], np.ndarray]
+    plan: LoaderPlan
+
+    @property
+    def nframes(self) -> np.ndarray:
+        return self.plan.nframes
+
+    @property
+    def batch_sizes(self) -> np.ndarray:
+        return self.plan.batch_sizes
+
+    @property
+    def seed(self) -> int:
+        if self.plan.seed is None:
+            raise StateDictError("an elastic resume needs the job seed; this plan has none")
+        return self.plan.seed
+
+    @property
+    def shuffle(self) -> bool:
+        return self.plan.shuffle
+
+    @property
+    def same_system_across_ranks(self) -> bool:
+        return self.plan.same_system_across_ranks
 
     def cdf(self, world_size: int) -> np.ndarray:
         """The stream's cumulative probabilities on ``world_size`` ranks."""
-        return weights_to_cdf(self.probabilities(
-            batches_per_rank(self.nframes, self.batch_sizes, world_size)))
+        return self.plan.cdf_on(world_size)
 
 
 def empty_continuation(nsys: int) -> Continuation:

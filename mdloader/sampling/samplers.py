@@ -39,14 +39,8 @@ from mdloader.sampling.elastic import (
     parse_generations,
     resume_point,
 )
-from mdloader.sampling.order import (
-    STREAM_CHUNK,
-    FrameOrder,
-    sizes_digest,
-    stream_chunk,
-    stream_counts,
-    weights_to_cdf,
-)
+from mdloader.sampling.order import STREAM_CHUNK, sizes_digest, stream_chunk, stream_counts
+from mdloader.sampling.plan import LoaderPlan, PlanOwner
 from mdloader.sampling.probability import ProbabilityRule, as_rule
 from mdloader.state import check_keys, check_same
 
@@ -103,37 +97,79 @@ class WeightedSystemSampler(Sampler[BatchKey]):
                  rank: int = 0, world_size: int = 1, num_samples: int | None = None,
                  shuffle: bool = True, same_system_across_ranks: bool = False,
                  adopt_seed: bool = False, type_map: Sequence[str] | None = None) -> None:
-        self.order = FrameOrder(nframes, batch_sizes, seed=seed, rank=rank,
-                                world_size=world_size, shuffle=shuffle)
-        self.adopt_seed = bool(adopt_seed)
-        self.rule = as_rule(probs)
-        p = np.asarray(self.rule(self.order.nbatches), dtype=np.float64)
-        if len(p) != len(self.order.nframes):
-            raise ConfigError(f"{len(p)} probabilities for {len(self.order.nframes)} systems")
-        self._cdf = weights_to_cdf(p)
-        self.weights = torch.as_tensor(p, dtype=torch.double, device="cpu")
-        self.same_system_across_ranks = bool(same_system_across_ranks)
-        total = int(self.order.nbatches.sum())
-        self.num_samples = total if num_samples is None else int(num_samples)
+        plan = LoaderPlan.of_sizes(nframes, batch_sizes, seed=seed, seed_given=not adopt_seed,
+                                   world_size=world_size, shuffle=shuffle,
+                                   same_system_across_ranks=same_system_across_ranks)
+        self._start(PlanOwner(plan), as_rule(probs), rank, num_samples, type_map)
+
+    @classmethod
+    def of_plan(cls, owner: PlanOwner, probs: Sequence[float] | np.ndarray | ProbabilityRule,
+                *, rank: int = 0, num_samples: int | None = None,
+                type_map: Sequence[str] | None = None) -> WeightedSystemSampler:
+        """A sampler that reads the plan ``owner`` holds (a loader set's): sizes, flags and the
+        seed come from it, so a seed adopted by either of them is the other's too."""
+        sampler = cls.__new__(cls)
+        sampler._start(owner, as_rule(probs), rank, num_samples, type_map)
+        return sampler
+
+    def _start(self, owner: PlanOwner, rule: ProbabilityRule, rank: int,
+               num_samples: int | None, type_map: Sequence[str] | None) -> None:
+        self._owner, self.rule, self.rank = owner, rule, int(rank)
+        self._base = owner.plan
+        self.plan = self._base.with_rule(rule)
+        """The plan this sampler draws from: the owner's, with this sampler's probabilities."""
+        self.order = self.plan.frame_order(self.rank)
+        self.weights = torch.tensor(self.plan.probabilities, dtype=torch.double, device="cpu")
+        self.num_samples = self.plan.total_batches if num_samples is None else int(num_samples)
         if self.num_samples < 1:
             raise ConfigError(f"num_samples must be >= 1, got {self.num_samples}")
-        self._identity = {
-            "seed": self.order.seed, "nsys": len(p),
-            "sizes_digest": sizes_digest(self.order.nframes, self.order.batch_sizes),
+        self._job = {
+            "nsys": self.plan.nsys,
+            "sizes_digest": sizes_digest(self.plan.nframes, self.plan.batch_sizes),
             "probs_digest": self.rule.digest, "type_map_digest": type_map_digest(type_map),
-            "shuffle": int(self.order.shuffle),
-            "same_system_across_ranks": int(self.same_system_across_ranks)}
+            "shuffle": int(self.plan.shuffle),
+            "same_system_across_ranks": int(self.plan.same_system_across_ranks)}
         self._type_map = list(type_map) if type_map else None
         self._history: tuple[Generation, ...] = ()
         self._step = 0
-        self._counts = np.zeros(len(p), dtype=np.int64)
+        self._counts = np.zeros(self.plan.nsys, dtype=np.int64)
         self._chunk_id = -1
         self._chunk = np.empty(0, dtype=np.int64)
+
+    @property
+    def same_system_across_ranks(self) -> bool:
+        return self.plan.same_system_across_ranks
+
+    @property
+    def adopt_seed(self) -> bool:
+        """The seed was not chosen by the user: a loaded state's seed is adopted."""
+        return not self.plan.seed_given
+
+    @property
+    def _identity(self) -> dict[str, int]:
+        """What a state must share with this sampler to belong to the same job."""
+        self._follow()
+        return {"seed": self.plan.seed, **self._job}
+
+    def _follow(self) -> None:
+        """Read the owner's plan again if a loaded state changed its seed (into the loader set
+        or into this sampler): the stream then starts again under that seed."""
+        base = self._owner.plan
+        if base is self._base:
+            return
+        reseeded = base.seed != self._base.seed
+        self._base, self.plan = base, base.with_rule(self.rule)
+        if reseeded:
+            self.order = self.plan.frame_order(self.rank)
+            self._history = ()
+            self._step, self._chunk_id = 0, -1
+            self._counts[:] = 0
 
     # -- the stream ----------------------------------------------------------------------
     @property
     def position(self) -> int:
         """Keys handed out so far in this generation (the step of the next key)."""
+        self._follow()
         return self._step
 
     @property
@@ -147,13 +183,15 @@ class WeightedSystemSampler(Sampler[BatchKey]):
     def _draw(self, step: int) -> int:
         c = step // STREAM_CHUNK
         if c != self._chunk_id:
-            self._chunk = stream_chunk(*self._stream_args(), c, self._cdf,
+            self._chunk = stream_chunk(*self._stream_args(), c, self.plan.cdf,
                                        self.same_system_across_ranks, self.generation)
             self._chunk_id = c
         return int(self._chunk[step - c * STREAM_CHUNK])
 
     def next_key(self) -> BatchKey:
         """Hand out the next key and advance the stream."""
+        if self._owner.plan is not self._base:
+            self._follow()
         step = self._step
         sid = self._draw(step)
         occ = int(self._counts[sid])
@@ -171,6 +209,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
 
     def epoch_end(self) -> int:
         """The step at which the current epoch (one ``iter()``) ends."""
+        self._follow()
         return (self._step // self.num_samples + 1) * self.num_samples
 
     def __len__(self) -> int:
@@ -181,8 +220,9 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         step = int(step)
         if step < 0:
             raise StateDictError(f"cannot seek to a negative step ({step})")
+        self._follow()
         lo, hi = sorted((self._step, step))
-        delta = stream_counts(*self._stream_args(), lo, hi, self._cdf,
+        delta = stream_counts(*self._stream_args(), lo, hi, self.plan.cdf,
                               self.same_system_across_ranks, self.generation)
         self._counts += delta if step >= self._step else -delta
         self._step = step
@@ -191,6 +231,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """This rank's state (:mod:`mdloader.sampling.elastic`); ``consumed`` overrides the
         position (see the module doc)."""
+        self._follow()
         steps = self._step if consumed is None else int(consumed)
         if steps < 0:
             raise StateDictError(f"consumed must be >= 0, got {steps}")
@@ -205,7 +246,9 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         merged = isinstance(state, Mapping) and "generations" in state
         check_keys(state, kind="sampler", version=STATE_VERSION,
                    keys=JOB_KEYS if merged else RANK_KEYS)
-        seed = int(state["seed"]) if self.adopt_seed else self.order.seed
+        # Checks come first: the plan under the saved seed is only looked at here (a refused
+        # seed raises), and put in force once every other check passed.
+        seed = self._owner.plan.adopt_seed(state["seed"], "sampler").seed
         for key, label in IDENTITY.items():
             mine = seed if key == "seed" else self._identity[key]
             check_same("sampler", label, int(state[key]), mine, self._hint(key))
@@ -218,8 +261,8 @@ class WeightedSystemSampler(Sampler[BatchKey]):
                        "merged with mdloader.merge_rank_states")
             check_same("sampler", "rank", int(state["rank"]), rank)
             history, steps = parse_generations(state["history"]), int(state["steps"])
-        if seed != self.order.seed:  # every check passed: only now change this sampler
-            self._reseed(seed)
+        self._owner.adopt_seed(state["seed"], "sampler")  # the loader set's seed too
+        self._follow()
         self._set_history(history)
         self.seek(steps)
 
@@ -235,30 +278,18 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         """Enter the generation after ``history``: recompute where every system continues."""
         if history == self._history:
             return
-        o = self.order
         started = time.perf_counter()
-        job = JobSampling(o.nframes, o.batch_sizes, o.seed, o.shuffle,
-                          self.same_system_across_ranks, self.rule)
-        cont = continuation(job, history, o.rank, o.world_size)
-        self.order = FrameOrder(o.nframes, o.batch_sizes, seed=o.seed, rank=o.rank,
-                                world_size=o.world_size, shuffle=o.shuffle, continuation=cont)
+        world = self.plan.world_size
+        cont = continuation(JobSampling(self.plan), history, self.rank, world)
+        self.order = self.plan.frame_order(self.rank, continuation=cont)
         self._history = history
         self._step, self._chunk_id = 0, -1
         self._counts[:] = 0
         if cont is not None:
             log.info("sampler: generation %d on %d rank(s) after %s; this rank first serves %d "
-                     "leftover frame(s) (computed in %.2f s)", len(history), o.world_size,
+                     "leftover frame(s) (computed in %.2f s)", len(history), world,
                      " -> ".join(f"{g.world_size} rank(s)" for g in history), len(cont.frames),
                      time.perf_counter() - started)
-
-    def _reseed(self, seed: int) -> None:
-        o = self.order
-        self.order = FrameOrder(o.nframes, o.batch_sizes, seed=seed, rank=o.rank,
-                                world_size=o.world_size, shuffle=o.shuffle)
-        self._identity["seed"] = seed
-        self._history = ()
-        self._step, self._chunk_id = 0, -1
-        self._counts[:] = 0
 
 
 class EpochIterator(Iterator[BatchKey]):

@@ -19,6 +19,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from mdloader.errors import ConfigError
+from mdloader.sampling.plan import LoaderPlan
 from mdloader.sampling.samplers import BatchKey
 
 
@@ -57,6 +58,12 @@ class ShardedValidationSampler(Sampler[BatchKey]):
         share = (self.nframes - (self.rank - self.first) % self.world_size).clip(min=0)
         self.frames_per_system = -(-share // self.world_size)
         """Frames of every system on this rank."""
+
+    @classmethod
+    def of_plan(cls, plan: LoaderPlan, rank: int = 0) -> ShardedValidationSampler:
+        """The validation pass of ``rank`` over the systems, batch sizes and world size of a
+        loader plan."""
+        return cls(plan.nframes, plan.batch_sizes, rank=rank, world_size=plan.world_size)
 
     @property
     def num_frames(self) -> int:

@@ -1,0 +1,274 @@
+"""The loader plan: kept systems, batch sizes, batches per rank, probabilities, CDF and seed.
+
+Computed once from the systems' atom and frame counts, the ``batch_size`` rule, the probability
+style (or ``sys_probs``) and the job seed. ``DpLoaderSet``, the samplers, ``mdloader check`` and
+the elastic resume read it instead of recomputing it, so they cannot disagree.
+
+The plan is frozen and pure (numpy only: no I/O, no process group; the seed agreed by the ranks
+comes in as a value). A loaded state that brings another seed gives a *new* plan
+(:meth:`LoaderPlan.adopt_seed`, the one path by which the seed changes after the start; it
+refuses before anything changes). :class:`PlanOwner` holds the plan in force for one loader set
+and the samplers drawn from it: the seed has one owner, so a state loaded into either one is
+seen by both.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from mdloader.errors import ConfigError, StateDictError
+from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
+from mdloader.sampling.order import SEED_MOD, Continuation, FrameOrder, weights_to_cdf
+from mdloader.sampling.probability import (
+    ProbabilityRule,
+    StyleRule,
+    as_rule,
+    select_prob_source,
+)
+from mdloader.state import check_same
+
+
+def _frozen(values: Any, dtype: type = np.int64) -> np.ndarray:
+    """A read-only 1-D copy of ``values`` (an already frozen array of that dtype is shared)."""
+    if isinstance(values, np.ndarray) and values.dtype == dtype and not values.flags.writeable \
+            and values.ndim == 1:
+        return values
+    out = np.array(values, dtype=dtype).reshape(-1)
+    out.setflags(write=False)
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class LoaderPlan:
+    """What a loader set and its samplers draw from, computed once.
+
+    Build it with :meth:`build` (atom counts and a ``batch_size`` rule) or :meth:`of_sizes`
+    (batch sizes already known); :meth:`with_probabilities` or :meth:`with_rule` add the system
+    probabilities. Arrays are read-only.
+
+    Attributes
+    ----------
+    nframes, batch_sizes
+        Frames and batch size of every kept system.
+    seed
+        The job seed (the same on every rank); None only for a plan that draws nothing
+        (``mdloader check``'s table).
+    seed_given
+        The user chose the seed: a saved state with another one is refused. False when it was
+        drawn at random: a saved state's seed is then adopted, so a run without a seed resumes.
+    world_size
+        Number of ranks the batch counts and probabilities are for.
+    kept, nsys_original
+        Original indices of the kept systems (``filter:N`` drops some) and the original count;
+        probability inputs are written against the original list.
+    natoms
+        Atoms per frame of every kept system (None when built from batch sizes).
+    shuffle, same_system_across_ranks
+        Frame shuffling within a pass; one system stream for all ranks.
+    rule
+        The probability rule (None until probabilities are added).
+    json_path
+        Where the data section sits in ``input.json``, named in errors.
+    nbatches, total_batches
+        Batches of every system on each rank, ``ceil(ceil(F / W) / B)``, and their sum
+        (DeePMD-kit's ``index`` and ``total_batch``).
+    """
+
+    nframes: np.ndarray
+    batch_sizes: np.ndarray
+    seed: int | None
+    seed_given: bool = True
+    world_size: int = 1
+    kept: np.ndarray | None = None
+    nsys_original: int | None = None
+    natoms: np.ndarray | None = None
+    shuffle: bool = True
+    same_system_across_ranks: bool = False
+    rule: ProbabilityRule | None = None
+    json_path: str | None = None
+    nbatches: np.ndarray = field(init=False, repr=False)
+    total_batches: int = field(init=False)
+    _probabilities: np.ndarray | None = field(init=False, repr=False)
+    _cdf: np.ndarray | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        nframes, sizes = _frozen(self.nframes), _frozen(self.batch_sizes)
+        if len(nframes) != len(sizes):
+            raise ConfigError(f"{len(sizes)} batch sizes for {len(nframes)} systems")
+        world = self.world_size
+        if isinstance(world, bool) or not isinstance(world, numbers.Integral) or world < 1:
+            raise ConfigError(f"world_size must be an integer >= 1, got {world!r}")
+        kept = np.arange(len(nframes)) if self.kept is None else self.kept
+        put(self, "nframes", nframes)
+        put(self, "batch_sizes", sizes)
+        put(self, "world_size", int(world))
+        put(self, "kept", _frozen(kept))
+        if len(self.kept) != len(nframes):
+            raise ConfigError(f"{len(self.kept)} kept indices for {len(nframes)} systems")
+        put(self, "nsys_original", len(nframes) if self.nsys_original is None
+            else int(self.nsys_original))
+        if self.natoms is not None:
+            put(self, "natoms", _frozen(self.natoms))
+        if self.seed is not None:
+            put(self, "seed", int(self.seed))
+        put(self, "seed_given", bool(self.seed_given))
+        put(self, "shuffle", bool(self.shuffle))
+        put(self, "same_system_across_ranks", bool(self.same_system_across_ranks))
+        nbatches = _frozen(batches_per_rank(nframes, sizes, self.world_size))
+        put(self, "nbatches", nbatches)
+        put(self, "total_batches", int(nbatches.sum()))
+        probs = cdf = None
+        if self.rule is not None:
+            probs = _frozen(self.rule(nbatches), np.float64)
+            if len(probs) != len(nframes):
+                raise ConfigError(f"{len(probs)} probabilities for {len(nframes)} systems")
+            cdf = _frozen(weights_to_cdf(probs), np.float64)
+        put(self, "_probabilities", probs)
+        put(self, "_cdf", cdf)
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def build(cls, natoms: Sequence[int] | np.ndarray, nframes: Sequence[int] | np.ndarray,
+              batch_size: int | Sequence[int] | str, *, seed: int | None,
+              seed_given: bool = True, world_size: int = 1, shuffle: bool = True,
+              same_system_across_ranks: bool = False, json_path: str | None = None,
+              sampler_params: Mapping[str, Any] | None = None) -> LoaderPlan:
+        """The plan of systems with ``natoms`` atoms and ``nframes`` frames (original list).
+
+        ``batch_size`` is DeePMD-kit's value (``int``, list, ``"auto[:N]"``, ``"max:N"``,
+        ``"filter:N"``: :mod:`mdloader.sampling.batching`); ``sampler_params``, if given, are a
+        data section's ``sys_probs``/``auto_prob`` (:meth:`with_params`). Errors name the keys
+        under ``json_path``.
+        """
+        atoms = np.asarray(natoms, dtype=np.int64).reshape(-1)
+        frames = np.asarray(nframes, dtype=np.int64).reshape(-1)
+        key = f"{json_path}.batch_size" if json_path else "batch_size"
+        if len(atoms) != len(frames):
+            raise ConfigError(f"{len(atoms)} atom counts for {len(frames)} systems", path=key)
+        sizes = resolve_batch_sizes(batch_size, atoms, key)
+        plan = cls(frames[sizes.kept], sizes.batch_sizes, seed, seed_given, world_size,
+                   kept=sizes.kept, nsys_original=len(atoms), natoms=atoms[sizes.kept],
+                   shuffle=shuffle, same_system_across_ranks=same_system_across_ranks,
+                   json_path=json_path)
+        return plan if sampler_params is None else plan.with_params(sampler_params)
+
+    @classmethod
+    def of_sizes(cls, nframes: Sequence[int] | np.ndarray,
+                 batch_sizes: Sequence[int] | np.ndarray, *, seed: int | None,
+                 seed_given: bool = True, world_size: int = 1, shuffle: bool = True,
+                 same_system_across_ranks: bool = False,
+                 probabilities: Sequence[float] | np.ndarray | ProbabilityRule | None = None
+                 ) -> LoaderPlan:
+        """The plan of systems whose batch sizes are known (every system kept)."""
+        rule = None if probabilities is None else as_rule(probabilities)
+        return cls(nframes, batch_sizes, seed, seed_given, world_size, shuffle=shuffle,
+                   same_system_across_ranks=same_system_across_ranks, rule=rule)
+
+    def rule_of(self, prob_style: str | Sequence[float], sys_prob: bool = False,
+                key: str | None = None) -> StyleRule:
+        """The rule of an ``auto_prob`` style or a ``sys_probs`` list (``sys_prob=True``),
+        written against the original system list and remapped onto the kept systems."""
+        return StyleRule.of(prob_style, sys_prob, kept=self.kept,
+                            nsys_original=self.nsys_original, key=key)
+
+    def with_probabilities(self, prob_style: str | Sequence[float], sys_prob: bool = False,
+                           key: str | None = None) -> LoaderPlan:
+        """This plan with the probabilities of a style or ``sys_probs`` (checked now)."""
+        return replace(self, rule=self.rule_of(prob_style, sys_prob, key))
+
+    def with_params(self, params: Mapping[str, Any]) -> LoaderPlan:
+        """This plan with a data section's probabilities: ``sys_probs`` if set, else
+        ``auto_prob``, else ``prob_sys_size`` (DeePMD-kit's precedence)."""
+        value, is_sys_probs, name = select_prob_source(params)
+        key = f"{self.json_path}.{name}" if self.json_path else None
+        return self.with_probabilities(value, is_sys_probs, key)
+
+    def with_rule(self, probs: Sequence[float] | np.ndarray | ProbabilityRule) -> LoaderPlan:
+        """This plan with a probability rule, or fixed probabilities (one per kept system)."""
+        return replace(self, rule=as_rule(probs))
+
+    def on_world(self, world_size: int) -> LoaderPlan:
+        """The same plan on ``world_size`` ranks (batch counts and probabilities depend on it)."""
+        return self if world_size == self.world_size else replace(self, world_size=world_size)
+
+    # -- what the samplers read --------------------------------------------------------------
+    @property
+    def nsys(self) -> int:
+        """Number of kept systems."""
+        return len(self.nframes)
+
+    @property
+    def probabilities(self) -> np.ndarray:
+        """Probability of drawing each system at a step, on :attr:`world_size` ranks."""
+        if self._probabilities is None:
+            raise ConfigError("this loader plan has no probabilities yet: give it a "
+                              "probability style, sys_probs or a rule first")
+        return self._probabilities
+
+    @property
+    def cdf(self) -> np.ndarray:
+        """The cumulative probabilities the system stream draws from (inverse CDF)."""
+        self.probabilities  # noqa: B018 - raises the same error without a rule
+        return self._cdf  # type: ignore[return-value]
+
+    def cdf_on(self, world_size: int) -> np.ndarray:
+        """The stream's cumulative probabilities on ``world_size`` ranks (an elastic replay)."""
+        return self.on_world(world_size).cdf
+
+    def frame_order(self, rank: int, continuation: Continuation | None = None) -> FrameOrder:
+        """Which frames each batch of each system holds on ``rank``, under this plan's seed."""
+        if self.seed is None:
+            raise ConfigError("this loader plan has no seed: it gives batch counts and "
+                              "probabilities, not frames")
+        return FrameOrder(self.nframes, self.batch_sizes, seed=self.seed, rank=rank,
+                          world_size=self.world_size, shuffle=self.shuffle,
+                          continuation=continuation)
+
+    # -- resume --------------------------------------------------------------------------------
+    def adopt_seed(self, saved: Any, kind: str = "loader") -> LoaderPlan:
+        """The plan under a loaded state's seed: the one way the seed changes after the start.
+
+        A seed the user gave stays, and another saved seed is refused (``StateDictError``
+        quoting both); a seed drawn at random gives way to the saved one. Pure: on a refusal,
+        this plan and whoever holds it are as they were. ``kind`` names the loader in errors.
+        """
+        if isinstance(saved, bool) or not isinstance(saved, numbers.Integral) \
+                or not 0 <= saved < SEED_MOD:
+            raise StateDictError(f"cannot resume the {kind}: the saved seed must be an integer "
+                                 f"in [0, 2**64), got {saved!r}")
+        if int(saved) == self.seed:
+            return self
+        if self.seed_given:
+            check_same(kind, "seed", int(saved), self.seed)
+        return replace(self, seed=int(saved))
+
+
+class PlanOwner:
+    """The plan in force for one loader set and the samplers drawn from it: the seed's owner.
+
+    Readers hold the owner and follow :attr:`plan`; :meth:`adopt_seed` is the only way it
+    changes, so a seed adopted from a state loaded into the loader set or into a sampler is
+    the seed of both.
+    """
+
+    def __init__(self, plan: LoaderPlan) -> None:
+        self._plan = plan
+
+    @property
+    def plan(self) -> LoaderPlan:
+        return self._plan
+
+    def adopt_seed(self, saved: Any, kind: str = "loader") -> LoaderPlan:
+        """Put :meth:`LoaderPlan.adopt_seed` in force; call it once the state's other checks
+        passed (a refused seed raises here and changes nothing)."""
+        self._plan = self._plan.adopt_seed(saved, kind)
+        return self._plan
+
+
+__all__ = ["LoaderPlan", "PlanOwner"]
