@@ -120,13 +120,6 @@ def test_every_module_has_a_layer() -> None:
 
 # -- no import cycles ---------------------------------------------------------------------------
 
-#: Cycles allowed for now, each as the modules of its strongly connected component. The only one:
-#: the format registry imports its formats in functions, and the formats (and ``data.system``)
-#: import the registry's types back. Removed by the Backend refactor (``data/formats/base.py``).
-EXPECTED_CYCLES_REMOVED_BY_THE_BACKEND_REFACTOR: tuple[frozenset[str], ...] = (frozenset({
-    "mdloader.data.formats", "mdloader.data.formats.hdf5", "mdloader.data.formats.npy",
-    "mdloader.data.formats.lmdb.groups", "mdloader.data.system"}),)
-
 
 def _is_type_checking(node: ast.If) -> bool:
     return ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
@@ -243,7 +236,7 @@ def _one_cycle(graph: dict[str, dict[str, str]], members: list[str]) -> str:
 
 
 def cycles(package: Path = PACKAGE,
-           expected: tuple[frozenset[str], ...] = EXPECTED_CYCLES_REMOVED_BY_THE_BACKEND_REFACTOR
+           expected: tuple[frozenset[str], ...] = ()
            ) -> list[str]:
     """Every import cycle between mdloader modules that is not (part of) an expected one.
 
@@ -293,8 +286,6 @@ LIBRARY_PRIVATES = {
     "distributed_c10d._get_default_store": "torch's only way to reach the default group's store, "
                                            "where a failed rank publishes its error",
 }
-#: Reach-ins owned by the other redesign branches: fixed by the plan refactor (loading/loader.py).
-EXPECTED_REACH_INS_FIXED_BY_THE_PLAN_REFACTOR = frozenset({"mdloader/loading/loader.py: s._natoms"})
 
 
 def _defined_names(tree: ast.AST) -> set[str]:
@@ -328,7 +319,7 @@ def _owner(node: ast.expr) -> str:
 
 
 def reach_ins(package: Path = PACKAGE,
-              expected: frozenset[str] = EXPECTED_REACH_INS_FIXED_BY_THE_PLAN_REFACTOR
+              expected: frozenset[str] = frozenset()
               ) -> list[str]:
     """Every ``obj._private`` where ``obj`` is not ``self``/``cls`` and this module does not
     define ``_private`` itself: such code depends on how another module works inside.

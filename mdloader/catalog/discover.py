@@ -42,8 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mdloader.data.formats import Listing, address_sort_key, backend_of, locate_entry, parse_address
-from mdloader.data.formats.base import matches
-from mdloader.data.formats.npy import list_dir
+from mdloader.data.formats.base import matches, walking_backend
 from mdloader.errors import ConfigError, NoSystemsFoundError
 from mdloader.fs_calls import Overlap
 from mdloader.settings import resolve
@@ -243,16 +242,14 @@ def _entries(folder: str, listed: dict[str, Listing | None],
     listing = listed[folder]
     if listing is None:
         return None, []
-    files, dirs, links = listing
-    is_system = "type.raw" in files
-    return is_system, [os.path.join(folder, d) for d in dirs
-                       if d not in links and not (is_system and d.startswith("set."))]
+    is_system, subfolders = walking_backend().walk_step(listing)
+    return is_system, [os.path.join(folder, d) for d in subfolders]
 
 
 def _listing_or_none(folder: str) -> Listing | None:
     """The folder's listing; ``None`` when it cannot be listed (skipped, as ``os.walk`` does)."""
     try:
-        return list_dir(folder)
+        return walking_backend().list_folder(folder)
     except OSError as exc:
         log.debug("cannot list %s: %s", folder, exc)
         return None

@@ -370,7 +370,7 @@ def test_the_file_format(tmp_path: Path) -> None:
 
 
 def _index_rank(rank: int, world: int, root: str, cache: str) -> dict[str, object]:
-    from test_build_distributed import count_data_touches
+    from fs_audit import count_data_touches
 
     os.environ["MDLOADER_INDEX_SETTLE"] = str(SETTLE)
     os.environ["MDLOADER_CACHE_DIR"] = cache

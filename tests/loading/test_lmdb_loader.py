@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from distributed_utils import run_ranks, values
-from test_build_distributed import count_data_touches
+from fs_audit import count_data_touches
 
 from mdloader import DpLoaderSet, get_weighted_sampler
 from mdloader.data.formats import address_sort_key

@@ -123,6 +123,16 @@ class Backend(ABC):
         (``layout``: has its own type map, its set names); ``None``: always described again."""
         return None
 
+    def list_folder(self, path: str) -> Listing:
+        """(file names, folder names, folders that are links) of a folder a walk visits
+        (formats that :attr:`walks`)."""
+        raise NotImplementedError(f"the {self.name} format does not walk folders")
+
+    def walk_step(self, listing: Listing) -> tuple[bool, list[str]]:
+        """(is the listed folder a system?, names of its subfolders the walk descends into)
+        (formats that :attr:`walks`)."""
+        raise NotImplementedError(f"the {self.name} format does not walk folders")
+
     # -- description and reading --------------------------------------------------------------
     @abstractmethod
     def describe(self, loc: Location, type_map: Sequence[str] | None,
@@ -268,6 +278,14 @@ def backends() -> list[Backend]:
     """Every registered backend, in the order addresses are offered to them."""
     _load_builtins()
     return list(_ORDER)
+
+
+def walking_backend() -> Backend:
+    """The format whose systems are folders found by walking a ``systems`` entry (npy)."""
+    for backend in backends():
+        if backend.walks:
+            return backend
+    raise UnknownFormatError("no registered storage format walks folders for systems")
 
 
 def get_backend(name: str) -> Backend:

@@ -291,6 +291,17 @@ class NpyBackend(SetBackend):
 
     walks = True
 
+    def list_folder(self, path: str) -> Listing:
+        return list_dir(path)
+
+    def walk_step(self, listing: Listing) -> tuple[bool, list[str]]:
+        """A folder holding ``type.raw`` is a system; its ``set.*`` folders hold frames and
+        links to folders are not followed (as ``os.walk``)."""
+        files, dirs, links = listing
+        is_system = "type.raw" in files
+        return is_system, [d for d in dirs
+                           if d not in links and not (is_system and d.startswith("set."))]
+
     def parse(self, address: str) -> Location | None:
         if "#" in address or not address:
             return None
