@@ -27,13 +27,13 @@ the counters at the window start are replayed by :func:`window_start_counts`.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from mdloader.errors import ConfigError, StateDictError
-from mdloader.sampling.order import stream_counts, stream_draws
+from mdloader.sampling.order import STREAM_CHUNK, stream_chunk, stream_counts, stream_draws
 
 TAG_BALANCE = 0x42414C4E  # "BALN": step order and rank lanes of a balanced window
 KEY_WINDOW = "training.training_data.balance_window"
@@ -119,32 +119,57 @@ def _rng(seed: int, *key: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=key)))
 
 
-def window_draws(seed: int, window: int, k: int, world_size: int, cdf: np.ndarray,
-                 generation: int = 0) -> np.ndarray:
-    """Systems the ``W`` per-rank streams draw in window ``window``: ``[W, k]``, row = rank."""
-    k = check_window(k, world_size)
-    start = int(window) * k
-    return np.stack([stream_draws(seed, r, start, start + k, cdf, False, generation)
+def chunk_draws(seed: int, chunk: int, world_size: int, cdf: np.ndarray,
+                generation: int = 0) -> np.ndarray:
+    """Stream chunk ``chunk`` of every rank, ``[W, STREAM_CHUNK]`` in the smallest integer type:
+    what a sampler caches so a window costs no new draws (a chunk holds ``STREAM_CHUNK / k``)."""
+    dtype = np.min_scalar_type(max(len(cdf) - 1, 0))
+    return np.stack([stream_chunk(seed, r, int(chunk), cdf, False, generation).astype(dtype)
                      for r in range(int(world_size))])
+
+
+def window_draws(seed: int, window: int, k: int, world_size: int, cdf: np.ndarray,
+                 generation: int = 0,
+                 chunks: Mapping[int, np.ndarray] | None = None) -> np.ndarray:
+    """Systems the ``W`` per-rank streams draw in window ``window``: ``[W, k]``, row = rank.
+
+    ``chunks`` maps chunk numbers to :func:`chunk_draws` already computed; without it (or for a
+    chunk it lacks) the draws come from :func:`mdloader.sampling.order.stream_draws`.
+    """
+    k = check_window(k, world_size)
+    start, stop = int(window) * k, (int(window) + 1) * k
+    spanned = range(start // STREAM_CHUNK, (stop - 1) // STREAM_CHUNK + 1)
+    if chunks is None or any(c not in chunks for c in spanned):
+        return np.stack([stream_draws(seed, r, start, stop, cdf, False, generation)
+                         for r in range(int(world_size))])
+    joined = np.concatenate([chunks[c] for c in spanned], axis=1)
+    offset = spanned.start * STREAM_CHUNK
+    return joined[:, start - offset:stop - offset].astype(np.int64)
 
 
 def window_start_counts(seed: int, window: int, k: int, world_size: int, cdf: np.ndarray,
-                        generation: int = 0) -> np.ndarray:
+                        generation: int = 0, drawers: Sequence[int] | None = None) -> np.ndarray:
     """Batches each rank's stream drew of each system before window ``window``: ``[W, nsys]``.
 
     The occurrence counters of every ``(drawer, sid)`` at the window start, replayed with
-    :func:`mdloader.sampling.order.stream_counts`.
+    :func:`mdloader.sampling.order.stream_counts`; ``drawers`` limits the rows to those ranks
+    (a rank can replay its own row only and gather the others').
     """
     k = check_window(k, world_size)
-    return np.stack([stream_counts(seed, r, 0, int(window) * k, cdf, False, generation)
-                     for r in range(int(world_size))])
+    rows = range(int(world_size)) if drawers is None else drawers
+    return np.stack([stream_counts(seed, int(r), 0, int(window) * k, cdf, False, generation)
+                     for r in rows])
 
 
-def next_start_counts(start_counts: np.ndarray, draws: np.ndarray) -> np.ndarray:
-    """The counters at the next window's start: ``start_counts`` plus this window's ``draws``."""
-    world, nsys = start_counts.shape
-    flat = (np.arange(world)[:, None] * nsys + draws).reshape(-1)
-    return start_counts + np.bincount(flat, minlength=world * nsys).reshape(world, nsys)
+def next_start_counts(start_counts: np.ndarray, draws: np.ndarray,
+                      out: np.ndarray | None = None) -> np.ndarray:
+    """The counters at the next window's start: ``start_counts`` plus this window's ``draws``.
+
+    ``out=start_counts`` updates in place, in O(k W) instead of copying ``W * nsys`` counters.
+    """
+    out = start_counts.copy() if out is None else out
+    np.add.at(out, (np.repeat(np.arange(draws.shape[0]), draws.shape[1]), draws.reshape(-1)), 1)
+    return out
 
 
 def arrange(draws: np.ndarray, costs: np.ndarray, seed: int, window: int,
@@ -190,10 +215,10 @@ def label(draws: np.ndarray, src: np.ndarray, start_counts: np.ndarray) -> Slots
 
 
 def balanced_window(seed: int, window: int, k: int, world_size: int, cdf: np.ndarray,
-                    costs: np.ndarray, start_counts: np.ndarray,
-                    generation: int = 0) -> Slots:
+                    costs: np.ndarray, start_counts: np.ndarray, generation: int = 0,
+                    chunks: Mapping[int, np.ndarray] | None = None) -> Slots:
     """The whole plan of window ``window``: ``[k, W]`` slots, identical on every rank."""
-    draws = window_draws(seed, window, k, world_size, cdf, generation)
+    draws = window_draws(seed, window, k, world_size, cdf, generation, chunks)
     costs = check_costs(costs, len(cdf))
     if start_counts.shape != (world_size, len(cdf)):
         raise StateDictError(f"start counts of shape {start_counts.shape}, expected "
@@ -241,7 +266,7 @@ def served_counts(seed: int, k: int, steps: Sequence[int], cdf: np.ndarray,
 
 __all__ = [
     "TAG_BALANCE", "KEY_WINDOW", "KEY_COST", "COST_MODELS", "cost_atoms", "cost_neighbours",
-    "batch_costs", "check_costs", "check_window", "window_draws", "window_start_counts",
-    "next_start_counts", "arrange", "Slots", "label", "balanced_window", "rank_slots",
-    "split_step", "served_counts",
+    "batch_costs", "check_costs", "check_window", "chunk_draws", "window_draws",
+    "window_start_counts", "next_start_counts", "arrange", "Slots", "label", "balanced_window",
+    "rank_slots", "split_step", "served_counts",
 ]

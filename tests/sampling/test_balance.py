@@ -14,6 +14,7 @@ from mdloader.sampling.balance import (
     balanced_window,
     batch_costs,
     check_window,
+    chunk_draws,
     next_start_counts,
     rank_slots,
     served_counts,
@@ -172,11 +173,12 @@ def test_frequencies_over_1e5_steps_are_unchanged() -> None:
     nsys = len(cdf)
     start = np.zeros((world, nsys), dtype=np.int64)
     balanced = np.zeros(nsys, dtype=np.int64)
+    chunks = {c: chunk_draws(seed, c, world, cdf) for c in range(-(-steps // 4096))}
     for w in range(steps // k):
-        draws = window_draws(seed, w, k, world, cdf)
-        balanced += np.bincount(balanced_window(seed, w, k, world, cdf, costs, start)
-                                .sid.reshape(-1), minlength=nsys)
-        start = next_start_counts(start, draws)
+        draws = window_draws(seed, w, k, world, cdf, chunks=chunks)
+        plan = balanced_window(seed, w, k, world, cdf, costs, start, chunks=chunks)
+        balanced += np.bincount(plan.sid.reshape(-1), minlength=nsys)
+        next_start_counts(start, draws, out=start)
     unbalanced = sum(stream_counts(seed, r, 0, steps, cdf) for r in range(world))
     assert np.array_equal(balanced, unbalanced)
     assert np.array_equal(start.sum(axis=0), unbalanced)
@@ -200,6 +202,24 @@ def test_served_counts_are_prefixes_even_inside_a_window() -> None:
                           window_start_counts(seed, 5, k, world, cdf))
     with pytest.raises(StateDictError, match="every rank at the same step"):
         served_counts(seed, k, [40, 41, 40], cdf, costs)
+
+
+def test_cached_chunks_and_per_rank_rows_give_the_same_numbers() -> None:
+    world, seed = 3, 6
+    cdf, costs, *_ = mixed_set(nsys=300, world=world)
+    chunks = {c: chunk_draws(seed, c, world, cdf) for c in (0, 1)}
+    assert chunks[0].dtype == np.uint16 and chunks[0].shape == (world, 4096)
+    for k, window in [(32, 0), (32, 127), (100, 40), (7, 600)]:  # (100, 40) spans two chunks
+        assert np.array_equal(window_draws(seed, window, k, world, cdf, chunks=chunks),
+                              window_draws(seed, window, k, world, cdf))
+    start = window_start_counts(seed, 40, 100, world, cdf)
+    assert np.array_equal(window_start_counts(seed, 40, 100, world, cdf, drawers=[2, 0]),
+                          start[[2, 0]])
+    draws = window_draws(seed, 40, 100, world, cdf)
+    expected = next_start_counts(start, draws)
+    assert np.array_equal(expected, window_start_counts(seed, 41, 100, world, cdf))
+    assert next_start_counts(start, draws, out=start) is start
+    assert np.array_equal(start, expected)
 
 
 def test_cost_models() -> None:
