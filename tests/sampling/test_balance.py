@@ -138,6 +138,18 @@ def test_balanced_steps_meet_the_bound_that_the_unbalanced_ones_miss() -> None:
         assert step_ratios(c).mean() < 1.1 < 1.3 < step_ratios(raw).mean()
 
 
+def test_no_other_split_of_the_window_has_a_smaller_sum_of_step_maxima() -> None:
+    world, k, seed = 4, 6, 8
+    cdf, costs, *_ = mixed_set(nsys=50, world=world)
+    plan = plans(seed, range(2, 3), k, world, cdf, costs)[0]
+    best = costs[plan.sid].max(axis=1).sum()
+    flat = costs[plan.sid].reshape(-1)
+    rng = np.random.default_rng(0)
+    others = [flat[rng.permutation(flat.size)].reshape(k, world).max(axis=1).sum()
+              for _ in range(2000)]
+    assert best <= min(others) + 1e-9 and best < np.mean(others)
+
+
 def test_steps_are_shuffled_within_a_window() -> None:
     world, k, seed = 8, 32, 3
     cdf, costs, *_ = mixed_set(world=world)
