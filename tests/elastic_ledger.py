@@ -82,3 +82,16 @@ class Ledger:
         self.owed[sid] = self.owed[sid] - from_leftover + rests
         self.base[sid] = max(self.base[sid], started + 1)
         return {"prefix": prefix, "units": units, "from_leftover": from_leftover}
+
+
+def by_drawer(batches: list[list[Any]], world: int) -> list[list[Any]]:
+    """Keys served by each rank regrouped by the rank whose stream drew them (``key.drawer``),
+    taken in (step, serving rank) order: in balanced steps a batch is trained by any rank but
+    its frames are its drawer's, so the ledger counts it for the drawer."""
+    out: list[list[Any]] = [[] for _ in range(world)]
+    for step in range(max((len(b) for b in batches), default=0)):
+        for rank_batches in batches:
+            if step < len(rank_batches):
+                key = rank_batches[step]
+                out[key.drawer].append(key)
+    return out

@@ -117,6 +117,18 @@ def _data_args(validation: bool) -> list[Argument]:
                          alias=["numb_batch"], check=_positive_int,
                          expect="a positive integer"))
     else:
+        args.append(_arg("balance_window", int, "mdloader: balanced steps. The ranks deal the "
+                         "batches their streams draw in each window of this many steps so that "
+                         "every step's batches cost about the same on every rank (the same "
+                         "batches and probabilities, the steps of a window shuffled); 0: off. "
+                         "32 or more keeps the busiest rank within a few % of the mean.",
+                         default=0, check=_nonnegative_int, expect="an integer >= 0"))
+        args.append(_arg("balance_cost", str, "mdloader: the cost of a batch that balanced steps "
+                         "even out: `atoms` (atoms per frame x batch size) or `neighbours` "
+                         "(that x the mean neighbours within rcut; takes effect where neighbour "
+                         "statistics are given, an error otherwise).", default="atoms",
+                         check=lambda v: v in ("atoms", "neighbours"),
+                         expect="'atoms' or 'neighbours'"))
         args.append(_arg("min_pair_dist", [float, int], "DeePMD-kit (PyTorch): frames with a "
                          "closer atom pair are left out of the loss. Accepted for "
                          "compatibility; the loader does not use it.", default=0.0,

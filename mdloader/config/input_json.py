@@ -50,6 +50,8 @@ class DataConfig:
     numb_btch: int = 1
     json_path: str = "training.training_data"
     index_file: str | None = None
+    balance_window: int = 0
+    balance_cost: str = "atoms"
 
     def sampler_params(self) -> dict[str, Any]:
         """The dict DeePMD-kit's ``get_sampler_from_params`` reads (sys_probs wins)."""
@@ -251,6 +253,8 @@ def _data_config(raw: Mapping[str, Any], base_dir: str, json_path: str) -> DataC
         json_path=json_path,
         index_file=(os.path.normpath(os.path.join(base_dir, os.path.expanduser(index)))
                if index is not None else None),
+        balance_window=int(raw.get("balance_window", 0)),
+        balance_cost=raw.get("balance_cost", "atoms"),
     )
 
 

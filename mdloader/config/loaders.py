@@ -39,7 +39,8 @@ def configured_loader(data: DataConfig, *, type_map: Sequence[str] | None, seed:
                                                  index_file=data.index_file,
                                                  key=f"{data.json_path}.systems")
     dataset = DpLoaderSet(datasets, data.batch_size_value(), tmap, seed=seed, world=world,
-                          json_path=data.json_path)
+                          json_path=data.json_path, balance_window=data.balance_window,
+                          balance_cost=data.balance_cost)
     dataset.add_data_requirement(labels)
     sampler = get_sampler_from_params(dataset, data.sampler_params(), num_workers=num_workers,
                                       json_path=data.json_path)

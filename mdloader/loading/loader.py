@@ -101,6 +101,11 @@ class DpLoaderSet(Dataset):
         errors of ``batch_size``.
     modifier
         DeePMD-kit's data modifier; not supported (must be None).
+    balance_window, balance_cost, neighbours
+        Balanced steps (``training_data.balance_window``/``balance_cost``, ``docs/sampling.md``):
+        windows of ``balance_window`` steps (0: off) dealt so each step's ranks cost about the
+        same; the cost model ``"atoms"`` or ``"neighbours"`` (which needs ``neighbours``, the
+        mean neighbours within rcut of every system of the list).
     """
 
     def __init__(self, systems: Any, batch_size: int | Sequence[int] | str,
@@ -109,7 +114,9 @@ class DpLoaderSet(Dataset):
                  rglob_patterns: Sequence[str] | None = None,
                  same_system_across_ranks: bool = False, world: World | None = None,
                  index_file: str | None = None, index_mode: str | None = None,
-                 json_path: str | None = None) -> None:
+                 json_path: str | None = None, balance_window: int = 0,
+                 balance_cost: str = "atoms",
+                 neighbours: Sequence[float] | np.ndarray | None = None) -> None:
         if modifier is not None:
             raise ConfigError("data modifiers are not supported by mdloader", path="modifier")
         if world is None:
@@ -122,7 +129,8 @@ class DpLoaderSet(Dataset):
         self.plan_owner = PlanOwner(LoaderPlan.build(
             natoms_of(built), nframes_of(built), batch_size, seed=seed_agreed,
             seed_given=user_seed is not None, world_size=world.world_size, shuffle=shuffle,
-            same_system_across_ranks=same_system_across_ranks, json_path=json_path))
+            same_system_across_ranks=same_system_across_ranks, json_path=json_path,
+            balance_window=balance_window, balance_cost=balance_cost, neighbours=neighbours))
         """Holds the plan in force: the seed's one owner, shared with the samplers of this set."""
         plan = self.plan
         self.systems: Sequence[DeepmdDataSetForLoader] = kept_systems(built, plan.kept)

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mdloader.errors import StateDictError
+from mdloader.sampling.balance import served_counts
 from mdloader.sampling.batching import batches_per_rank
 from mdloader.sampling.order import Continuation, frame_permutation, stream_counts
 from mdloader.sampling.plan import LoaderPlan
@@ -133,6 +134,19 @@ def replay_counts(job: JobSampling, index: int, gen: Generation) -> np.ndarray:
         counts[:, rank] = column
         done[steps] = column
     return counts
+
+
+def generation_counts(job: JobSampling, index: int, gen: Generation) -> np.ndarray:
+    """Batches of each ``(sid, drawer)`` generation ``index`` served: ``[nsys, W]``.
+
+    Each rank's own draws (:func:`replay_counts`), or, in balanced steps, the slots of the
+    balanced windows up to the common step (:func:`mdloader.sampling.balance.served_counts`):
+    a balanced batch reads the frames of the stream that drew it, whichever rank trained it.
+    """
+    if not job.plan.balance_window:
+        return replay_counts(job, index, gen)
+    return served_counts(job.seed, job.plan.balance_window, gen.steps, job.cdf(gen.world_size),
+                         job.plan.balance_costs, generation=index)
 
 
 def advance(job: JobSampling, full: Continuation, gen: Generation,
@@ -230,16 +244,23 @@ def continuation(job: JobSampling, history: Sequence[Generation], rank: int,
 
     ``None`` without history: the job has never changed its number of ranks.
     """
+    full = full_continuation(job, history)
+    return None if full is None else share_of(full, rank, world_size)
+
+
+def full_continuation(job: JobSampling, history: Sequence[Generation]) -> Continuation | None:
+    """The whole job's continuation after ``history`` (None without history); each rank's is
+    :func:`share_of` it (a balanced sampler takes the share of every rank it reads for)."""
     if not history:
         return None
     full = empty_continuation(len(job.nframes))
     for index, gen in enumerate(history):
-        full = advance(job, full, gen, replay_counts(job, index, gen))
-    return share_of(full, rank, world_size)
+        full = advance(job, full, gen, generation_counts(job, index, gen))
+    return full
 
 
 __all__ = ["Generation", "JobSampling", "empty_continuation", "share_of", "replay_counts",
-           "advance", "continuation"]
+           "generation_counts", "advance", "continuation", "full_continuation"]
 
 
 IDENTITY = {"seed": "seed", "nsys": "number of systems",
@@ -248,6 +269,10 @@ IDENTITY = {"seed": "seed", "nsys": "number of systems",
             "type_map_digest": "type_map digest", "shuffle": "shuffle",
             "same_system_across_ranks": "same_system_across_ranks"}
 """Keys that must be equal for a state to belong to this job, with the words errors use."""
+BALANCE_IDENTITY = {"balance_window": "balance window",
+                    "balance_cost_digest": "balance cost digest"}
+"""Identity keys a balanced sampler's state adds (absent: balancing off), so a state of another
+window or cost model is refused while an unbalanced state keeps its layout."""
 RANK_KEYS = (*IDENTITY, "history", "rank", "world_size", "steps")
 JOB_KEYS = (*IDENTITY, "generations")
 
@@ -321,8 +346,8 @@ def merge_rank_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     world = _count(first["world_size"], "world_size")
     steps: list[int | None] = [None] * world
     for s in present:
-        for key, label in {**IDENTITY, "version": "version", "history": "history",
-                           "world_size": "world size"}.items():
+        for key, label in {**IDENTITY, **BALANCE_IDENTITY, "version": "version",
+                           "history": "history", "world_size": "world size"}.items():
             if s.get(key) != first.get(key):
                 raise StateDictError(f"these states are not from one job: rank {s.get('rank')} "
                                      f"has {label} {s.get(key)} but rank {first.get('rank')} "
@@ -336,8 +361,9 @@ def merge_rank_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         raise StateDictError(f"the states of ranks {missing} of {world} are missing: merge the "
                              "state of every rank")
     return {"version": first["version"], **{k: first[k] for k in IDENTITY},
+            **{k: first[k] for k in BALANCE_IDENTITY if k in first},
             "generations": [*first["history"], [world, *steps]]}
 
 
-__all__ = ["IDENTITY", "RANK_KEYS", "JOB_KEYS", "parse_generations", "generation_rows",
-           "resume_point", "merge_rank_states"]
+__all__ = ["IDENTITY", "BALANCE_IDENTITY", "RANK_KEYS", "JOB_KEYS", "parse_generations",
+           "generation_rows", "resume_point", "merge_rank_states"]

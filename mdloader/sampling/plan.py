@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from mdloader.errors import ConfigError, StateDictError
+from mdloader.sampling.balance import batch_costs, check_window
 from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
 from mdloader.sampling.order import SEED_MOD, Continuation, FrameOrder, weights_to_cdf
 from mdloader.sampling.probability import (
@@ -74,6 +75,10 @@ class LoaderPlan:
         The probability rule (None until probabilities are added).
     json_path
         Where the data section sits in ``input.json``, named in errors.
+    balance_window, balance_cost, neighbours
+        Balanced steps (:mod:`mdloader.sampling.balance`): steps per window ``k`` (0: off), the
+        cost model of a batch, and the mean neighbours within rcut of every kept system (the
+        ``neighbours`` cost model only).
     nbatches, total_batches
         Batches of every system on each rank, ``ceil(ceil(F / W) / B)``, and their sum
         (DeePMD-kit's ``index`` and ``total_batch``).
@@ -91,10 +96,14 @@ class LoaderPlan:
     same_system_across_ranks: bool = False
     rule: ProbabilityRule | None = None
     json_path: str | None = None
+    balance_window: int = 0
+    balance_cost: str = "atoms"
+    neighbours: np.ndarray | None = None
     nbatches: np.ndarray = field(init=False, repr=False)
     total_batches: int = field(init=False)
     _probabilities: np.ndarray | None = field(init=False, repr=False)
     _cdf: np.ndarray | None = field(init=False, repr=False)
+    _costs: np.ndarray | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -131,6 +140,33 @@ class LoaderPlan:
             cdf = _frozen(weights_to_cdf(probs), np.float64)
         put(self, "_probabilities", probs)
         put(self, "_cdf", cdf)
+        put(self, "_costs", self._balance_costs())
+
+    def _balance_costs(self) -> np.ndarray | None:
+        """Checks the balance settings; the cost of one batch of every system when balanced."""
+        window = self.balance_window
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
+            raise ConfigError(f"the balance window must be 0 (off) or a positive number of "
+                              f"steps, got {window!r}", path=self._key("balance_window"))
+        object.__setattr__(self, "balance_window", int(window))
+        if self.neighbours is not None:
+            object.__setattr__(self, "neighbours", _frozen(self.neighbours, np.float64))
+        if not window:
+            return None
+        try:
+            check_window(window, self.world_size, self.same_system_across_ranks)
+            if self.natoms is None:
+                raise ConfigError("balanced steps need the atom count of every system")
+            return _frozen(batch_costs(self.balance_cost, self.natoms, self.batch_sizes,
+                                       self.neighbours), np.float64)
+        except ConfigError as exc:
+            if self.json_path and exc.path and not exc.path.startswith(self.json_path):
+                raise ConfigError(exc.message, path=self._key(exc.path.rsplit(".", 1)[-1])) \
+                    from None
+            raise
+
+    def _key(self, name: str) -> str:
+        return f"{self.json_path}.{name}" if self.json_path else f"training.training_data.{name}"
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -138,7 +174,9 @@ class LoaderPlan:
               batch_size: int | Sequence[int] | str, *, seed: int | None,
               seed_given: bool = True, world_size: int = 1, shuffle: bool = True,
               same_system_across_ranks: bool = False, json_path: str | None = None,
-              sampler_params: Mapping[str, Any] | None = None) -> LoaderPlan:
+              sampler_params: Mapping[str, Any] | None = None, balance_window: int = 0,
+              balance_cost: str = "atoms",
+              neighbours: Sequence[float] | np.ndarray | None = None) -> LoaderPlan:
         """The plan of systems with ``natoms`` atoms and ``nframes`` frames (original list).
 
         ``batch_size`` is DeePMD-kit's value (``int``, list, ``"auto[:N]"``, ``"max:N"``,
@@ -152,10 +190,17 @@ class LoaderPlan:
         if len(atoms) != len(frames):
             raise ConfigError(f"{len(atoms)} atom counts for {len(frames)} systems", path=key)
         sizes = resolve_batch_sizes(batch_size, atoms, key)
+        if neighbours is not None:
+            neighbours = np.asarray(neighbours, dtype=np.float64).reshape(-1)
+            if len(neighbours) != len(atoms):
+                raise ConfigError(f"{len(neighbours)} neighbour means for {len(atoms)} systems",
+                                  path=f"{json_path or 'training.training_data'}.balance_cost")
+            neighbours = neighbours[sizes.kept]
         plan = cls(frames[sizes.kept], sizes.batch_sizes, seed, seed_given, world_size,
                    kept=sizes.kept, nsys_original=len(atoms), natoms=atoms[sizes.kept],
                    shuffle=shuffle, same_system_across_ranks=same_system_across_ranks,
-                   json_path=json_path)
+                   json_path=json_path, balance_window=balance_window,
+                   balance_cost=balance_cost, neighbours=neighbours)
         return plan if sampler_params is None else plan.with_params(sampler_params)
 
     @classmethod
@@ -163,12 +208,17 @@ class LoaderPlan:
                  batch_sizes: Sequence[int] | np.ndarray, *, seed: int | None,
                  seed_given: bool = True, world_size: int = 1, shuffle: bool = True,
                  same_system_across_ranks: bool = False,
-                 probabilities: Sequence[float] | np.ndarray | ProbabilityRule | None = None
-                 ) -> LoaderPlan:
-        """The plan of systems whose batch sizes are known (every system kept)."""
+                 probabilities: Sequence[float] | np.ndarray | ProbabilityRule | None = None,
+                 natoms: Sequence[int] | np.ndarray | None = None, balance_window: int = 0,
+                 balance_cost: str = "atoms",
+                 neighbours: Sequence[float] | np.ndarray | None = None) -> LoaderPlan:
+        """The plan of systems whose batch sizes are known (every system kept); balanced steps
+        need ``natoms`` (and ``neighbours`` for that cost model)."""
         rule = None if probabilities is None else as_rule(probabilities)
         return cls(nframes, batch_sizes, seed, seed_given, world_size, shuffle=shuffle,
-                   same_system_across_ranks=same_system_across_ranks, rule=rule)
+                   same_system_across_ranks=same_system_across_ranks, rule=rule,
+                   natoms=natoms, balance_window=balance_window, balance_cost=balance_cost,
+                   neighbours=neighbours)
 
     def rule_of(self, prob_style: str | Sequence[float], sys_prob: bool = False,
                 key: str | None = None) -> StyleRule:
@@ -216,6 +266,12 @@ class LoaderPlan:
         """The cumulative probabilities the system stream draws from (inverse CDF)."""
         self.probabilities  # noqa: B018 - raises the same error without a rule
         return self._cdf  # type: ignore[return-value]
+
+    @property
+    def balance_costs(self) -> np.ndarray | None:
+        """The cost of one batch of every system under :attr:`balance_cost` (None: balancing
+        off): what a balanced window sorts by."""
+        return self._costs
 
     def cdf_on(self, world_size: int) -> np.ndarray:
         """The stream's cumulative probabilities on ``world_size`` ranks (an elastic replay)."""

@@ -28,18 +28,37 @@ import torch
 from torch.utils.data import Sampler
 
 from mdloader.errors import ConfigError, StateDictError
+from mdloader.sampling.balance import (
+    Slots,
+    arrange,
+    chunk_draws,
+    label,
+    next_start_counts,
+    rank_slots,
+    window_draws,
+    window_start_counts,
+)
 from mdloader.sampling.elastic import (
+    BALANCE_IDENTITY,
     IDENTITY,
     JOB_KEYS,
     RANK_KEYS,
     Generation,
     JobSampling,
-    continuation,
+    full_continuation,
     generation_rows,
     parse_generations,
     resume_point,
+    share_of,
 )
-from mdloader.sampling.order import STREAM_CHUNK, sizes_digest, stream_chunk, stream_counts
+from mdloader.sampling.order import (
+    STREAM_CHUNK,
+    Continuation,
+    FrameOrder,
+    sizes_digest,
+    stream_chunk,
+    stream_counts,
+)
 from mdloader.sampling.plan import LoaderPlan, PlanOwner
 from mdloader.sampling.probability import ProbabilityRule, as_rule
 from mdloader.state import check_keys, check_same
@@ -55,11 +74,14 @@ def type_map_digest(type_map: Sequence[str] | None) -> int:
 
 
 class BatchKey(NamedTuple):
-    """One batch: frames ``fids`` of system ``sid``; ``step`` is its index in the rank's stream."""
+    """One batch: frames ``fids`` of system ``sid``; ``step`` is its index in the rank's stream;
+    ``drawer`` is the rank whose system stream drew it (another rank's in balanced steps; -1:
+    no stream, a validation key)."""
 
     sid: int
     fids: tuple[int, ...]
     step: int
+    drawer: int = -1
 
 
 class WeightedSystemSampler(Sampler[BatchKey]):
@@ -90,16 +112,26 @@ class WeightedSystemSampler(Sampler[BatchKey]):
     type_map
         The model's type map, part of the job's identity: a state saved with another one is
         refused.
+    balance_window, balance_cost, natoms, neighbours
+        Balanced steps (``docs/sampling.md``): windows of ``balance_window`` steps (0: off) whose
+        batches are dealt so each step's ranks cost about the same under the cost model
+        ``balance_cost`` (``"atoms"``: ``natoms`` per frame times the batch size;
+        ``"neighbours"``: that times ``neighbours``, the mean neighbours within rcut).
     """
 
     def __init__(self, nframes: Sequence[int] | np.ndarray, batch_sizes: Sequence[int] | np.ndarray,
                  probs: Sequence[float] | np.ndarray | ProbabilityRule, *, seed: int,
                  rank: int = 0, world_size: int = 1, num_samples: int | None = None,
                  shuffle: bool = True, same_system_across_ranks: bool = False,
-                 adopt_seed: bool = False, type_map: Sequence[str] | None = None) -> None:
+                 adopt_seed: bool = False, type_map: Sequence[str] | None = None,
+                 balance_window: int = 0, balance_cost: str = "atoms",
+                 natoms: Sequence[int] | np.ndarray | None = None,
+                 neighbours: Sequence[float] | np.ndarray | None = None) -> None:
         plan = LoaderPlan.of_sizes(nframes, batch_sizes, seed=seed, seed_given=not adopt_seed,
                                    world_size=world_size, shuffle=shuffle,
-                                   same_system_across_ranks=same_system_across_ranks)
+                                   same_system_across_ranks=same_system_across_ranks,
+                                   natoms=natoms, balance_window=balance_window,
+                                   balance_cost=balance_cost, neighbours=neighbours)
         self._start(PlanOwner(plan), as_rule(probs), rank, num_samples, type_map)
 
     @classmethod
@@ -135,6 +167,70 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         self._counts = np.zeros(self.plan.nsys, dtype=np.int64)
         self._chunk_id = -1
         self._chunk = np.empty(0, dtype=np.int64)
+        self._full: Continuation | None = None
+        self._reset_balance()
+
+    # -- balanced steps ------------------------------------------------------------------
+    @property
+    def balance_window(self) -> int:
+        """Steps per balanced window (0: every rank trains its own draws)."""
+        return self.plan.balance_window
+
+    @property
+    def _balance_identity(self) -> dict[str, int]:
+        """The balance keys of this job's state: none when balancing is off."""
+        if not self.plan.balance_window:
+            return {}
+        return {"balance_window": self.plan.balance_window,
+                "balance_cost_digest": sizes_digest(self.plan.balance_costs)}
+
+    def _reset_balance(self) -> None:
+        """Forget the current window (a new seed, generation or position)."""
+        self._window = -1
+        self._window_start: np.ndarray | None = None
+        self._window_draws = np.empty((0, 0), dtype=np.int64)
+        self._slots: Slots | None = None
+        self._drawer_orders: dict[int, FrameOrder] = {}
+        self._chunks: dict[int, np.ndarray] = {}
+
+    def _drawer_order(self, drawer: int) -> FrameOrder:
+        """The frame order of rank ``drawer``'s stream (its share of any leftover)."""
+        if drawer == self.rank:
+            return self.order
+        order = self._drawer_orders.get(drawer)
+        if order is None:
+            share = None if self._full is None else share_of(self._full, drawer,
+                                                             self.plan.world_size)
+            order = self._drawer_orders[drawer] = self.plan.frame_order(drawer, share)
+        return order
+
+    def _enter_window(self, window: int) -> None:
+        """Make window ``window``'s plan: the counters at its start, its draws, this rank's
+        slots. The next window advances the counters by the draws; any other replays them."""
+        seed, k, world = self.plan.seed, self.plan.balance_window, self.plan.world_size
+        cdf, generation = self.plan.cdf, self.generation
+        if self._window_start is not None and window == self._window + 1:
+            next_start_counts(self._window_start, self._window_draws, out=self._window_start)
+        else:
+            self._window_start = window_start_counts(seed, window, k, world, cdf, generation)
+        first, last = window * k // STREAM_CHUNK, ((window + 1) * k - 1) // STREAM_CHUNK
+        self._chunks = {c: d for c, d in self._chunks.items() if c >= first}
+        for c in range(first, last + 1):
+            if c not in self._chunks:
+                self._chunks[c] = chunk_draws(seed, c, world, cdf, generation)
+        draws = window_draws(seed, window, k, world, cdf, generation, self._chunks)
+        src = arrange(draws, self.plan.balance_costs, seed, window, generation)
+        self._slots = rank_slots(label(draws, src, self._window_start), self.rank)
+        self._window, self._window_draws = window, draws
+
+    def _balanced_key(self, step: int) -> BatchKey:
+        window, position = divmod(step, self.plan.balance_window)
+        if window != self._window:
+            self._enter_window(window)
+        slots = self._slots
+        drawer, sid = int(slots.drawer[position]), int(slots.sid[position])
+        occ = int(slots.occurrence[position])
+        return BatchKey(sid, self._drawer_order(drawer).fids(sid, occ), step, drawer)
 
     @property
     def same_system_across_ranks(self) -> bool:
@@ -161,9 +257,10 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         self._base, self.plan = base, base.with_rule(self.rule)
         if reseeded:
             self.order = self.plan.frame_order(self.rank)
-            self._history = ()
+            self._history, self._full = (), None
             self._step, self._chunk_id = 0, -1
             self._counts[:] = 0
+            self._reset_balance()
 
     # -- the stream ----------------------------------------------------------------------
     @property
@@ -193,11 +290,14 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         if self._owner.plan is not self._base:
             self._follow()
         step = self._step
+        if self.plan.balance_window:
+            self._step = step + 1
+            return self._balanced_key(step)
         sid = self._draw(step)
         occ = int(self._counts[sid])
         self._counts[sid] = occ + 1
         self._step = step + 1
-        return BatchKey(sid, self.order.fids(sid, occ), step)
+        return BatchKey(sid, self.order.fids(sid, occ), step, self.rank)
 
     def __iter__(self) -> EpochIterator:
         """The rest of the current epoch: steps up to the next multiple of ``num_samples``.
@@ -221,6 +321,11 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         if step < 0:
             raise StateDictError(f"cannot seek to a negative step ({step})")
         self._follow()
+        if self.plan.balance_window:   # the window's counters are replayed when it is entered
+            if step // self.plan.balance_window != self._window:
+                self._window, self._window_start = -1, None
+            self._step = step
+            return
         lo, hi = sorted((self._step, step))
         delta = stream_counts(*self._stream_args(), lo, hi, self.plan.cdf,
                               self.same_system_across_ranks, self.generation)
@@ -235,7 +340,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         steps = self._step if consumed is None else int(consumed)
         if steps < 0:
             raise StateDictError(f"consumed must be >= 0, got {steps}")
-        return {"version": STATE_VERSION, **self._identity,
+        return {"version": STATE_VERSION, **self._identity, **self._balance_identity,
                 "history": generation_rows(self._history), "rank": self.order.rank,
                 "world_size": self.order.world_size, "steps": steps}
 
@@ -244,14 +349,20 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         (:func:`~mdloader.sampling.elastic.merge_rank_states`), saved on any number of
         ranks; another job's state is rejected quoting both values."""
         merged = isinstance(state, Mapping) and "generations" in state
+        balanced = isinstance(state, Mapping) and "balance_window" in state
         check_keys(state, kind="sampler", version=STATE_VERSION,
-                   keys=JOB_KEYS if merged else RANK_KEYS)
+                   keys=(*(JOB_KEYS if merged else RANK_KEYS),
+                         *(BALANCE_IDENTITY if balanced else ())))
         # Checks come first: the plan under the saved seed is only looked at here (a refused
         # seed raises), and put in force once every other check passed.
         seed = self._owner.plan.adopt_seed(state["seed"], "sampler").seed
-        for key, label in IDENTITY.items():
+        for key, words in IDENTITY.items():
             mine = seed if key == "seed" else self._identity[key]
-            check_same("sampler", label, int(state[key]), mine, self._hint(key))
+            check_same("sampler", words, int(state[key]), mine, self._hint(key))
+        mine_balance = self._balance_identity
+        for key, words in BALANCE_IDENTITY.items():
+            check_same("sampler", words, state.get(key, 0), mine_balance.get(key, 0),
+                       " (training_data.balance_window, balance_cost)")
         rank, world = self.order.rank, self.order.world_size
         if merged:
             history, steps = resume_point(parse_generations(state["generations"]), rank, world)
@@ -261,6 +372,13 @@ class WeightedSystemSampler(Sampler[BatchKey]):
                        "merged with mdloader.merge_rank_states")
             check_same("sampler", "rank", int(state["rank"]), rank)
             history, steps = parse_generations(state["history"]), int(state["steps"])
+        if balanced:
+            uneven = [g.steps for g in history if len(set(g.steps)) > 1]
+            if uneven:
+                raise StateDictError(f"cannot resume the sampler on {world} rank(s): a balanced "
+                                     f"job changes its number of ranks only from a state where "
+                                     f"every rank took the same number of steps, got steps "
+                                     f"{list(uneven[0])}")
         self._owner.adopt_seed(state["seed"], "sampler")  # the loader set's seed too
         self._follow()
         self._set_history(history)
@@ -280,11 +398,13 @@ class WeightedSystemSampler(Sampler[BatchKey]):
             return
         started = time.perf_counter()
         world = self.plan.world_size
-        cont = continuation(JobSampling(self.plan), history, self.rank, world)
+        self._full = full_continuation(JobSampling(self.plan), history)
+        cont = None if self._full is None else share_of(self._full, self.rank, world)
         self.order = self.plan.frame_order(self.rank, continuation=cont)
         self._history = history
         self._step, self._chunk_id = 0, -1
         self._counts[:] = 0
+        self._reset_balance()
         if cont is not None:
             log.info("sampler: generation %d on %d rank(s) after %s; this rank first serves %d "
                      "leftover frame(s) (computed in %.2f s)", len(history), world,

@@ -258,3 +258,32 @@ def test_schema_markdown_covers_every_key() -> None:
                 "`auto_prob_style`", "`numb_batch`"):
         assert key in text
     assert text.startswith("| key | type | default | aliases | meaning |")
+
+
+def test_balance_keys_reach_the_sampler(tmp_path: Path) -> None:
+    """training_data.balance_window/balance_cost: checked, and the configured sampler balances."""
+    from mdloader.config.loaders import configured_loader
+    from mdloader.testing import make_dataset
+    from mdloader.world import World
+
+    systems = make_dataset(tmp_path, 4, natoms_range=(3, 40), nframes=6)
+    raw = {"model": {"type_map": ["O", "H"]},
+           "training": {"training_data": {"systems": systems, "batch_size": "auto",
+                                          "balance_window": 8}}}
+    data = parse_config(raw).training_data
+    assert (data.balance_window, data.balance_cost) == (8, "atoms")
+    built = configured_loader(data, type_map=["O", "H"], seed=3, world=World(0, 1), labels=[],
+                              num_workers=0)
+    assert built.sampler.balance_window == 8 and built.sampler.state_dict()["balance_window"] == 8
+    for bad, match in [({"balance_window": -1}, "balance_window: bad value -1"),
+                       ({"balance_cost": "pairs"}, "balance_cost: bad value")]:
+        wrong = copy.deepcopy(raw)
+        wrong["training"]["training_data"].update(bad)
+        with pytest.raises(ConfigError, match=match):
+            parse_config(wrong)
+    needs = copy.deepcopy(raw)
+    needs["training"]["training_data"]["balance_cost"] = "neighbours"
+    with pytest.raises(ConfigError, match="training.training_data.balance_cost: the cost model "
+                       "'neighbours' needs the mean number of neighbours"):
+        configured_loader(parse_config(needs).training_data, type_map=["O", "H"], seed=3,
+                          world=World(0, 1), labels=[], num_workers=0)

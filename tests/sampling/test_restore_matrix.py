@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from distributed_utils import run_ranks, values
-from elastic_ledger import Ledger
+from elastic_ledger import Ledger, by_drawer
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mdloader import (
@@ -39,6 +39,7 @@ from mdloader.world import World
 
 EPOCH = 12  # keys per epoch (num_samples)
 TYPE_MAP = ["O", "H"]
+BALANCE = 5  # steps per balanced window (not a divisor of EPOCH: windows straddle epochs)
 
 
 @dataclass
@@ -57,12 +58,13 @@ def systems(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
             for i in range(3)]
 
 
-def _loader_set(systems: list[str]) -> DpLoaderSet:
-    return DpLoaderSet(systems, 2, TYPE_MAP, seed=11)
+def _loader_set(systems: list[str], balance: int = 0) -> DpLoaderSet:
+    return DpLoaderSet(systems, 2, TYPE_MAP, seed=11, balance_window=balance)
 
 
-def _sampler(systems: list[str]) -> Any:
-    return get_weighted_sampler(_loader_set(systems), "prob_sys_size", num_samples=EPOCH)
+def _sampler(systems: list[str], balance: int = 0) -> Any:
+    return get_weighted_sampler(_loader_set(systems, balance), "prob_sys_size",
+                                num_samples=EPOCH)
 
 
 def _batches(loader: Any, position: int) -> Iterator[tuple[int, tuple[int, ...]]]:
@@ -91,14 +93,15 @@ def _cursor_batches(ls: DpLoaderSet, position: int) -> Iterator[tuple[int, tuple
         sid = (sid + 1) % len(ls)
 
 
-def _stateful_loader(systems: list[str], workers: int) -> StatefulLoader:
-    ls = _loader_set(systems)
+def _stateful_loader(systems: list[str], workers: int, balance: int = 0) -> StatefulLoader:
+    ls = _loader_set(systems, balance)
     sampler = get_weighted_sampler(ls, "prob_sys_size", num_samples=EPOCH)
     return StatefulLoader(ls, sampler, num_workers=workers)
 
 
-def _torchdata_loader(systems: list[str], workers: int) -> StatefulDataLoader:
-    ls = _loader_set(systems)
+def _torchdata_loader(systems: list[str], workers: int,
+                      balance: int = 0) -> StatefulDataLoader:
+    ls = _loader_set(systems, balance)
     sampler = get_weighted_sampler(ls, "prob_sys_size", num_samples=EPOCH)
     return StatefulDataLoader(ls, sampler=sampler, batch_size=None, num_workers=workers,
                               collate_fn=identity)
@@ -119,6 +122,11 @@ CASES: dict[str, Callable[[list[str]], Case]] = {
     "torchdata-2": lambda s: Case(lambda: _torchdata_loader(s, 2), _batches, ours=False),
     "broadcasting-no-group": lambda s: Case(
         lambda: BroadcastingDataLoader(_stateful_loader(s, 0)), _batches),
+    "balanced-sampler": lambda s: Case(lambda: _sampler(s, BALANCE), _keys),
+    "balanced-stateful-loader-2": lambda s: Case(
+        lambda: _stateful_loader(s, 2, BALANCE), _batches),
+    "balanced-torchdata-2": lambda s: Case(lambda: _torchdata_loader(s, 2, BALANCE), _batches,
+                                           ours=False),
 }
 
 
@@ -198,21 +206,33 @@ WORLDS = [1, 2, 4]
 NEW_STEPS = 40
 
 
-def _loader_on(systems: list[str], rank: int, world: int, workers: int) -> StatefulLoader:
-    ls = DpLoaderSet(systems, 2, TYPE_MAP, seed=11, world=World(rank=rank, world_size=world))
+def _loader_on(systems: list[str], rank: int, world: int, workers: int,
+               balance: int = 0) -> StatefulLoader:
+    ls = DpLoaderSet(systems, 2, TYPE_MAP, seed=11, world=World(rank=rank, world_size=world),
+                     balance_window=balance)
     return StatefulLoader(ls, get_weighted_sampler(ls, "prob_sys_size", num_samples=EPOCH),
                           num_workers=workers)
 
 
-def _sampler_on(systems: list[str], rank: int, world: int, workers: int) -> Any:
-    ls = DpLoaderSet(systems, 2, TYPE_MAP, seed=11, world=World(rank=rank, world_size=world))
+def _sampler_on(systems: list[str], rank: int, world: int, workers: int,
+                balance: int = 0) -> Any:
+    ls = DpLoaderSet(systems, 2, TYPE_MAP, seed=11, world=World(rank=rank, world_size=world),
+                     balance_window=balance)
     return get_weighted_sampler(ls, "prob_sys_size", num_samples=EPOCH)
+
+
+def _balanced_keys(sampler: Any, position: int) -> Iterator[Any]:
+    """Whole keys: the ledger counts a balanced batch for the rank that drew it."""
+    while True:
+        yield from iter(sampler)
 
 
 ELASTIC: dict[str, tuple[Callable[..., Any], Callable[[Any, int], Iterator[Any]]]] = {
     "sampler": (_sampler_on, _keys),
     "stateful-loader": (_loader_on, _batches),
     "broadcasting-no-group": (lambda *a: BroadcastingDataLoader(_loader_on(*a)), _batches),
+    "balanced-sampler": (lambda *a: _sampler_on(*a, BALANCE), _balanced_keys),
+    "balanced-stateful-loader": (lambda *a: _loader_on(*a, BALANCE), _batches),
 }
 
 
@@ -233,7 +253,8 @@ def _check_elastic(ledger: Ledger, old: list[list[Any]], old_world: int, new: li
 
 
 ELASTIC_CASES = [("sampler", (0, 0)), ("broadcasting-no-group", (0, 0)),
-                 ("stateful-loader", (0, 2)), ("stateful-loader", (2, 0))]
+                 ("stateful-loader", (0, 2)), ("stateful-loader", (2, 0)),
+                 ("balanced-sampler", (0, 0)), ("balanced-stateful-loader", (2, 0))]
 
 
 @pytest.mark.parametrize("name,workers", ELASTIC_CASES,
@@ -243,9 +264,12 @@ ELASTIC_CASES = [("sampler", (0, 0)), ("broadcasting-no-group", (0, 0)),
 def test_elastic_restore(systems: list[str], name: str, old_world: int, new_world: int,
                          workers: tuple[int, int]) -> None:
     make, stream = ELASTIC[name]
+    balanced = name.startswith("balanced")
     olds = [make(systems, r, old_world, workers[0]) for r in range(old_world)]
     old_streams = [stream(o, 0) for o in olds]
-    old = [[next(s) for _ in range(7 + 3 * r)] for r, s in enumerate(old_streams)]
+    # a balanced job changes its number of ranks from steps every rank took (inside a window)
+    old = [[next(s) for _ in range(8 if balanced else 7 + 3 * r)]
+           for r, s in enumerate(old_streams)]
     job = merge_rank_states([o.state_dict() for o in olds])
     news = [make(systems, r, new_world, workers[1]) for r in range(new_world)]
     for n in news:
@@ -253,6 +277,19 @@ def test_elastic_restore(systems: list[str], name: str, old_world: int, new_worl
     new = [[next(s) for _ in range(NEW_STEPS)] for s in (stream(n, 0) for n in news)]
     if new_world == old_world:  # exact continuation
         assert new == [[next(s) for _ in range(NEW_STEPS)] for s in old_streams]
+    elif name == "balanced-sampler":
+        _check_elastic(_ledger(systems), by_drawer(old, old_world), old_world,
+                       by_drawer(new, new_world), new_world)
+    elif balanced:  # the loader serves what the balanced sampler (checked above) keys
+        keys = [[k for _, k in zip(range(8), _balanced_keys(s, 0))]
+                for s in (_sampler_on(systems, r, old_world, 0, BALANCE)
+                          for r in range(old_world))]
+        assert old == [[(k.sid, k.fids) for k in row] for row in keys]
+        samplers = [_sampler_on(systems, r, new_world, 0, BALANCE) for r in range(new_world)]
+        for s in samplers:
+            s.load_state_dict(job["sampler"])
+        assert new == [[(k.sid, k.fids) for _, k in zip(range(NEW_STEPS), _balanced_keys(s, 0))]
+                       for s in samplers]
     else:
         _check_elastic(_ledger(systems), old, old_world, new, new_world)
 
@@ -277,9 +314,9 @@ def test_per_rank_states_refuse_another_world_size(systems: list[str], name: str
 
 
 def _gloo_generation(rank: int, world: int, systems: list[str], workers: int, state: Any,
-                     steps: list[int]) -> tuple[list[Any], Any]:
+                     steps: list[int], balance: int = 0) -> tuple[list[Any], Any]:
     """One generation on a real gloo group: resume, read, and merge every rank's state."""
-    loader = StatefulLoader(*_built(systems), num_workers=workers)
+    loader = StatefulLoader(*_built(systems, balance), num_workers=workers)
     if state is not None:
         loader.load_state_dict(state)
     batches = _batches(loader, 0)
@@ -288,8 +325,9 @@ def _gloo_generation(rank: int, world: int, systems: list[str], workers: int, st
     return got, None if states is None else merge_rank_states(states)
 
 
-def _built(systems: list[str]) -> tuple[DpLoaderSet, Any]:
-    ls = DpLoaderSet(systems, 2, TYPE_MAP, seed=11)  # rank and world size from the group
+def _built(systems: list[str], balance: int = 0) -> tuple[DpLoaderSet, Any]:
+    # rank and world size from the group
+    ls = DpLoaderSet(systems, 2, TYPE_MAP, seed=11, balance_window=balance)
     return ls, get_weighted_sampler(ls, "prob_sys_size", num_samples=EPOCH)
 
 
@@ -309,3 +347,22 @@ def test_elastic_restore_on_gloo(systems: list[str], old_world: int, new_world: 
     _check_elastic(_ledger(systems), [o[0] for o in old], old_world, [n[0] for n in new],
                    new_world)
     assert new[0][1]["sampler"]["generations"][0] == job["sampler"]["generations"][0]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_balanced_elastic_restore_on_gloo(systems: list[str]) -> None:
+    """2 ranks (2 workers) -> 4 ranks, balanced: the batches are those the one-process balanced
+    samplers key, which the ledger checks above."""
+    old = values(run_ranks(_gloo_generation, 2, systems, 2, None, [8, 8], BALANCE, timeout=150,
+                           daemon=False))
+    job = old[0][1]
+    assert job["sampler"]["balance_window"] == BALANCE
+    new = values(run_ranks(_gloo_generation, 4, systems, 0, job, [NEW_STEPS] * 4, BALANCE,
+                           timeout=150, daemon=False))
+    samplers = [_sampler_on(systems, r, 4, 0, BALANCE) for r in range(4)]
+    for s in samplers:
+        s.load_state_dict(job["sampler"])
+    assert [n[0] for n in new] == [
+        [(k.sid, k.fids) for _, k in zip(range(NEW_STEPS), _balanced_keys(s, 0))]
+        for s in samplers]
