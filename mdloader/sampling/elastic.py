@@ -259,10 +259,6 @@ def full_continuation(job: JobSampling, history: Sequence[Generation]) -> Contin
     return full
 
 
-__all__ = ["Generation", "JobSampling", "empty_continuation", "share_of", "replay_counts",
-           "generation_counts", "advance", "continuation", "full_continuation"]
-
-
 IDENTITY = {"seed": "seed", "nsys": "number of systems",
             "sizes_digest": "system sizes/batch sizes digest",
             "probs_digest": "system probabilities digest",
@@ -365,5 +361,7 @@ def merge_rank_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "generations": [*first["history"], [world, *steps]]}
 
 
-__all__ = ["IDENTITY", "BALANCE_IDENTITY", "RANK_KEYS", "JOB_KEYS", "parse_generations",
+__all__ = ["Generation", "JobSampling", "empty_continuation", "share_of", "replay_counts",
+           "generation_counts", "advance", "continuation", "full_continuation",
+           "IDENTITY", "BALANCE_IDENTITY", "RANK_KEYS", "JOB_KEYS", "parse_generations",
            "generation_rows", "resume_point", "merge_rank_states"]

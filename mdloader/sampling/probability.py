@@ -280,14 +280,6 @@ def select_prob_source(params: Mapping[str, Any]) -> tuple[Any, bool, str]:
     return "prob_sys_size", False, "auto_prob"
 
 
-__all__ = [
-    "Block", "STYLES", "prob_uniform", "prob_sys_size", "check_style", "parse_blocks",
-    "remap_blocks",
-    "prob_blocks", "check_sys_probs", "process_sys_probs", "system_probabilities",
-    "select_prob_source",
-]
-
-
 @runtime_checkable
 class ProbabilityRule(Protocol):
     """``rule(nbatch)`` gives one probability per system; ``digest`` identifies the rule."""
@@ -365,4 +357,7 @@ def as_rule(probs: Sequence[float] | np.ndarray | ProbabilityRule) -> Probabilit
     return FixedProbabilities(np.asarray(probs, dtype=np.float64))
 
 
-__all__ = ["ProbabilityRule", "StyleRule", "FixedProbabilities", "as_rule"]
+__all__ = ["Block", "STYLES", "prob_uniform", "prob_sys_size", "check_style", "parse_blocks",
+           "remap_blocks", "prob_blocks", "check_sys_probs", "process_sys_probs",
+           "system_probabilities", "select_prob_source", "ProbabilityRule", "StyleRule",
+           "FixedProbabilities", "as_rule"]
