@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from mdloader.data.collate import batch_from_blocks
+from mdloader.data.formats.base import degenerate_boxes
 from mdloader.data.formats.lmdb import env as io
 from mdloader.data.schema import DataRequirementItem, float_precisions, output_dtype
 from mdloader.data.system import SystemMeta
@@ -45,6 +46,7 @@ from mdloader.errors import (
     CorruptFileError,
     DataError,
     MissingDataError,
+    NonFiniteError,
     ShapeError,
     TypeMapError,
 )
@@ -93,7 +95,11 @@ def _core_dtypes(requirements: tuple[DataRequirementItem, ...],
 
 
 class LmdbGroupReader:
-    """Reads the frames of one group (``meta``) under the given data requirements."""
+    """Reads the frames of one group (``meta``) under the given data requirements; a frame
+    whose cell holds NaN/inf or no volume is an error naming it (unless ``check_cells`` is
+    false: the deep check collects them instead)."""
+
+    check_cells = True
 
     def __init__(self, meta: SystemMeta, requirements: Sequence[DataRequirementItem]) -> None:
         group = meta.sets[0]
@@ -198,6 +204,9 @@ class LmdbGroupReader:
                 frame[name] = value.reshape(shape).astype(self.dtypes[name], copy=False)
             elif name == "energy" and value is not None:
                 frame[name] = np.array([float(value)], dtype=self.dtypes[name])
+        box = frame.get("box")
+        if self.check_cells and isinstance(box, np.ndarray) and len(degenerate_boxes(box)):
+            raise self.bad_box(box, index)
         atype = frame.get("atype")
         if not isinstance(atype, np.ndarray) or "coord" not in frame:
             missing = "atom_types" if not isinstance(atype, np.ndarray) else "coords"
@@ -211,6 +220,16 @@ class LmdbGroupReader:
                                  f"gives it {self.natoms}", system=self.address,
                                  file=self._entry(index), expected=self.natoms, found=rows)
         frame["atype"] = self._remap(atype, index)
+
+    def bad_box(self, box: np.ndarray, index: int) -> DataError:
+        """The error of frame ``index``'s cell ``box``, which holds NaN/inf or no volume
+        (:func:`~mdloader.data.formats.base.degenerate_boxes`): its heights are NaN."""
+        if not np.isfinite(box).all():
+            return NonFiniteError(f"the box of frame {index} holds NaN/inf", system=self.address,
+                                  file=self._entry(index))
+        return DataError(f"the box of frame {index} encloses no volume (a degenerate cell)",
+                         system=self.address, file=self._entry(index),
+                         expected="a cell of volume > 0", found=f"box {box.reshape(-1).tolist()}")
 
     def _remap(self, atype: np.ndarray, index: int) -> np.ndarray:
         limit = self.ntypes if self.remap is None else len(self.remap)
@@ -308,6 +327,9 @@ def stacked_batch(reader: LmdbGroupReader, raws: list[dict[Any, Any]],
     except (KeyError, TypeError, ValueError, AttributeError, IndexError):
         return None
     if blocks is None or not _types_ok(reader, blocks):
+        return None
+    box = blocks.get("box")
+    if box is not None and len(degenerate_boxes(box)):  # the per-frame path names the frame
         return None
     flags: dict[str, list[np.float32]] = {}
     if not _requirements(reader, blocks, flags, len(raws)):
