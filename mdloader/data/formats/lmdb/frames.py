@@ -105,7 +105,7 @@ class LmdbGroupReader:
         group = meta.sets[0]
         self.address, self.path = meta.address, meta.location.path
         self.natoms, self.ntypes = meta.natoms, meta.ntypes
-        self.runs, self.fmt = group.runs, group.frame_format
+        self.runs, self.fmt, self.stamp = group.runs, group.frame_format, group.stamp
         self.remap = None if group.remap is None else np.asarray(group.remap, dtype=np.int64)
         self.requirements = {req.key: req for req in requirements}
         self.dtypes, self.dtypes_key = _core_dtypes(tuple(requirements), float_precisions())
@@ -127,7 +127,7 @@ class LmdbGroupReader:
         frame is decoded on its own and the frames are collated.
         """
         indices = self.keys(positions).tolist()
-        txn = io.serving_txn(self.path)
+        txn = io.serving_txn(self.path, self.stamp)
         raws = [self.unpacked(index, txn) for index in indices]
         fast = stacked_batch(self, raws, indices)
         if fast is not None:
@@ -141,7 +141,7 @@ class LmdbGroupReader:
     def unpacked(self, index: int, txn: Any = None) -> dict[Any, Any]:
         """The msgpack map of frame ``index``, arrays still encoded."""
         key = io.frame_key(index, self.fmt)
-        raw = (txn or io.serving_txn(self.path)).get(key)
+        raw = (txn or io.serving_txn(self.path, self.stamp)).get(key)
         if raw is None:
             raise MissingDataError(f"frame {index} is missing from the database",
                                    system=self.address, file=io.entry_of(self.path, key))
