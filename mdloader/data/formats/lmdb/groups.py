@@ -58,7 +58,7 @@ class LmdbGroup:
 def _restore_group(nframes: int, blob: bytes, frame_format: str,
                    remap: tuple[int, ...] | None, stamp: io.Stamp | None = None) -> LmdbGroup:
     return LmdbGroup("frames", nframes, FrameRuns(nframes, blob), shared(frame_format),
-                     shared(remap), stamp)
+                     shared(remap), shared(stamp))  # one stamp per database in a broadcast
 
 
 @dataclass(frozen=True)
