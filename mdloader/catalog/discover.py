@@ -129,14 +129,18 @@ def discover(systems: Systems, rglob_patterns: Sequence[str] | None = None, *,
              for path in _expand_globs(entry, out.globs, where)]
             for entry, where in zip(entries, wheres)]
     tree = walk(list(roots), rglob_patterns, Overlap(threads), known)
-    for parts in plan:
+    extra = f" matching {list(rglob_patterns)}" if rglob_patterns else ""
+    for parts, entry, where in zip(plan, entries, wheres):
         found: set[str] = set()
         for part in parts:
             found.update(tree.under[part] if isinstance(part, int) else part)
+        if not found and len(entries) > 1:  # one entry of several: never dropped silently
+            raise NoSystemsFoundError(
+                f"{where}: no DeePMD system (a directory or HDF5 group holding type.raw)"
+                f"{extra} found under: {entry}")
         out.addresses.extend(sorted(found, key=address_sort_key))
     if not out.addresses:
         where = ", ".join(entries) or "(no path given)"
-        extra = f" matching {list(rglob_patterns)}" if rglob_patterns else ""
         raise NoSystemsFoundError(
             f"no DeePMD system (a directory or HDF5 group holding type.raw){extra} found under: "
             f"{where}")
@@ -247,9 +251,11 @@ def _entries(folder: str, listed: dict[str, Listing | None],
 
 
 def _listing_or_none(folder: str) -> Listing | None:
-    """The folder's listing; ``None`` when it cannot be listed (skipped, as ``os.walk`` does)."""
+    """The folder's listing; ``None`` when it cannot be listed (skipped, as ``os.walk`` and
+    DeePMD-kit's ``rglob`` do, with a warning naming it: systems below it are not used)."""
     try:
         return walking_backend().list_folder(folder)
     except OSError as exc:
-        log.debug("cannot list %s: %s", folder, exc)
+        log.warning("cannot list the folder %s (%s): systems below it, if any, are not used",
+                    folder, exc.strerror or exc)
         return None

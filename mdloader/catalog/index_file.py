@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import secrets
+import stat
 import struct
 import time
 from dataclasses import dataclass, field
@@ -88,9 +89,23 @@ def write_index(path: str, saved: SavedIndex, header: dict[str, Any]) -> None:
             os.close(dir_fd)
 
 
+def open_index(path: str) -> Any:
+    """``path`` opened for reading without blocking on it: a FIFO, a device or a folder at the
+    index path is an :class:`IndexFileError` (a FIFO would block the read, and the job, forever).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "not a regular file")
+        raise IndexFileError(f"the index path {path} is {kind}, not an index file")
+    return os.fdopen(fd, "rb")
+
+
 def read_header(path: str) -> dict[str, Any]:
     """The JSON header alone (no checksum over the rest): for ``mdloader index inspect``."""
-    with open(path, "rb") as fh:
+    with open_index(path) as fh:
         fixed = fh.read(_HEAD.size)
         _, head_len, _, _ = _check_fixed(fixed, path, None)
         return _json(fh.read(head_len), path, "header")
@@ -101,7 +116,7 @@ def read_index(path: str) -> tuple[dict[str, Any], SavedIndex]:
 
     ``FileNotFoundError`` passes through: no index is not a fault.
     """
-    with open(path, "rb") as fh:
+    with open_index(path) as fh:
         data = fh.read()
     fixed = data[:_HEAD.size]
     digest, head_len, body_len, blob_len = _check_fixed(fixed, path, len(data))

@@ -19,7 +19,7 @@ from typing import Any
 
 from mdloader.catalog.freshness import check_saved
 from mdloader.catalog.index import describe, index_request, inspect, load
-from mdloader.catalog.index_file import MAGIC, read_index
+from mdloader.catalog.index_file import MAGIC, IndexFileError, open_index, read_index
 from mdloader.config.input_json import Config, DataConfig, load_config
 from mdloader.fs_calls import Overlap
 from mdloader.settings import resolve
@@ -129,9 +129,9 @@ def _sections(config: Config) -> list[DataConfig]:
 
 def _is_index(path: str) -> bool:
     try:
-        with open(path, "rb") as fh:
+        with open_index(path) as fh:
             return fh.read(len(MAGIC)) == MAGIC
-    except OSError:
+    except (OSError, IndexFileError):
         return False
 
 

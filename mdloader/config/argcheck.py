@@ -1,10 +1,12 @@
 """The ``input.json`` schema mdloader reads, written with dargs as DeePMD-kit writes its own.
 
-Only the keys that concern data (plus the few the reference training job needs) are declared.
-DeePMD-kit's names, aliases and defaults are kept so that one ``input.json`` drives both
-``dp --pt train`` and ``mdloader``. The sections mdloader owns (``training_data`` and
-``validation_data``) are checked strictly; everything else is passed through, so a complete
-DeePMD-kit input (descriptor, fitting net, ...) is accepted as is.
+Only the keys that concern data (plus the few the reference training job needs) are checked
+for their values. DeePMD-kit's names, aliases and defaults are kept so that one ``input.json``
+drives both ``dp --pt train`` and ``mdloader``. Every section mdloader reads is checked strictly,
+as ``dp`` checks it: DeePMD-kit's other keys there are declared and passed through
+(:data:`DEEPMD_KEYS`), so a complete DeePMD-kit input (descriptor, fitting net, ...) is accepted
+as is, and a misspelt key (``training.sav_freq``) is refused with "did you mean" instead of
+silently leaving the default in place.
 
 The value checks are small predicates with a sentence saying what is expected; the sentence
 serves both the error message and the generated reference (:func:`schema_markdown`), so the
@@ -69,6 +71,66 @@ def _nonnegative_number(value: Any) -> bool:
 _EXPECT_BATCH = ("a positive integer, a non-empty list of positive integers, or a rule "
                  "string 'auto', 'auto:N', 'max:N', 'filter:N' (N a positive integer)")
 
+
+
+#: DeePMD-kit 3.2's keys (``deepmd.utils.argcheck.gen_args``, every variant) that mdloader does
+#: not read, per section (dotted JSON path; "" is the top level): declared so that a complete
+#: DeePMD-kit input passes while any other key is refused with "did you mean", as ``dp`` does.
+#: Their values are DeePMD-kit's to check; ``tests/config/test_strict_keys.py`` compares these
+#: lists with DeePMD-kit's.
+DEEPMD_KEYS: dict[str, tuple[str, ...]] = {
+    "": (
+        "optimizer", "validating", "nvnmd",
+    ),
+    "model": (
+        "atom_exclude_types", "bridging_method", "bridging_r_inner", "bridging_r_outer", "compress",
+        "data_bias_nsample", "data_stat_nbatch", "data_stat_protect", "descriptor", "enable_tf32",
+        "finetune_head", "fitting_net", "info", "lora", "model_branch_alias", "model_file",
+        "models", "modifier", "pair_exclude_types", "preset_out_bias", "qm_model", "qmmm_model",
+        "rcut", "sel", "shared_dict", "smin_alpha", "spin", "srtab_add_bias", "sw_rmax", "sw_rmin",
+        "tab_file", "type", "type_embedding", "use_compile", "use_srtab", "weights",
+    ),
+    "learning_rate": (
+        "decay_phase_ratio", "decay_rate", "decay_type", "scale_by_worker", "smooth",
+        "stop_lr_ratio", "warmup_ratio", "warmup_start_factor", "warmup_steps",
+    ),
+    "loss": (
+        "beta", "dens_corrupt_ratio", "dens_denoising_pos_coefficient", "dens_fixed_noise_std",
+        "dens_prob", "dens_std", "enable_atom_ener_coeff", "enable_atomic_weight", "f_use_norm",
+        "huber_delta", "intensive_ener_virial", "limit_pref_acdf", "limit_pref_ados",
+        "limit_pref_ae", "limit_pref_cdf", "limit_pref_dos", "limit_pref_fm", "limit_pref_fr",
+        "limit_pref_gf", "limit_pref_h", "limit_pref_pf", "limit_pref_pop",
+        "limit_pref_pop_alpha_total", "limit_pref_pop_beta_total", "limit_pref_spin",
+        "limit_pref_spin_total", "limit_pref_v", "loss_func", "metric", "numb_generalized_coord",
+        "pref", "pref_atomic", "relative_f", "start_pref_acdf", "start_pref_ados", "start_pref_ae",
+        "start_pref_cdf", "start_pref_dos", "start_pref_fm", "start_pref_fr", "start_pref_gf",
+        "start_pref_h", "start_pref_pf", "start_pref_pop", "start_pref_pop_alpha_total",
+        "start_pref_pop_beta_total", "start_pref_spin", "start_pref_spin_total", "start_pref_v",
+        "use_default_pf", "use_huber",
+    ),
+    # with the legacy keys ``dp`` still accepts here, then drops (numb_test) or moves to
+    # learning_rate (warmup_*) or to optimizer (opt_type, kf_*, adam_*, ...): deepmd.utils.compat
+    "training": (
+        "acc_freq", "adam_beta1", "adam_beta2", "change_bias_after_training", "ckpt_keep_ratio",
+        "disp_avg", "disp_training", "ema_ckpt_keep", "ema_decay", "enable_compile", "enable_ema",
+        "enable_profiler", "enable_tf32", "gradient_max_norm", "kf_blocksize", "kf_limit_pref_e",
+        "kf_limit_pref_f", "kf_start_pref_e", "kf_start_pref_f", "lr_adjust", "lr_adjust_coeff",
+        "max_ckpt_keep", "min_2d_dim", "mixed_precision", "momentum", "muon_2d_only",
+        "muon_momentum", "neighbor_graph_method", "numb_test", "opt_type", "profiling",
+        "profiling_file", "save_dir", "stat_file", "stat_file_mode", "tensorboard",
+        "tensorboard_freq", "tensorboard_log_dir", "time_training", "warmup_ratio",
+        "warmup_start_factor", "warmup_steps", "weight_decay", "zero_stage",
+    ),
+}
+
+
+def _passed_through(section: str) -> list[Argument]:
+    """Optional arguments of any value for the DeePMD-kit keys of ``section`` mdloader ignores."""
+    return [Argument(name, object, optional=True, default=None, doc=_PASSED)
+            for name in DEEPMD_KEYS[section]]
+
+
+_PASSED = "DeePMD-kit's; not read by mdloader (passed through)."
 
 
 def _arg(name: str, dtype: Any, doc: str, *, optional: bool = True, default: Any = None,
@@ -171,6 +233,7 @@ def _training_arg() -> Argument:
              check=_positive_int, expect="a positive integer"),
         _arg("disp_file", str, "File of the learning curve.", default="lcurve.out"),
         _arg("save_ckpt", str, "Checkpoint file prefix.", default="model.ckpt"),
+        *_passed_through("training"),
     ])
 
 
@@ -180,6 +243,7 @@ def _model_arg() -> Argument:
         _arg("type_map", [list[str], None], "Element names; index = model type id. Systems "
              "are remapped to it through their type_map.raw.", check=_check_type_map,
              expect="a non-empty list of distinct element names"),
+        *_passed_through("model"),
     ])
 
 
@@ -193,6 +257,7 @@ def _learning_rate_arg() -> Argument:
              default=1e-8, check=_positive_number, expect="a positive number"),
         _arg("decay_steps", int, "Steps between two decays.", default=5000,
              check=_positive_int, expect="a positive integer"),
+        *_passed_through("learning_rate"),
     ])
 
 
@@ -208,17 +273,16 @@ def _loss_arg() -> Argument:
         *[_arg(name, [float, int], doc.format(what, when), default=default,
                check=_nonnegative_number, expect="a number >= 0")
           for name, default, what, when in specs],
+        *_passed_through("loss"),
     ])
 
 
 def input_schema() -> Argument:
     """The whole ``input.json`` as mdloader reads it (root argument named ``input``)."""
     return Argument("input", dict, sub_fields=[
-        _model_arg(), _learning_rate_arg(), _loss_arg(), _training_arg()])
+        _model_arg(), _learning_rate_arg(), _loss_arg(), _training_arg(), *_passed_through("")])
 
 
-#: JSON paths (dotted) of the sections whose unknown keys are errors.
-STRICT_SECTIONS: tuple[str, ...] = ("training.training_data", "training.validation_data")
 
 
 def _type_name(dtype: Any) -> str:
@@ -232,6 +296,8 @@ def _type_name(dtype: Any) -> str:
 def _rows(arg: Argument, prefix: str) -> list[str]:
     rows = []
     for sub in arg.sub_fields.values():
+        if sub.doc == _PASSED:  # DeePMD-kit's own keys: its documentation describes them
+            continue
         path = f"{prefix}.{sub.name}" if prefix else sub.name
         types = " \\| ".join(sorted(_type_name(t) for t in sub.dtype))
         if not sub.optional:
@@ -253,12 +319,15 @@ def schema_markdown() -> str:
     ``Argument`` objects keeps the Markdown docs in step with the checker.
     """
     head = ["| key | type | default | aliases | meaning |", "|---|---|---|---|---|"]
-    strict = ", ".join(f"`{s}`" for s in STRICT_SECTIONS)
     note = ("Keys starting with `_` (`_comment`, ...) are dropped first, as DeePMD-kit does. "
-            f"Unknown keys are errors in {strict}; other sections are passed through "
-            "unchecked, so a complete DeePMD-kit input.json is accepted. Inputs for what "
-            "mdloader does not serve are refused in one line naming the key: multi-task "
-            "training (`model.model_dict`, `training.data_dict`), TensorFlow spin models "
-            "(`model.spin.spin_norm`, `model.spin.virtual_len`) and the TensorFlow-only batch "
-            "rule `mixed:N`.")
+            "Unknown keys are errors (with a \"did you mean\"), as in DeePMD-kit's strict "
+            "check, at the top level and in `model`, `learning_rate`, `loss`, `training` and "
+            "its data sections; DeePMD-kit 3.2's other keys of these sections (descriptor, "
+            "fitting net, optimizer, ...) are accepted and passed through unread, and the "
+            "sections mdloader does not read (`model.descriptor`, `optimizer`, `validating`, "
+            "`nvnmd`, ...) unchecked, so a complete DeePMD-kit input.json is accepted. Inputs "
+            "for what mdloader does not serve are refused in one line naming the key: "
+            "multi-task training (`model.model_dict`, `training.data_dict`), TensorFlow spin "
+            "models (`model.spin.spin_norm`, `model.spin.virtual_len`) and the TensorFlow-only "
+            "batch rule `mixed:N`.")
     return "\n".join(head + _rows(input_schema(), "")) + "\n\n" + note + "\n"

@@ -26,7 +26,7 @@ from typing import Any
 from dargs import Argument
 from dargs.dargs import ArgumentError, ArgumentKeyError, ArgumentTypeError, ArgumentValueError
 
-from mdloader.config.argcheck import STRICT_SECTIONS, input_schema, schema_markdown
+from mdloader.config.argcheck import input_schema, schema_markdown
 from mdloader.config.unsupported import refuse_unsupported
 from mdloader.errors import ConfigError
 from mdloader.sampling.batching import parse_rule
@@ -134,31 +134,17 @@ def parse_config(data: Any, *, base_dir: str = ".", source: str | None = None) -
 
 
 def _run_dargs(schema: Argument, data: dict) -> dict:
-    """Drop ``_*`` keys, normalise, then check (strict only in the sections mdloader owns)."""
+    """Drop ``_*`` keys, normalise, then check strictly, as ``dp`` does: an unknown key in a
+    section mdloader reads is an error (DeePMD-kit's own keys are declared in the schema)."""
     try:
         normed = schema.normalize_value(data, trim_pattern="_*")
     except ArgumentError as exc:
         raise _to_config_error(exc, data, None) from exc
     try:
-        schema.check_value(normed, strict=False)
+        schema.check_value(normed, strict=True)
     except ArgumentError as exc:
         raise _to_config_error(exc, normed, None) from exc
-    for dotted in STRICT_SECTIONS:
-        value = _lookup(normed, dotted)
-        if isinstance(value, dict):
-            try:
-                _sub_argument(schema, dotted).check_value(value, strict=True)
-            except ArgumentError as exc:
-                # A sub-argument's errors carry paths relative to that sub-argument.
-                raise _to_config_error(exc, normed, dotted) from exc
     return normed
-
-
-def _sub_argument(schema: Argument, dotted: str) -> Argument:
-    arg = schema
-    for name in dotted.split("."):
-        arg = arg.sub_fields[name]
-    return arg
 
 
 def _lookup(data: Any, dotted: str) -> Any:

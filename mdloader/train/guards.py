@@ -5,9 +5,11 @@
 * A checkpoint is never written with non-finite weights (:func:`nonfinite_weights`).
 * Every frame's box is checked against the model cutoff before the first step, each rank
   checking its share of the systems (:func:`check_boxes`), instead of at the first batch that
-  happens to draw a small box, possibly hours in. LMDB frames hold their box with everything
-  else, so reading their boxes would read the whole database: they are checked as they are
-  read, as before.
+  happens to draw a small box, possibly hours in; a flat or all-zero cell (NaN heights) is
+  an error too. LMDB frames hold their box with everything else, so reading their boxes would
+  read the whole database: they are checked as they are read (finite, volume > 0), and a box
+  under ``2 * rcut`` is named with its system and frame at the step that draws it
+  (:func:`small_box_in_batch`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.data.formats import backend_of
+from mdloader.data.formats.base import degenerate_boxes
 from mdloader.distributed.collectives import fail_together
 from mdloader.errors import DataError, NonFiniteError
 from mdloader.train.model import box_heights, box_too_small
@@ -62,6 +66,18 @@ def nonfinite_data(batch: dict[str, Any], system: DeepmdDataSetForLoader, where:
     return None
 
 
+def small_box_in_batch(exc: DataError, batch: dict[str, Any],
+                       system: DeepmdDataSetForLoader) -> DataError:
+    """The model's box error ``exc`` (it knows no file) with the system, the frame of the batch
+    whose box is smallest and the file (or database entry) holding it."""
+    fids = [int(f) for f in batch["fid"]]
+    heights = box_heights(torch.as_tensor(batch["box"], dtype=torch.float64).reshape(-1, 3, 3))
+    fid = fids[int(torch.argmin(heights.min(dim=1).values))]
+    return type(exc)(f"{exc.message}; frame {fid} of the batch {fids}", system=system.system,
+                     file=frame_file(system, "box", fid), expected=exc.expected,
+                     found=exc.found)
+
+
 def nonfinite_weights(model: torch.nn.Module, step: int) -> NonFiniteError | None:
     """An error naming the first parameter or buffer that holds NaN/inf, else ``None``."""
     for name, value in [*model.named_parameters(), *model.named_buffers()]:
@@ -72,7 +88,8 @@ def nonfinite_weights(model: torch.nn.Module, step: int) -> NonFiniteError | Non
 
 
 def check_boxes(systems: Sequence[DeepmdDataSetForLoader], rcut: float, world: World) -> None:
-    """Every frame's box is at least ``2 * rcut`` high, or every rank raises the first failure.
+    """Every frame's box is finite, encloses a volume and is at least ``2 * rcut`` high, or
+    every rank raises the first failure.
 
     Rank ``r`` reads the boxes of systems ``r, r + W, ...`` once (a few floats per frame); the
     ranks then agree in one framed exchange, so every rank prints the same line.
@@ -99,8 +116,14 @@ def _box_problem(system: DeepmdDataSetForLoader, rcut: float) -> DataError | Non
         if bad:
             return NonFiniteError(f"the box of frame {start + bad[0]} holds NaN/inf",
                                   system=meta.address, file=file)
+        flat = degenerate_boxes(block)
+        if len(flat):
+            return DataError(f"the box of frame {start + int(flat[0])} encloses no volume "
+                             f"(a degenerate cell); {len(flat)} frame(s) of this set",
+                             system=meta.address, file=file, expected="a cell of volume > 0",
+                             found=f"box {np.asarray(block)[flat[0]].tolist()}")
         heights = box_heights(rows.reshape(-1, 3, 3))
-        small = torch.nonzero(heights.min(dim=1).values < 2 * rcut).flatten().tolist()
+        small = torch.nonzero(~(heights.min(dim=1).values >= 2 * rcut)).flatten().tolist()
         if small:
             return box_too_small(float(heights[small[0]].min()), rcut,
                                  what=f"the box of frame {start + small[0]}",

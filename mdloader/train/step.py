@@ -26,9 +26,9 @@ import torch
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.distributed.collectives import any_rank, fail_together
-from mdloader.errors import ConfigError, NonFiniteError
+from mdloader.errors import ConfigError, DataError, NonFiniteError
 from mdloader.settings import resolve
-from mdloader.train.guards import nonfinite_loss
+from mdloader.train.guards import nonfinite_loss, small_box_in_batch
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,13 @@ class Stepper:
     def forward(self, model: Any, batch: dict[str, Any], create_graph: bool
                 ) -> dict[str, torch.Tensor]:
         box = batch["box"]
-        return model(batch["coord"].to(self.device), batch["atype"].to(self.device),
-                     None if box is None else box.to(self.device), create_graph=create_graph)
+        try:
+            return model(batch["coord"].to(self.device), batch["atype"].to(self.device),
+                         None if box is None else box.to(self.device), create_graph=create_graph)
+        except DataError as exc:  # a box too small for the cutoff (boxes read with the frames)
+            if exc.system is not None or box is None:
+                raise
+            raise small_box_in_batch(exc, batch, self.systems[int(batch["sid"])]) from exc
 
     def labels(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         return {k: batch[k].to(self.device, torch.float64) for k in ("energy", "force")}

@@ -101,6 +101,35 @@ def test_an_entry_that_does_not_exist_is_an_error_naming_its_json_path(tmp_path)
         discover_systems([good, str(tmp_path / "zz*")])
 
 
+def test_an_entry_that_holds_no_system_is_an_error_naming_its_json_path(tmp_path):
+    """DeePMD-kit keeps a listed folder as a system and fails reading it; dropping it would
+    train on the other entries only."""
+    good = make_system(tmp_path, "sys")
+    (tmp_path / "empty").mkdir()
+    key = "training.training_data.systems"
+    with pytest.raises(NoSystemsFoundError, match=r"^training\.training_data\.systems\[1\]: no "
+                       r"DeePMD system .* found under: .*/empty$"):
+        discover_systems([good, str(tmp_path / "empty")], key=key)
+    with pytest.raises(NoSystemsFoundError, match=r"^systems\[0\]: .* matching \['sys'\] found "
+                       r"under: .*/empty$"):
+        discover_systems([str(tmp_path / "empty"), str(tmp_path)], rglob_patterns=["sys"])
+
+
+@pytest.mark.parametrize("where", ["root", "subfolder"])
+def test_a_symlink_loop_is_ignored_as_rglob_ignores_it(tmp_path, where, caplog):
+    """``a -> b``, ``b -> a``: ``DirEntry.is_dir()`` raises ELOOP; DeePMD-kit's ``rglob`` skips
+    the entry and finds every system, so does the walk (with a warning naming it)."""
+    systems = [make_system(tmp_path / "sub", f"sys_{i}", nframes=2) for i in range(3)]
+    systems += [make_system(tmp_path, f"top_{i}", nframes=2) for i in range(2)]
+    folder = tmp_path if where == "root" else tmp_path / "sub"
+    os.symlink(folder / "b", folder / "a")
+    os.symlink(folder / "a", folder / "b")
+    with caplog.at_level("WARNING"):
+        found = discover_systems(str(tmp_path))
+    assert found == sorted(systems)
+    assert str(folder / "a") in caplog.text
+
+
 def _count_listings(monkeypatch) -> list[str]:
     listed = []
     real = os.scandir

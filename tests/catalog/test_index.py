@@ -4,12 +4,14 @@ ends in a correct build with one warning line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -297,6 +299,33 @@ def test_a_damaged_index_costs_one_warning_and_a_rebuild(
     assert line.startswith("mdloader: ") and line.endswith("; describing the systems again")
     assert path in line and __import__("re").search(FAULTS[fault], line)
     assert _build(root).source == "index"  # saved again, whole
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a folder"])
+def test_a_fifo_or_folder_at_the_index_path_is_refused_without_blocking(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str) -> None:
+    """Opening a FIFO for reading blocks until a writer comes: the job hung. It is refused from
+    its type (one warning, a correct build); a FIFO is then replaced by the saved index."""
+    root = _tree(tmp_path / "data")
+    path = _build(root).index_file
+    os.unlink(path)
+    os.mkfifo(path) if kind == "a FIFO" else os.mkdir(path)
+
+    def unblock() -> None:  # hang guard: without the fix, a writer ends the blocked read
+        time.sleep(60)
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+    threading.Thread(target=unblock, daemon=True).start()
+    with caplog.at_level(logging.WARNING, logger="mdloader"):
+        report = _build(root)
+    assert report.source == "built"
+    line = _warnings(caplog)[0]
+    assert line == (f"mdloader: the index path {path} is {kind}, not an index file; describing "
+                    "the systems again")
+    if kind == "a FIFO":
+        assert len(_warnings(caplog)) == 1
+        assert _build(root).source == "index"
 
 
 def test_an_index_of_another_mdloader_version(tmp_path: Path, caplog: pytest.LogCaptureFixture,

@@ -244,11 +244,15 @@ def test_top_level_and_file_errors(tmp_path: Path) -> None:
         load_config(bad)
 
 
-def test_unknown_keys_outside_owned_sections_pass() -> None:
+def test_deepmd_keys_and_sections_mdloader_does_not_read_pass() -> None:
+    """Inside ``model.descriptor`` nothing is checked; a top-level key ``dp`` refuses is refused
+    too (tests/config/test_strict_keys.py)."""
     data = _with("training.tensorboard", True)
     data["model"]["descriptor"]["whatever"] = 1
-    data["extra_section"] = {"a": 1}
     assert parse_config(data).type_map == ("O", "H")
+    data["extra_section"] = {"a": 1}
+    with pytest.raises(ConfigError, match=r"^extra_section: unknown key"):
+        parse_config(data)
 
 
 def test_schema_markdown_covers_every_key() -> None:

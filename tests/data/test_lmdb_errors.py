@@ -201,3 +201,60 @@ def test_scanning_for_atom_counts_names_a_missing_frame(tmp_path: Path,
                                                r"system: \S+/d.lmdb; file: \S+/data.mdb"
                                                r"\[000000000003\]"):
         discover_systems(db)
+
+
+# -- while a job runs: the database replaced or truncated ------------------------------------
+def test_a_database_replaced_while_open_is_an_error_naming_it(tmp_path: Path,
+                                                              sources: list[str]) -> None:
+    """``mdloader pack --overwrite`` of the database being trained on, same layout, new labels:
+    the job switched to the new labels at the next pass, silently mixing two data sets."""
+    db = _db(tmp_path, sources)
+    ds = DeepmdDataSetForLoader(discover_systems(db)[0], ["O", "H"])
+    ds.get_batch([0, 1])
+    relabelled = [make_system(tmp_path / "new", "a", natoms=6, nframes=4, seed=9),
+                  make_system(tmp_path / "new", "b", natoms=3, nframes=3, seed=8)]
+    make_lmdb(db, relabelled)  # written aside, then renamed over the old one
+    message = (rf"^the LMDB database was replaced after it was described: its frames are not "
+               rf"the ones described \(described when this job started; the data changed while "
+               rf"it ran: restart the job\); system: {db}; file: {db}/data.mdb; expected: inode "
+               r"\d+, \d+ bytes, mtime \d+ ns; found: inode \d+, \d+ bytes, mtime \d+ ns$")
+    from mdloader.errors import StaleDataError
+
+    with pytest.raises(StaleDataError, match=message):
+        ds.get_batch([0, 1])
+    with pytest.raises(StaleDataError, match=message):
+        ds[2]
+    fresh = DeepmdDataSetForLoader(discover_systems(db)[0], ["O", "H"])  # described again
+    assert fresh.get_batch([0, 1])["energy"].shape == (2, 1)
+
+
+_TRUNCATE = """
+import os, sys
+from mdloader.catalog.discover import discover_systems
+from mdloader.data.dataset import DeepmdDataSetForLoader
+from mdloader.errors import MdloaderError
+db = sys.argv[1]
+ds = DeepmdDataSetForLoader(discover_systems(db)[0], ["O", "H"])
+ds.get_batch([0, 1])
+data = os.path.join(db, "data.mdb")
+os.truncate(data, 4096)
+try:
+    ds.get_batch([2, 3])
+except MdloaderError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_a_database_truncated_while_open_is_an_error_not_sigbus(tmp_path: Path) -> None:
+    """Mapped pages beyond the new end raise SIGBUS: every rank died with -7 and no line."""
+    import subprocess
+    import sys
+
+    big = [make_system(tmp_path / "src", "a", natoms=64, nframes=400, seed=1)]
+    db = make_lmdb(tmp_path / "d.lmdb", big)
+    run = subprocess.run([sys.executable, "-c", _TRUNCATE, db], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert run.stdout.startswith("StaleDataError the LMDB database was truncated after it was "
+                                 "described: ")
+    assert f"system: {db}; file: {db}/data.mdb; expected: inode" in run.stdout

@@ -12,6 +12,7 @@ kept in a bounded per-process cache, because every open map holds a file descrip
 from __future__ import annotations
 
 import io
+import logging
 import math
 import mmap
 import os
@@ -33,6 +34,8 @@ from mdloader.errors import (
 )
 from mdloader.fs_calls import timed
 from mdloader.settings import cached
+
+log = logging.getLogger(__name__)
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -85,13 +88,19 @@ def list_dir(path: str) -> Listing:
 
     One listing (the entry types come with it); the tuples are shared between folders with the
     same entries. A symbolic link to a folder counts as a folder (its ``set.*`` is read), and a
-    walk does not descend into it (as ``os.walk``).
+    walk does not descend into it (as ``os.walk``); an entry whose type cannot be known (a
+    symbolic link loop) is left out with a warning, as DeePMD-kit's ``rglob`` ignores it.
     """
     files, dirs, links = [], [], []
     with timed(os.scandir, path) as listing:
         entries = timed(list, listing)
     for entry in entries:
-        if entry.is_dir():
+        try:
+            is_dir = entry.is_dir()
+        except OSError as exc:  # a symbolic link loop: neither file nor folder, as for rglob
+            log.warning("ignoring %s: %s", entry.path, exc.strerror or exc)
+            continue
+        if is_dir:
             dirs.append(entry.name)
             if entry.is_symlink():
                 links.append(entry.name)

@@ -22,6 +22,7 @@ from mdloader.data.formats.base import (
     FrameReader,
     Listing,
     Location,
+    degenerate_boxes,
     frame_ids,
     nonfinite_rows,
 )
@@ -133,29 +134,37 @@ class SetBackend(Backend):
             for key in s.keys:
                 where = self.file_of(loc, s.name, key + ".npy")
                 try:
-                    bad = self._nonfinite_frames(loc, s.name, key, s.nframes)
+                    bad, flat = self._bad_frames(loc, s.name, key, s.nframes,
+                                                 cells=meta.pbc and key == "box")
                 except Exception as exc:  # noqa: BLE001 - a truncated or corrupt file
                     found.append(f"cannot read {s.nframes} frames from {where}: "
                                  f"{type(exc).__name__}: {exc}")
                     continue
-                if len(bad):
-                    shown = ", ".join(str(start + int(f)) for f in bad[:10])
-                    more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
-                    found.append(f"NaN/inf in {where}: {len(bad)} frame(s), system frame ids "
-                                 f"{shown}{more}")
+                for what, frames in (("NaN/inf", bad), ("a box of volume 0 (degenerate "
+                                                         "cell)", flat)):
+                    if len(frames):
+                        shown = ", ".join(str(start + int(f)) for f in frames[:10])
+                        more = f" and {len(frames) - 10} more" if len(frames) > 10 else ""
+                        found.append(f"{what} in {where}: {len(frames)} frame(s), system frame "
+                                     f"ids {shown}{more}")
             start += s.nframes
         return found
 
-    def _nonfinite_frames(self, loc: Location, set_name: str, key: str,
-                          nframes: int) -> np.ndarray:
-        bad = []
+    def _bad_frames(self, loc: Location, set_name: str, key: str, nframes: int,
+                    cells: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(rows holding NaN/inf, finite rows that are degenerate cells when ``cells``)."""
+        bad, flat = [], []
         for lo in range(0, nframes, DEEP_CHUNK):
             rows = np.arange(lo, min(nframes, lo + DEEP_CHUNK))
             block = self.read_rows(loc, set_name, key, rows, nframes)
             if block.shape[0] != len(rows):
                 raise ValueError(f"got {block.shape[0]} rows, expected {len(rows)}")
-            bad.append(rows[nonfinite_rows(block)])
-        return np.concatenate(bad) if bad else np.empty(0, dtype=np.int64)
+            nonfinite = nonfinite_rows(block)
+            bad.append(rows[nonfinite])
+            if cells:
+                flat.append(rows[np.setdiff1d(degenerate_boxes(block), nonfinite)])
+        empty = np.empty(0, dtype=np.int64)
+        return (np.concatenate(bad) if bad else empty, np.concatenate(flat) if flat else empty)
 
     def notes(self, meta: SystemMeta) -> list[str]:
         """One line per array stored flat, read reshaped as DeePMD-kit's whole-set reader does."""

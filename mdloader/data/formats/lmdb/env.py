@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from mdloader.data.formats.handles import HandleCache
-from mdloader.errors import CorruptFileError, MissingDataError
+from mdloader.errors import CorruptFileError, MissingDataError, StaleDataError
 from mdloader.settings import cached
 
 METADATA_KEY = b"__metadata__"
@@ -73,9 +73,46 @@ def _open(path: str, *, readahead: bool) -> Any:
                                file=data_file, found=str(exc)) from exc
 
 
-def serving_txn(path: str) -> Any:
-    """This process's read transaction on ``path`` (opened on first use, cached, bounded)."""
+#: What identifies the content of a ``data.mdb``: (inode, size, mtime in ns).
+Stamp = tuple[int, int, int]
+
+
+def data_stamp(path: str) -> Stamp | None:
+    """The stamp of the database ``path``'s ``data.mdb`` now (``None`` when it is gone)."""
+    try:
+        st = os.stat(os.path.join(path, "data.mdb"))
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def serving_txn(path: str, stamp: Stamp | None = None) -> Any:
+    """This process's read transaction on ``path`` (opened on first use, cached, bounded),
+    after checking that ``data.mdb`` still has the ``stamp`` it had when described: a file
+    replaced would serve another data set's frames, one truncated would raise SIGBUS."""
+    if stamp is not None:
+        check_stamp(path, stamp)
     return _ENVS.get(path, lambda: _Handle(_open(path, readahead=False))).txn
+
+
+def check_stamp(path: str, stamp: Stamp) -> None:
+    """Raise a :class:`StaleDataError` naming the database when its ``data.mdb`` was replaced,
+    truncated or rewritten since it was described with ``stamp``."""
+    now = data_stamp(path)
+    if now == stamp:
+        return
+    data_file = os.path.join(path, "data.mdb")
+    if now is None:
+        what, found = "removed", "no data.mdb"
+    else:
+        what = ("replaced" if now[0] != stamp[0] else
+                "truncated" if now[1] < stamp[1] else "rewritten")
+        found = f"inode {now[0]}, {now[1]} bytes, mtime {now[2]} ns"
+    raise StaleDataError(
+        f"the LMDB database was {what} after it was described: its frames are not the ones "
+        "described", system=path, file=data_file,
+        expected=f"inode {stamp[0]}, {stamp[1]} bytes, mtime {stamp[2]} ns",
+        found=found).described_by(None)
 
 
 def forget(path: str) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from mdloader.data.collate import batch_from_blocks
+from mdloader.data.formats.base import degenerate_boxes
 from mdloader.data.formats.lmdb import env as io
 from mdloader.data.schema import DataRequirementItem, float_precisions, output_dtype
 from mdloader.data.system import SystemMeta
@@ -45,6 +46,7 @@ from mdloader.errors import (
     CorruptFileError,
     DataError,
     MissingDataError,
+    NonFiniteError,
     ShapeError,
     TypeMapError,
 )
@@ -93,13 +95,17 @@ def _core_dtypes(requirements: tuple[DataRequirementItem, ...],
 
 
 class LmdbGroupReader:
-    """Reads the frames of one group (``meta``) under the given data requirements."""
+    """Reads the frames of one group (``meta``) under the given data requirements; a frame
+    whose cell holds NaN/inf or no volume is an error naming it (unless ``check_cells`` is
+    false: the deep check collects them instead)."""
+
+    check_cells = True
 
     def __init__(self, meta: SystemMeta, requirements: Sequence[DataRequirementItem]) -> None:
         group = meta.sets[0]
         self.address, self.path = meta.address, meta.location.path
         self.natoms, self.ntypes = meta.natoms, meta.ntypes
-        self.runs, self.fmt = group.runs, group.frame_format
+        self.runs, self.fmt, self.stamp = group.runs, group.frame_format, group.stamp
         self.remap = None if group.remap is None else np.asarray(group.remap, dtype=np.int64)
         self.requirements = {req.key: req for req in requirements}
         self.dtypes, self.dtypes_key = _core_dtypes(tuple(requirements), float_precisions())
@@ -121,7 +127,7 @@ class LmdbGroupReader:
         frame is decoded on its own and the frames are collated.
         """
         indices = self.keys(positions).tolist()
-        txn = io.serving_txn(self.path)
+        txn = io.serving_txn(self.path, self.stamp)
         raws = [self.unpacked(index, txn) for index in indices]
         fast = stacked_batch(self, raws, indices)
         if fast is not None:
@@ -135,7 +141,7 @@ class LmdbGroupReader:
     def unpacked(self, index: int, txn: Any = None) -> dict[Any, Any]:
         """The msgpack map of frame ``index``, arrays still encoded."""
         key = io.frame_key(index, self.fmt)
-        raw = (txn or io.serving_txn(self.path)).get(key)
+        raw = (txn or io.serving_txn(self.path, self.stamp)).get(key)
         if raw is None:
             raise MissingDataError(f"frame {index} is missing from the database",
                                    system=self.address, file=io.entry_of(self.path, key))
@@ -198,6 +204,9 @@ class LmdbGroupReader:
                 frame[name] = value.reshape(shape).astype(self.dtypes[name], copy=False)
             elif name == "energy" and value is not None:
                 frame[name] = np.array([float(value)], dtype=self.dtypes[name])
+        box = frame.get("box")
+        if self.check_cells and isinstance(box, np.ndarray) and len(degenerate_boxes(box)):
+            raise self.bad_box(box, index)
         atype = frame.get("atype")
         if not isinstance(atype, np.ndarray) or "coord" not in frame:
             missing = "atom_types" if not isinstance(atype, np.ndarray) else "coords"
@@ -211,6 +220,16 @@ class LmdbGroupReader:
                                  f"gives it {self.natoms}", system=self.address,
                                  file=self._entry(index), expected=self.natoms, found=rows)
         frame["atype"] = self._remap(atype, index)
+
+    def bad_box(self, box: np.ndarray, index: int) -> DataError:
+        """The error of frame ``index``'s cell ``box``, which holds NaN/inf or no volume
+        (:func:`~mdloader.data.formats.base.degenerate_boxes`): its heights are NaN."""
+        if not np.isfinite(box).all():
+            return NonFiniteError(f"the box of frame {index} holds NaN/inf", system=self.address,
+                                  file=self._entry(index))
+        return DataError(f"the box of frame {index} encloses no volume (a degenerate cell)",
+                         system=self.address, file=self._entry(index),
+                         expected="a cell of volume > 0", found=f"box {box.reshape(-1).tolist()}")
 
     def _remap(self, atype: np.ndarray, index: int) -> np.ndarray:
         limit = self.ntypes if self.remap is None else len(self.remap)
@@ -308,6 +327,9 @@ def stacked_batch(reader: LmdbGroupReader, raws: list[dict[Any, Any]],
     except (KeyError, TypeError, ValueError, AttributeError, IndexError):
         return None
     if blocks is None or not _types_ok(reader, blocks):
+        return None
+    box = blocks.get("box")
+    if box is not None and len(degenerate_boxes(box)):  # the per-frame path names the frame
         return None
     flags: dict[str, list[np.float32]] = {}
     if not _requirements(reader, blocks, flags, len(raws)):

@@ -32,7 +32,7 @@ from mdloader.data.formats.lmdb.metadata import Metadata, read_metadata
 from mdloader.data.system import SystemMeta, shared
 from mdloader.errors import DataError, MissingDataError, TypeMapError
 
-_CACHE: OrderedDict[str, tuple[tuple[int, int], LmdbGroups]] = OrderedDict()
+_CACHE: OrderedDict[str, tuple[io.Stamp, LmdbGroups]] = OrderedDict()
 _CACHE_LIMIT = 8
 _LOCK = threading.Lock()
 _PLACEHOLDERS: dict[int, np.ndarray] = {}
@@ -48,16 +48,17 @@ class LmdbGroup:
     runs: FrameRuns
     frame_format: str
     remap: tuple[int, ...] | None
+    stamp: io.Stamp | None = None  # data.mdb when described; every read checks it
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_restore_group, (self.runs.nframes, self.runs.blob, self.frame_format,
-                                 self.remap))
+                                 self.remap, self.stamp))
 
 
 def _restore_group(nframes: int, blob: bytes, frame_format: str,
-                   remap: tuple[int, ...] | None) -> LmdbGroup:
+                   remap: tuple[int, ...] | None, stamp: io.Stamp | None = None) -> LmdbGroup:
     return LmdbGroup("frames", nframes, FrameRuns(nframes, blob), shared(frame_format),
-                     shared(remap))
+                     shared(remap), shared(stamp))  # one stamp per database in a broadcast
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class LmdbGroups:
     path: str
     metadata: Metadata
     groups: dict[tuple[int, int], FrameRuns]
+    stamp: io.Stamp | None = None  # data.mdb before its metadata was read
 
     def addresses(self) -> list[str]:
         return [group_address(self.path, sid, natoms) for sid, natoms in self.groups]
@@ -87,7 +89,7 @@ def read_groups(path: str) -> LmdbGroups:
             return hit[1]
         if hit is not None:  # replaced: this process's environment still maps the old file
             io.forget(path)
-        groups = _read_groups(path)
+        groups = _read_groups(path, stamp)
         _CACHE[path] = (stamp, groups)
         while len(_CACHE) > _CACHE_LIMIT:
             _CACHE.popitem(last=False)
@@ -101,17 +103,13 @@ def cached_groups(path: str) -> LmdbGroups:
     return hit[1] if hit is not None else read_groups(path)
 
 
-def _stamp(path: str) -> tuple[int, int]:
-    try:
-        st = os.stat(os.path.join(path, "data.mdb"))
-    except OSError:
-        return (-1, -1)  # _read_groups names the problem
-    return st.st_mtime_ns, st.st_size
+def _stamp(path: str) -> io.Stamp:
+    return io.data_stamp(path) or (-1, -1, -1)  # gone: _read_groups names the problem
 
 
-def _read_groups(path: str) -> LmdbGroups:
+def _read_groups(path: str, stamp: io.Stamp) -> LmdbGroups:
     meta = read_metadata(path)
-    return LmdbGroups(path, meta, group_frames(meta.frame_nlocs, meta.frame_system_ids))
+    return LmdbGroups(path, meta, group_frames(meta.frame_nlocs, meta.frame_system_ids), stamp)
 
 
 def group_frames(nlocs: np.ndarray, sids: np.ndarray | None) -> dict[tuple[int, int],
@@ -154,7 +152,8 @@ def describe_group(loc: Location, type_map: Sequence[str] | None) -> SystemMeta:
                                file=io.entry_of(loc.path, io.METADATA_KEY),
                                expected=f"one of {_some_groups(found)}")
     final_map, remap = _type_maps(found, type_map, loc.address)
-    group = _restore_group(runs.nframes, runs.blob, found.metadata.frame_format, remap)
+    group = _restore_group(runs.nframes, runs.blob, found.metadata.frame_format, remap,
+                           found.stamp)
     return SystemMeta(address=loc.address, atom_types=_placeholder(natoms),
                       type_map=shared(final_map), pbc=True, mixed_type=True, sets=(group,))
 

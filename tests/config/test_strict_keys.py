@@ -1,0 +1,96 @@
+"""Every section of input.json that mdloader reads is checked strictly, as ``dp`` checks it: a
+misspelt key is refused with "did you mean" (before: accepted, and its default silently used),
+DeePMD-kit's own keys pass through, ``_*`` keys are dropped."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from deepmd_env import require_deepmd_python
+
+from mdloader.config.argcheck import DEEPMD_KEYS
+from mdloader.config.input_json import parse_config
+from mdloader.errors import ConfigError
+from mdloader.testing import make_system
+
+
+def _input(**sections: dict) -> dict:
+    data: dict = {"model": {"type_map": ["O", "H"]},
+                  "training": {"training_data": {"systems": ["sys"], "batch_size": 1}}}
+    for name, extra in sections.items():
+        target = data if name == "root" else data.setdefault(name, {})
+        target.update(extra)
+    return data
+
+
+@pytest.mark.parametrize("section, key, message", [
+    ("training", "batch_szie", r"^training\.batch_szie: unknown key"),
+    ("training", "sav_freq", r"^training\.sav_freq: unknown key \(did you mean: save_freq\?\)$"),
+    ("model", "type_mapp", r"^model\.type_mapp: unknown key \(did you mean: type_map\?\)$"),
+    ("learning_rate", "start_rl", r"^learning_rate\.start_rl: unknown key \(did you mean: "
+                                  r"start_lr\?\)$"),
+    ("loss", "start_pref_ff", r"^loss\.start_pref_ff: unknown key \(did you mean: "
+                              r"start_pref_f\?\)$"),
+    ("root", "learning_rat", r"^learning_rat: unknown key \(did you mean: learning_rate\?\)$"),
+])
+def test_a_misspelt_key_is_refused_with_did_you_mean(tmp_path, section, key, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(_input(**{section: {key: 2}}), base_dir=str(tmp_path))
+
+
+def test_deepmd_keys_pass_through_and_underscore_keys_are_dropped(tmp_path) -> None:
+    make_system(tmp_path, "sys")
+    config = parse_config(_input(
+        root={"optimizer": {"type": "Adam", "anything": 1}, "_note": 1,
+              "validating": {"validation_freq": 5}},
+        model={"descriptor": {"type": "se_e2_a", "rcut": 6.0, "_c": 1}, "fitting_net": {},
+               "_comment": "x"},
+        learning_rate={"decay_rate": 0.9, "_c": 1},
+        loss={"start_pref_v": 0.0, "limit_pref_v": 1.0, "_c": 1},
+        training={"numb_test": 1, "tensorboard": True, "save_freq": 7, "_c": 1}),
+        base_dir=str(tmp_path))
+    assert config.save_freq == 7 and config.type_map == ("O", "H")
+
+
+def test_the_passed_through_keys_are_deepmd_kits() -> None:
+    """The lists are DeePMD-kit 3.2's keys of each section (every variant), less what mdloader
+    declares itself, plus the legacy keys ``dp`` moves or drops."""
+    code = r"""
+import json
+from deepmd.utils.argcheck import gen_args
+def names(arg):
+    out = set()
+    def fields(sub):
+        for s in sub.values():
+            out.add(s.name); out.update(s.alias)
+    def variants(a):
+        for v in a.sub_variants.values():
+            out.add(v.flag_name)
+            for choice in v.choice_dict.values():
+                fields(choice.sub_fields); variants(choice)
+    fields(arg.sub_fields); variants(arg)
+    return sorted(out)
+args = gen_args(multi_task=False)
+found = {"": sorted(n for a in args for n in (a.name, *a.alias))}
+found.update({a.name: names(a) for a in args if a.name in ("model", "learning_rate", "loss",
+                                                            "training")})
+print(json.dumps(found))
+"""
+    out = subprocess.run([require_deepmd_python(), "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    deepmd = json.loads(out.strip().splitlines()[-1])
+    from mdloader.config.argcheck import input_schema
+
+    schema = input_schema()
+    legacy = {"numb_test", "warmup_steps", "warmup_ratio", "warmup_start_factor", "opt_type",
+              "kf_blocksize", "kf_start_pref_e", "kf_limit_pref_e", "kf_start_pref_f",
+              "kf_limit_pref_f", "weight_decay", "momentum", "muon_momentum", "adam_beta1",
+              "adam_beta2", "lr_adjust", "lr_adjust_coeff", "muon_2d_only", "min_2d_dim"}
+    for section, keys in deepmd.items():
+        arg = schema if not section else schema.sub_fields[section]
+        ours = {n for sub in arg.sub_fields.values() if sub.name not in DEEPMD_KEYS[section]
+                for n in (sub.name, *sub.alias)}
+        expected = set(keys) - ours | (legacy if section == "training" else set())
+        assert set(DEEPMD_KEYS[section]) == expected, section
