@@ -14,6 +14,7 @@ from typing import Any
 
 from benchmarks import aggregate as agg
 from benchmarks.aggregate import met, number, ratio
+from benchmarks.first_step_report import section as first_step_section
 from benchmarks.startup_report import section as startup_section
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,7 +188,7 @@ def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
                        targets="\n".join(targets(med)),
                        setup="\n".join(setup_table(med)), costs="\n".join(cost_table(med)),
                        throughput="\n".join(throughput_table(med)), figures=figs,
-                       lmdb=lmdb_report.section())
+                       lmdb=lmdb_report.section(), first_step=first_step_section())
 
 
 if __name__ == "__main__":

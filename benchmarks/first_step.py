@@ -1,0 +1,282 @@
+"""Time to first step: launch → first optimizer step of ``dp --pt train``, DeePMD-kit and mdloader.
+
+One command (defaults: 20 water systems, W = 1 and 2, both loaders, 600 s per launch)::
+
+    python -m benchmarks.first_step [--systems 200 2000] [--world 1 2] [--only mdloader|deepmd]
+                                    [--timeout S]
+
+For every (systems, W) each loader runs twice in fresh ``torchrun --standalone`` jobs (gloo,
+CPU, one OpenMP thread per rank) on DeePMD-kit's water example ``input.json`` with
+``numb_steps: 1``: a **first start** (empty job folder, empty mdloader cache) and a **restart**
+(``--restart model.ckpt.pt`` in the same folder, with whatever the first start cached). DeePMD-kit
+runs as ``python -m benchmarks.dp_cpu`` (its own ``dp`` with CPU fallbacks only), mdloader as
+``python -m mdloader dp``, both with the DeePMD-kit venv's python (``scripts/deepmd-env.sh``).
+Every output line is time-stamped as it arrives; :mod:`benchmarks.first_step_phases` splits the
+log into phases. A poller samples each rank's processes (the rank and its DataLoader workers)
+for resident memory and CPU time. A launch that exceeds ``--timeout`` is stopped and recorded as
+such, with the phases it reached. Records are appended to
+``benchmarks/results/first_step/first_step.jsonl``; ``python -m benchmarks.report`` prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import psutil
+
+from benchmarks import first_step_phases as fsp
+from benchmarks.generate import DEFAULT_BASE
+from benchmarks.water_data import ensure_water
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(REPO, "benchmarks", "results", "first_step", "first_step.jsonl")
+ENTRY = {"deepmd": ["-m", "benchmarks.dp_cpu"], "mdloader": ["-m", "mdloader", "dp"]}
+POLL_S = 0.25
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--systems", type=int, nargs="+", default=[20])
+    p.add_argument("--world", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--only", choices=("mdloader", "deepmd"))
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds per launch; a longer one is stopped and recorded as > T s")
+    p.add_argument("--starts", nargs="+", default=["first", "restart"],
+                   choices=("first", "restart"))
+    p.add_argument("--python", default=os.environ.get("MDLOADER_DEEPMD_PYTHON")
+                   or os.path.join(REPO, ".venv-deepmd", "bin", "python"),
+                   help="the interpreter with DeePMD-kit 3.2 (scripts/deepmd-env.sh)")
+    p.add_argument("--data-base", default=DEFAULT_BASE)
+    p.add_argument("--out", default=OUT)
+    p.add_argument("--keep-jobs", action="store_true", help="keep the job folders (logs)")
+    return p.parse_args(argv)
+
+
+def job_input(root: str, steps: int) -> dict[str, Any]:
+    """DeePMD-kit's water ``input.json`` on ``root``, ``steps`` steps, a line and a checkpoint
+    per step (validation data left out: it is not part of the first step)."""
+    with open(os.path.join(REPO, "examples", "water", "input.json")) as fh:
+        config = json.load(fh)
+    config.pop("_comment", None)
+    training = config["training"]
+    training.pop("validation_data", None)
+    training["training_data"]["systems"] = root
+    training.update(numb_steps=steps, disp_freq=1, save_freq=1)
+    return config
+
+
+class Poller(threading.Thread):
+    """Samples, per rank (processes whose environment has ``RANK``), RSS and CPU time."""
+
+    def __init__(self, pid: int, t0: float) -> None:
+        super().__init__(daemon=True)
+        self.root, self.t0 = psutil.Process(pid), t0
+        self.stop = threading.Event()
+        self.ranks: dict[int, str] = {}  # pid -> rank
+        self.peak_rss: dict[str, int] = {}
+        self.peak_tree: dict[str, int] = {}
+        self.cpu: dict[str, list[tuple[float, float]]] = {}
+
+    def _rank(self, proc: psutil.Process) -> str | None:
+        if proc.pid not in self.ranks:
+            try:
+                self.ranks[proc.pid] = proc.environ().get("RANK", "")
+            except psutil.Error:
+                return None
+        return self.ranks[proc.pid] or None
+
+    def sample(self) -> None:
+        rss: dict[str, int] = {}
+        cpu: dict[str, float] = {}
+        try:
+            procs = self.root.children(recursive=True)
+        except psutil.Error:
+            return
+        for proc in procs:
+            rank = self._rank(proc)
+            if rank is None:
+                continue
+            try:
+                with proc.oneshot():
+                    mem, times = proc.memory_info().rss, proc.cpu_times()
+                    main = self._rank(proc.parent()) is None
+            except psutil.Error:
+                continue
+            rss[rank] = rss.get(rank, 0) + mem
+            cpu[rank] = cpu.get(rank, 0.0) + times.user + times.system
+            if main:
+                self.peak_rss[rank] = max(self.peak_rss.get(rank, 0), mem)
+        now = time.monotonic() - self.t0
+        for rank, total in rss.items():
+            self.peak_tree[rank] = max(self.peak_tree.get(rank, 0), total)
+            self.cpu.setdefault(rank, []).append((now, cpu[rank]))
+
+    def run(self) -> None:
+        while not self.stop.wait(POLL_S):
+            self.sample()
+
+
+def launch(cmd: list[str], cwd: str, env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Run ``cmd``; the time-stamped log, the exit status and the poller's samples."""
+    log_path = os.path.join(cwd, "log.txt")
+    lines: list[tuple[float, str]] = []
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace",
+                            start_new_session=True)
+    poller = Poller(proc.pid, t0)
+    poller.start()
+
+    stream = proc.stdout
+
+    def read() -> None:
+        with open(log_path, "w") as fh:
+            for line in stream or ():
+                t = time.monotonic() - t0
+                lines.append((t, line.rstrip("\n")))
+                fh.write(f"{t:.3f} {line}")
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    status = "ok"
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        status = "stopped"
+        _stop(proc)
+    wall = time.monotonic() - t0
+    poller.stop.set()
+    poller.join()
+    reader.join(timeout=30)
+    if status == "ok" and proc.returncode != 0:
+        status = "failed"
+    return {"status": status, "wall_s": round(wall, 2), "lines": lines, "poller": poller,
+            "returncode": proc.returncode}
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def record(run: dict[str, Any], world: int) -> dict[str, Any]:
+    """What one launch adds to the results: phases, time to first step, CPU and memory."""
+    found = fsp.find_markers(run["lines"])
+    durations, ready = fsp.phases(found, end=run["wall_s"])
+    windows = fsp.phase_windows(found, end=run["wall_s"])
+    poller: Poller = run["poller"]
+    ranks = [str(r) for r in range(world)]
+    cpu = {name: [fsp.window_cpu(poller.cpu.get(r, []), a, b) for r in ranks]
+           for name, (a, b) in windows.items()}
+    mib = 1 / 2**20
+    rec = {"status": run["status"], "wall_s": run["wall_s"],
+           "ready_s": None if ready is None else round(ready, 3), "phases": durations,
+           "cpu_s": cpu,
+           "peak_rss_mib": [round(poller.peak_rss.get(r, 0) * mib, 1) for r in ranks],
+           "peak_tree_rss_mib": [round(poller.peak_tree.get(r, 0) * mib, 1) for r in ranks],
+           "markers": {k: [round(t, 3), line[:200]] for k, (t, line) in found.items()}}
+    if run["status"] != "ok" or ready is None:
+        rec["tail"] = "\n".join(line for _t, line in run["lines"][-25:])[-3000:]
+    return rec
+
+
+def run_pair(python: str, impl: str, root: str, nsys: int, world: int,
+             args: argparse.Namespace, fh: Any, run_id: str) -> None:
+    """A first start and a restart of one loader in one job folder."""
+    job = tempfile.mkdtemp(prefix=f"mdl-first-step-{impl}-n{nsys}-w{world}-")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               MDLOADER_CACHE_DIR=os.path.join(job, "mdloader-cache"))
+    first_ok = False
+    for start in ("first", "restart"):
+        base = {"kind": "first_step", "run": run_id, "impl": impl, "nsys": nsys, "world": world,
+                "start": start, "timeout_s": args.timeout,
+                "loadavg_1min": round(os.getloadavg()[0], 2)}
+        if start == "first":  # a restart needs the first start's checkpoint
+            first_ok, rec = _launch_first(python, impl, job, root, world, env, args)
+            if "first" not in args.starts:
+                continue
+        elif start not in args.starts:
+            continue
+        elif not first_ok:
+            rec = {"status": "not run (the first start did not finish)", "phases": {},
+                   "ready_s": None}
+        else:
+            with open(os.path.join(job, "input.json"), "w") as out:
+                json.dump(job_input(root, 2), out, indent=1)
+            cmd = _cmd(python, impl, world, ["--restart", "model.ckpt.pt"])
+            rec = record(launch(cmd, job, env, args.timeout), world)
+        fh.write(json.dumps({**base, **rec}) + "\n")
+        fh.flush()
+        shown = (f"{rec['ready_s']:.1f} s to first step" if rec["ready_s"] is not None
+                 else rec["status"])
+        print(f"  {impl:8s} n={nsys:<5d} W={world} {start:7s} {shown} "
+              f"(phases {rec['phases']})", flush=True)
+    if args.keep_jobs:
+        print(f"  job folder kept: {job}", flush=True)
+    else:
+        shutil.rmtree(job, ignore_errors=True)
+
+
+def _cmd(python: str, impl: str, world: int, extra: list[str]) -> list[str]:
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+            *ENTRY[impl], "--pt", "train", "input.json", *extra]
+
+
+def _launch_first(python: str, impl: str, job: str, root: str, world: int,
+                  env: dict[str, str], args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
+    with open(os.path.join(job, "input.json"), "w") as out:
+        json.dump(job_input(root, 1), out, indent=1)
+    rec = record(launch(_cmd(python, impl, world, []), job, env, args.timeout), world)
+    ok = rec["status"] == "ok" and os.path.exists(os.path.join(job, "model.ckpt.pt"))
+    return ok, rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        probe = subprocess.run([args.python, "-c", "import deepmd.pt.train.training"],
+                               capture_output=True, timeout=300).returncode
+    except (OSError, subprocess.TimeoutExpired):
+        probe = -1
+    if probe != 0:
+        print(f"{args.python} cannot import DeePMD-kit: run bash scripts/deepmd-env.sh "
+              "or pass --python", file=sys.stderr)
+        return 2
+    impls = [args.only] if args.only else ["mdloader", "deepmd"]
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    run_id = time.strftime("%Y-%m-%d %H:%M:%S")
+    with open(args.out, "a") as fh:
+        fh.write(json.dumps({"kind": "first_step-meta", "run": run_id, "cpus": os.cpu_count(),
+                             "systems": args.systems, "worlds": args.world, "impls": impls,
+                             "timeout_s": args.timeout, "loadavg": os.getloadavg()}) + "\n")
+        for nsys in args.systems:
+            root = ensure_water(nsys, base=args.data_base)
+            for i, world in enumerate(args.world):
+                for impl in (impls if i % 2 == 0 else impls[::-1]):
+                    run_pair(args.python, impl, root, nsys, world, args, fh, run_id)
+    print(f"results: {os.path.relpath(args.out, REPO)}; the page: "
+          "python -m benchmarks.report benchmarks/results/*.jsonl", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""From a time-stamped training log to the phases of time to first step (pure functions).
+
+``dp --pt train`` and ``mdloader dp --pt train`` print the same DeePMD-kit log lines (mdloader's
+records go through DeePMD-kit's logger); each phase starts at the first line matching its
+marker and ends where the next phase found in the log starts, so a phase that a run skips (input
+statistics at a restart) is absent rather than zero, and the phases add up to the time to first
+step. ``MARKERS`` is the one place to adjust when a loader's log lines change.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+
+# (phase, what its first line looks like), in DeePMD-kit's order; the "start-up" phase runs from
+# the launch to the first marker found (imports, reading input.json).
+MARKERS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("neighbour statistics", re.compile(r"Calculate neighbou?r statistics")),
+    # DeePMD-kit's last neighbour-statistics line; what follows is the process group and the build
+    ("build", re.compile(r"Neighbou?r statistics: training data with maximum neighbou?r size")),
+    ("input statistics", re.compile(r"Packing data for statistics")),
+    # the model, DDP and the data summary are done: the first batch and step follow
+    ("first step", re.compile(r"Start to train \d+ steps")),
+)
+PHASES = ("start-up",) + tuple(name for name, _ in MARKERS)
+# DeePMD-kit prints "Batch <step>: trn: ..." when a step completes (``disp_freq: 1``)
+FIRST_STEP_DONE = re.compile(r"Batch\s+\d+: trn")
+
+
+def stamped_lines(text: str) -> list[tuple[float, str]]:
+    """Lines ``"<seconds since launch> <line>"`` (what the harness writes) as (t, line)."""
+    out = []
+    for raw in text.splitlines():
+        stamp, _, line = raw.partition(" ")
+        try:
+            out.append((float(stamp), line))
+        except ValueError:
+            continue
+    return out
+
+
+def find_markers(lines: Iterable[tuple[float, str]]) -> dict[str, tuple[float, str]]:
+    """The first (time, line) of every phase marker and of the first completed step."""
+    found: dict[str, tuple[float, str]] = {}
+    for t, line in lines:
+        for name, pattern in MARKERS:
+            if name not in found and pattern.search(line):
+                found[name] = (t, line.strip())
+        if "ready" not in found and FIRST_STEP_DONE.search(line):
+            found["ready"] = (t, line.strip())
+    return found
+
+
+def phases(found: dict[str, tuple[float, str]],
+           end: float | None = None) -> tuple[dict[str, float], float | None]:
+    """Seconds per phase and the time to first step (``None`` if no step completed).
+
+    Without a completed step (a stopped run), the last phase found runs to ``end``.
+    """
+    starts = [(0.0, "start-up")]
+    starts += sorted((found[name][0], name) for name, _ in MARKERS if name in found)
+    ready = found["ready"][0] if "ready" in found else None
+    stop = ready if ready is not None else end
+    out: dict[str, float] = {}
+    for (t0, name), nxt in zip(starts, starts[1:] + [(stop, "")]):
+        if nxt[0] is not None:
+            out[name] = round(max(nxt[0] - t0, 0.0), 3)
+    return out, ready
+
+
+def window_cpu(samples: Sequence[tuple[float, float]], t0: float, t1: float) -> float:
+    """CPU seconds spent between ``t0`` and ``t1``, from cumulative (time, CPU s) samples
+    (linear between samples; the first and last sample bound the window)."""
+    if not samples:
+        return float("nan")
+
+    def at(t: float) -> float:
+        if t <= samples[0][0]:
+            return samples[0][1]
+        for (ta, ca), (tb, cb) in zip(samples, samples[1:]):
+            if t <= tb:
+                return ca + (cb - ca) * (t - ta) / (tb - ta) if tb > ta else cb
+        return samples[-1][1]
+
+    return round(at(t1) - at(t0), 3)
+
+
+def phase_windows(found: dict[str, tuple[float, str]],
+                  end: float | None = None) -> dict[str, tuple[float, float]]:
+    """(start, end) in seconds since launch of every phase present (see :func:`phases`)."""
+    durations, _ready = phases(found, end)
+    out = {}
+    for name, seconds in durations.items():
+        start = 0.0 if name == "start-up" else found[name][0]
+        out[name] = (start, start + seconds)
+    return out
