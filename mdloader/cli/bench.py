@@ -61,8 +61,10 @@ def bench_rank(config: Config, world: World, *, batches: int, num_workers: int |
     """One rank's measurements (see the module docstring)."""
     from mdloader.config.loaders import configured_loader
     from mdloader.loading.loader import default_num_workers
+    from mdloader.threads import set_torch_threads
 
     workers = default_num_workers(num_workers, "--num-workers")
+    set_torch_threads(workers, world=world)
     t0 = time.perf_counter()
     built = configured_loader(config.training_data, type_map=config.type_map, seed=config.seed,
                               world=world, labels=BENCH_LABELS, num_workers=workers)

@@ -38,6 +38,7 @@ from mdloader.distributed.group import device_of, process_group
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.loading.loader import default_num_workers
 from mdloader.loading.stateful_loader import lost_worker
+from mdloader.threads import set_torch_threads
 from mdloader.train.guards import check_boxes, nonfinite_weights
 from mdloader.train.io import (
     FullValidationLog,
@@ -120,6 +121,7 @@ class _Trainer:
         self.full_validation, self.activity = full_validation, activity
         self.device = device_of(world)
         workers = default_num_workers(num_workers, "--num-workers")
+        set_torch_threads(workers, world=world)
         built = configured_loader(config.training_data, type_map=config.type_map,
                                   seed=config.seed, world=world, labels=LABELS,
                                   num_workers=workers, pin_memory=self.device.type == "cuda",
