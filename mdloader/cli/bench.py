@@ -18,8 +18,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from mdloader.cli.arguments import at_least
 from mdloader.data.schema import DataRequirementItem
-from mdloader.errors import ConfigError
 from mdloader.world import World
 
 if TYPE_CHECKING:
@@ -124,8 +124,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                        description="Build the loader as training would and pull N batches "
                        "through the outer DataLoader; report per rank.")
     p.add_argument("input", help="DeePMD-kit input.json")
-    p.add_argument("--batches", type=int, default=200, help="batches to pull (default 200)")
-    p.add_argument("--num-workers", type=int, default=None,
+    p.add_argument("--batches", type=at_least(1), default=200, help="batches to pull (default 200)")
+    p.add_argument("--num-workers", type=at_least(0), default=None,
                    help="DataLoader workers (default: NUM_WORKERS or min(4, cpus))")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
 
@@ -134,8 +134,6 @@ def run(args: argparse.Namespace) -> int:
     """Bench; rank 0 prints every rank's row."""
     from mdloader.config.input_json import load_config
 
-    if args.batches < 1:
-        raise ConfigError(f"must be a positive integer, got {args.batches}", path="--batches")
     rows = run_bench(load_config(args.input), batches=args.batches,
                      num_workers=args.num_workers)
     if rows is not None:  # rank 0 only: the gathered rows of every rank

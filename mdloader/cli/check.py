@@ -22,7 +22,7 @@ from mdloader.catalog.discover import discover_systems
 from mdloader.config.input_json import Config, DataConfig, parse_config
 from mdloader.data.formats import backend_of
 from mdloader.data.system import SystemMeta, inspect_system
-from mdloader.errors import MdloaderError
+from mdloader.errors import ConfigError, MdloaderError
 from mdloader.sampling.plan import LoaderPlan
 
 
@@ -46,6 +46,7 @@ class Problem:
     section: str
     message: str
     system: str | None = None
+    config: bool = False  # a configuration error (a missing system path): exit 2, as elsewhere
 
 
 @dataclass
@@ -78,6 +79,12 @@ class CheckReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def exit_code(self) -> int:
+        """0 when all is well, 2 when a problem is a configuration error (as every command
+        exits on one, e.g. a system path that does not exist), else 1."""
+        return 0 if self.ok else 2 if any(p.config for p in self.problems) else 1
 
     def to_json(self) -> str:
         return json.dumps({
@@ -128,13 +135,14 @@ def _build_all(data: DataConfig, type_map: tuple[str, ...] | None, section: Sect
         addresses = discover_systems(list(data.systems), data.rglob_patterns,
                                      key=f"{data.json_path}.systems")
     except MdloaderError as exc:
-        problems.append(Problem(section.name, str(exc)))
+        problems.append(Problem(section.name, str(exc), config=isinstance(exc, ConfigError)))
         return None
     unique = list(dict.fromkeys(addresses))
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         inspected = dict(zip(unique, pool.map(lambda a: _inspect(a, type_map), unique)))
     for address, (meta, found) in inspected.items():
-        problems.extend(Problem(section.name, str(exc), address) for exc in found)
+        problems.extend(Problem(section.name, str(exc), address, isinstance(exc, ConfigError))
+                        for exc in found)
         if meta is not None:
             section.notes.extend(flat_notes(meta))
     return [inspected[a][0] for a in addresses if inspected[a][0] is not None]
@@ -162,7 +170,7 @@ def _plan(data: DataConfig, metas: list[SystemMeta], section: SectionReport,
                                 data.batch_size_value(), seed=None, json_path=data.json_path,
                                 sampler_params=data.sampler_params())
     except MdloaderError as exc:
-        problems.append(Problem(section.name, str(exc)))
+        problems.append(Problem(section.name, str(exc), config=isinstance(exc, ConfigError)))
         return
     for index, size, nbatch, prob in zip(plan.kept, plan.batch_sizes, plan.nbatches,
                                          plan.probabilities):
@@ -228,8 +236,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                        help="validate the data of an input.json, or systems and folders",
                        description="Discover, build and validate every training and "
                        "validation system of an input.json, or every system under the paths "
-                       "given; print a summary. Exit 0 when all is well, 1 with every problem "
-                       "listed otherwise.")
+                       "given; print a summary. Exit 0 when all is well; otherwise every "
+                       "problem is listed, and the exit code is 2 when one of them is a "
+                       "configuration "
+                       "error (such as a system path that does not exist), else 1.")
     p.add_argument("input", nargs="+", metavar="INPUT",
                    help="a DeePMD-kit input.json, or system directories, folders searched "
                    "recursively, globs and HDF5 files")
@@ -243,19 +253,18 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check, print the report (rank 0), exit 0 when all is well and 1 otherwise."""
+    """Check, print the report (rank 0); the exit code of :attr:`CheckReport.exit_code`."""
     from mdloader.world import World
 
     report = check_input(_check_config(args), deep=args.deep)
     if World.from_env().is_main:  # under torchrun, one copy of the report
         print(report.to_json() if args.json else format_check_report(report))
-    return 0 if report.ok else 1
+    return report.exit_code
 
 
 def _check_config(args: argparse.Namespace) -> Config:
     """One ``*.json`` file is an input.json; anything else is a list of system paths."""
     from mdloader.config.input_json import load_config
-    from mdloader.errors import ConfigError
 
     inputs = list(args.input)
     if len(inputs) == 1 and inputs[0].endswith(".json") and not os.path.isdir(inputs[0]):
