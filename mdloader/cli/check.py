@@ -186,12 +186,20 @@ def deep_check(meta: SystemMeta) -> list[str]:
     return backend_of(meta.location).deep_check(meta)
 
 
-def format_check_report(report: CheckReport) -> str:
-    """The human summary: one table per section, totals, then every problem."""
+#: Rows of a section's table shown by default; ``--all`` (or ``--json``) lists every system.
+TABLE_ROWS = 20
+
+
+def format_check_report(report: CheckReport, *, rows: int | None = TABLE_ROWS) -> str:
+    """The human summary: one table per section (its first ``rows`` systems, ``None``: all),
+    totals, then every problem."""
     lines: list[str] = []
     for section in report.sections:
-        lines += _table(section)
+        lines += _table(section, rows)
         lines.append("")
+    if any(r.pbc is None for s in report.sections for r in s.rows):
+        lines.append("(pbc ?: an LMDB database stores periodicity with each frame, not per "
+                     "system; frames without a box are read as non-periodic)")
     if not report.deep:
         lines.append("(headers only: the values were not read; --deep reads every array and "
                      "finds NaN/inf)")
@@ -209,19 +217,31 @@ def _fmt(value: Any, spec: str) -> str:
     return format("-", spec[:2]) if value is None else format(value, spec)
 
 
-def _table(section: SectionReport) -> list[str]:
-    width = max([len(r.system) for r in section.rows] + [len("system")])
+def _prob(value: float | None) -> str:
+    """A probability in 7 characters: 3 decimals, or 2 significant digits below 0.001 (with
+    thousands of systems every probability is that small, and ``0.000`` says nothing)."""
+    if value is None:
+        return format("-", ">7")
+    return format(value, ">7.3f" if value == 0 or value >= 1e-3 else ">7.1e")
+
+
+def _table(section: SectionReport, limit: int | None = None) -> list[str]:
+    shown = section.rows if limit is None else section.rows[:limit]
+    width = max([len(r.system) for r in shown] + [len("system")])
     head = (f"{'system':<{width}}  {'natoms':>6}  {'nframes':>7}  {'bsz':>4}  {'batches':>7}  "
-            f"{'prob':>6}  pbc")
+            f"{'prob':>7}  pbc")
     lines = [f"== {section.name}: {len(section.rows)} system(s)", head, "-" * len(head)]
-    for r in section.rows:
+    for r in shown:
         lines.append(f"{r.system:<{width}}  {r.natoms:>6}  {r.nframes:>7}  "
                      f"{_fmt(r.batch_size, '>4')}  {_fmt(r.batches, '>7')}  "
-                     f"{_fmt(r.prob, '>6.3f')}  {'?' if r.pbc is None else 'TF'[not r.pbc]}")
+                     f"{_prob(r.prob)}  {'?' if r.pbc is None else 'TF'[not r.pbc]}")
+    if len(shown) < len(section.rows):
+        lines.append(f"... {len(section.rows) - len(shown)} more system(s): --all lists "
+                     "every one, --json gives them all")
     t = section.totals()
     lines.append("-" * len(head))
     lines.append(f"{'total':<{width}}  {'':>6}  {t['frames']:>7}  {'':>4}  "
-                 f"{_fmt(t['batches'], '>7')}  {_fmt(t['prob'], '>6.3f')}")
+                 f"{_fmt(t['batches'], '>7')}  {_prob(t['prob'])}")
     for address in section.filtered:
         lines.append(f"(removed by the batch-size filter: {address})")
     lines.extend(f"note: {note}" for note in section.notes)
@@ -249,6 +269,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                    help="batch size or rule for system paths (default: auto)")
     p.add_argument("--deep", action="store_true",
                    help="also read every array: NaN/inf frames, frame counts that disagree")
+    p.add_argument("--all", action="store_true",
+                   help=f"list every system (default: the first {TABLE_ROWS} of each section)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -258,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
 
     report = check_input(_check_config(args), deep=args.deep)
     if World.from_env().is_main:  # under torchrun, one copy of the report
-        print(report.to_json() if args.json else format_check_report(report))
+        print(report.to_json() if args.json else
+              format_check_report(report, rows=None if args.all else TABLE_ROWS))
     return report.exit_code
 
 
