@@ -204,7 +204,8 @@ def test_bench_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert capsys.readouterr().err.splitlines()[-1].startswith(
         "mdloader: error: training.training_data.batch_size: batch size list has 3 entries but "
         "there are 2 systems")
-    assert table[-1] == "(1 rank(s), 0 DataLoader worker(s) per rank, 3 batches per rank)"
+    assert table[-1].startswith("(1 rank(s), 0 DataLoader worker(s) per rank, 3 batches per "
+                                "rank; batch/s, frame/s and atom/s count from the first batch on")
 
 
 def test_train_in_process_and_log_file(tmp_path: Path) -> None:

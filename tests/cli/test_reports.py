@@ -63,3 +63,21 @@ def test_the_index_report_of_an_lmdb_input_agrees_with_itself(
         "unchanged", 3, 12, 3, 0)
     assert main(["index", "inspect", path]) == 0
     assert "not kept in the index (LMDB groups" in capsys.readouterr().out
+
+
+def test_bench_rates_leave_the_start_up_of_workers_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first batch that waits (worker start-up) counts in first_s, not in the rates."""
+    from mdloader.cli import bench
+
+    class Atype:
+        shape = (2, 3)
+
+    class SlowStart:
+        def __iter__(self):
+            for i in range(5):
+                time.sleep(0.5 if i == 0 else 0.01)
+                yield {"fid": [0, 1], "atype": Atype()}
+
+    pulled = bench._pull(SlowStart(), 5)  # type: ignore[arg-type]
+    assert pulled.first >= 0.5 and pulled.batches == 4 and pulled.frames == 8
+    assert pulled.atoms == 24 and pulled.rate(pulled.batches) > 4 / 0.5
