@@ -68,7 +68,8 @@ def build_indexes(config: Config, *, refresh: bool = False,
         start = time.monotonic()
         done = describe(list(data.systems), config.type_map, data.rglob_patterns,
                         workers=int(resolve("build_workers")), progress=progress,
-                        index_file=data.index_file, mode="refresh" if refresh else "check")
+                        index_file=data.index_file, mode="refresh" if refresh else "check",
+                        key=f"{data.json_path}.systems")
         done.save()
         table = done.survey.saved.table
         state = {"built": "built", "index": "unchanged"}.get(done.source, "updated")
