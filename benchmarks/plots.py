@@ -25,20 +25,28 @@ def _plot_vs_nsys(med: dict, name: str, ylabel: str, title: str, path: str,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    worlds = worlds or sorted({w for (_i, _n, w) in med})
+    worlds = sorted(worlds or {w for (_i, _n, w) in med}, key=lambda w: (w != 2, w))
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    drawn = False
+    shown: list[tuple[int, float]] = []
     for impl, (color, label) in STYLE.items():
         for w in worlds:
             xs, ys = _series(med, impl, w, name)
-            if xs and any(y > 0 for y in ys):
+            if xs and any(y > 0 for y in ys) and visible(xs, ys, shown):
                 ax.plot(xs, ys, marker=MARKERS.get(w, "x"), color=color,
                         label=f"{label}, W={w}", alpha=0.5 + 0.5 * (w == 2))
-                drawn = True
-    if not drawn:
+                shown.extend(zip(xs, ys))
+    if not shown:
         plt.close(fig)
         return None
     return _finish(plt, fig, ax, path, ylabel, title)
+
+
+def visible(xs: list[int], ys: list[float], shown: list[tuple[int, float]],
+            close: float = 0.05) -> bool:
+    """Whether a series has a point that no point already drawn hides (within ``close``, in
+    relative terms, on the log axes): a series the legend lists must be seen in the plot."""
+    return any(not any(x == sx and abs(y - sy) <= close * max(abs(sy), 1e-12)
+                       for sx, sy in shown) for x, y in zip(xs, ys))
 
 
 def _plot_throughput(med: dict, path: str, world: int = 2) -> str | None:
@@ -58,7 +66,7 @@ def _plot_throughput(med: dict, path: str, world: int = 2) -> str | None:
                 drawn = True
     xs, ys = _series(med, "mdloader", world, "raw_bps")
     if xs:
-        ax.plot(xs, ys, ":", color="black", label="raw-read limit (plain numpy)")
+        ax.plot(xs, ys, ":", color="black", label="plain-numpy reads (reference)")
     if not drawn:
         plt.close(fig)
         return None

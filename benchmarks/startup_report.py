@@ -97,16 +97,58 @@ def setup_table(med: dict) -> list[str]:
 
 
 def fs_table(rows: list[dict[str, Any]]) -> list[str]:
-    calls = fs_calls(rows)
+    calls, med = fs_calls(rows), medians(rows)
     lines = ["| systems | first start, rank 0 (md / dp) | from the index, rank 0 (md) | "
-             "other ranks (md / dp) |", "|---:|---|---|---|"]
+             "other ranks (md / dp) | bytes broadcast, first start (md / dp) |",
+             "|---:|---|---|---|---|"]
     for n in sorted({k[1] for k in calls}):
         md, dp, ix = calls.get((MD, n, "warm"), {}), calls.get((DP, n, "warm"), {}), calls.get(
             (MD, n, "index"), {})
         rest = lambda c: max((v for r, v in c.items() if r), default=None)  # noqa: E731
+        sent = [med.get((i, n, 2, "warm"), {}).get("payload") for i in (MD, DP)]
         lines.append(f"| {n:,} | {number(md.get(0))} / {number(dp.get(0))} | {number(ix.get(0))} | "
-                     f"{number(rest(md))} / {number(rest(dp))} |")
+                     f"{number(rest(md))} / {number(rest(dp))} | "
+                     f"{number(sent[0])} / {number(sent[1])} |")
     return lines
+
+
+def readme_figures(rows: list[dict[str, Any]]) -> dict[str, str]:
+    """The figures the README quotes, by the name of their ``<!-- bench:NAME -->`` marker: all
+    from the start-up runs at W = 2 (the tables above), so README and page cannot disagree."""
+    med = medians(rows)
+    g = lambda i, n, c, k="setup_s": med.get((i, n, 2, c), {}).get(k)  # noqa: E731
+    calls = fs_calls(rows)
+    n_fs = min((n for (i, n, c) in calls if c == "warm"), default=None)
+    synth = max((n for (i, n, w, c) in med if c == "synthetic"), default=None)
+    md_bytes, dp_bytes = g(MD, 2000, "warm", "payload"), g(DP, 2000, "warm", "payload")
+    figures = {
+        "fs_systems": number(n_fs),
+        "dp_calls_rank1": number(calls.get((DP, n_fs, "warm"), {}).get(1, 0) * (n_fs or 0)),
+        "md_calls_rank1": number(calls.get((MD, n_fs, "warm"), {}).get(1)),
+        "md_calls_rank0_per_system": number(calls.get((MD, n_fs, "warm"), {}).get(0)),
+        "dp_bytes_2000": number(dp_bytes), "md_bytes_2000": number(md_bytes),
+        "md_bytes_per_system_2000": number(None if md_bytes is None else md_bytes / 2000, 2),
+        "bytes_ratio_2000": ratio(dp_bytes, md_bytes, 0),
+        "synthetic_systems": number(synth),
+        "synthetic_s": _prose(g(MD, synth, "synthetic") if synth else None),
+    }
+    for n in (10000, 100000):
+        for cond in ("warm", "cold"):
+            figures[f"md_{cond}_{n}"] = _prose(g(MD, n, cond))
+            figures[f"dp_{cond}_{n}"] = _prose(g(DP, n, cond))
+        for cond in ("index", "trust"):
+            figures[f"md_{cond}_{n}"] = _prose(g(MD, n, cond))
+    for cond in ("slow", "slow-index"):
+        figures[f"md_{cond}_10000"] = _prose(g(MD, 10000, cond))
+    figures["dp_slow_10000"] = _prose(g(DP, 10000, "slow"))
+    return figures
+
+
+def _prose(seconds: float | None) -> str:
+    """A time for a sentence: two significant digits, whole seconds from 10 s up."""
+    if seconds is None:
+        return "–"
+    return f"{seconds:,.0f}" if seconds >= 10 else f"{seconds:.2g}"
 
 
 def targets(med: dict, rows: list[dict[str, Any]]) -> list[str]:

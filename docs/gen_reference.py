@@ -68,7 +68,7 @@ def _table(actions: list[argparse.Action]) -> list[str]:
 
 
 def cli_page() -> str:
-    from mdloader.cli.main import build_parser, common_options
+    from mdloader.cli.main import EXIT_CODES, build_parser, common_options
 
     parser = build_parser()
     common = {a.dest for a in common_options()._actions}
@@ -78,10 +78,11 @@ def cli_page() -> str:
              "", f"`{parser.prog}`: {parser.description}", "",
              "Run a subcommand alone, or under `torchrun` (one process per rank). The same "
              "commands run as `python -m mdloader`. `mdloader --version` prints the version.",
-             "", "Exit codes: 0 for success; 1 for a failure (bad data, a failed check, a "
-             "distributed error); 2 for a usage or configuration error; 130 when interrupted; "
-             "143 when `train` stopped on SIGTERM or SIGUSR1 after writing a checkpoint.",
-             "", "## Options of every subcommand", ""]
+             "", "## Exit codes", "", "`mdloader --help` lists them too.", "",
+             "| code | meaning |", "|---:|---|"]
+    lines += [f"| {code} | {meaning.replace('|', chr(92) + '|')} |"
+              for code, meaning in EXIT_CODES.items()]
+    lines += ["", "## Options of every subcommand", ""]
     lines += _table([a for a in common_options()._actions])
     for name, subparser in sub.choices.items():
         lines += ["", f"## `mdloader {name}`", "", subparser.description or "", ""]

@@ -20,6 +20,7 @@ _EXPORTS = {
     "discover_systems": "mdloader.catalog.discover",
     "collate_batch": "mdloader.data.collate",
     "World": "mdloader.world",
+    "set_torch_threads": "mdloader.threads",
     "DpLoaderSet": "mdloader.loading.loader",
     "get_weighted_sampler": "mdloader.loading.loader",
     "get_sampler_from_params": "mdloader.loading.loader",

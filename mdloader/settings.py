@@ -91,6 +91,11 @@ SETTINGS: dict[str, Setting] = {
         "NUM_WORKERS", lambda: min(4, os.cpu_count() or 1), int, 0, "worker",
         "DataLoader worker processes per rank (DeePMD-kit's variable, with its default); it "
         "also sets the outer epoch length, total_batch x max(NUM_WORKERS, 1)."),
+    "torch_threads": Setting(
+        "MDLOADER_TORCH_THREADS", lambda: 0, int, 0, "thread",
+        "Intra-op threads of torch in each rank's main process of `mdloader train`/`bench`; "
+        "0: OMP_NUM_THREADS if set, else the cores available // (ranks on the node x "
+        "(1 + DataLoader workers)), at least 1."),
     "max_open_h5": Setting(
         "MDLOADER_MAX_OPEN_H5", lambda: 32, int, 1, "file",
         "HDF5 files one process keeps open."),

@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mdloader"
 LAYERS = {
     "mdloader": "leaf", "mdloader.errors": "leaf", "mdloader.settings": "leaf",
     "mdloader.world": "leaf", "mdloader.logs": "leaf", "mdloader.transport": "leaf",
-    "mdloader.state": "leaf", "mdloader.fs_calls": "leaf", "mdloader.testing": "testing",
+    "mdloader.state": "leaf", "mdloader.fs_calls": "leaf",
+    "mdloader.threads": "leaf", "mdloader.testing": "testing",
     "mdloader.data": "data", "mdloader.catalog": "catalog",
     "mdloader.distributed": "distributed", "mdloader.sampling": "sampling",
     "mdloader.stats": "stats", "mdloader.loading": "loading",

@@ -442,3 +442,30 @@ def test_readme_setup_commands() -> None:
     assert commands[:2] == SETUP_COMMANDS, f"README.md: {commands[:2]}"
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     assert SETUP_COMMANDS[1] in ci
+
+
+def test_readme_figures_come_from_the_benchmark_results() -> None:
+    """The README's numbers are filled in by ``python -m benchmarks.report`` from the same
+    results as docs/benchmarks.md, so they cannot drift apart (like the reference pages)."""
+    from benchmarks import aggregate
+    from benchmarks.report import BENCH_MARK, fill_readme
+    from benchmarks.startup_report import readme_figures
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    _, rows = aggregate.load_many(sorted(str(p) for p in
+                                         (REPO / "benchmarks" / "results").glob("*.jsonl")))
+    figures = readme_figures(rows)
+    assert len(BENCH_MARK.findall(readme)) >= 20
+    assert readme == fill_readme(readme, figures), (
+        "README.md is out of date: run python -m benchmarks.report benchmarks/results/*.jsonl")
+    page = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    for name in ("md_bytes_2000", "dp_bytes_2000"):
+        assert figures[name] in page, f"docs/benchmarks.md does not show {figures[name]}"
+
+
+def test_a_plotted_series_hidden_by_another_is_left_out_of_the_legend() -> None:
+    from benchmarks.plots import visible
+
+    shown = [(100, 6.0), (2000, 17.3)]
+    assert not visible([2000], [17.6], shown)  # W = 4 on top of W = 2: not drawn, not listed
+    assert visible([2000], [20.2], shown) and visible([100, 2000], [6.0, 1.4], shown)

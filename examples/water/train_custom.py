@@ -44,6 +44,7 @@ from mdloader import (
     get_validation_sampler,
     merge_rank_states,
     reduce_sums,
+    set_torch_threads,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -108,6 +109,9 @@ def main() -> None:
     rank = dist.get_rank() if distributed else 0
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(name)s: %(message)s")  # mdloader logs its build on rank 0
+
+    # torch's share of this node's cores: its ranks and their DataLoader workers share them.
+    set_torch_threads(args.num_workers)
 
     # 2. The loader set: rank 0 discovers and describes the systems, every rank receives them.
     ls = DpLoaderSet(SYSTEMS, batch_size="auto", type_map=["O", "H"], seed=args.seed)

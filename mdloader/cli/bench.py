@@ -5,7 +5,7 @@ then pulls N batches through the outer ``DataLoader`` with the stateful weighted
 the same labels the training job requests. Reported per rank: the build phases (discovery,
 build, broadcast) and the broadcast bytes from
 :class:`~mdloader.loading.build.BuildReport`, the time to
-the first batch (worker start-up), batches/frames/atoms per second over the N batches, and the
+the first batch (worker start-up), batches/frames/atoms per second after the first batch, and the
 peak resident memory of the rank and of its DataLoader workers. Rows are gathered on rank 0.
 """
 
@@ -16,10 +16,11 @@ import json
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mdloader.cli.arguments import at_least
 from mdloader.data.schema import DataRequirementItem
-from mdloader.errors import ConfigError
 from mdloader.world import World
 
 if TYPE_CHECKING:
@@ -61,43 +62,69 @@ def bench_rank(config: Config, world: World, *, batches: int, num_workers: int |
     """One rank's measurements (see the module docstring)."""
     from mdloader.config.loaders import configured_loader
     from mdloader.loading.loader import default_num_workers
+    from mdloader.threads import set_torch_threads
 
     workers = default_num_workers(num_workers, "--num-workers")
+    set_torch_threads(workers, world=world)
     t0 = time.perf_counter()
     built = configured_loader(config.training_data, type_map=config.type_map, seed=config.seed,
                               world=world, labels=BENCH_LABELS, num_workers=workers)
     report = built.report
     setup = time.perf_counter() - t0
-    first, elapsed, frames, atoms = _pull(built.loader, batches)
+    pulled = _pull(built.loader, batches)
     return {
         "rank": world.rank, "world_size": world.world_size, "nsys": report.nsys,
         "num_workers": workers, "batches": batches, "setup_s": setup,
         "discover_s": report.discovery_seconds, "build_s": report.build_seconds,
         "bcast_s": report.broadcast_seconds, "bcast_MB": report.payload_bytes / 1e6,
-        "first_s": first, "batch/s": batches / elapsed, "frame/s": frames / elapsed,
-        "atom/s": atoms / elapsed, "rss_MB": _peak_rss_mb(resource.RUSAGE_SELF),
+        "first_s": pulled.first, "batch/s": pulled.rate(pulled.batches),
+        "frame/s": pulled.rate(pulled.frames), "atom/s": pulled.rate(pulled.atoms),
+        "rss_MB": _peak_rss_mb(resource.RUSAGE_SELF),
         "wrk_rss_MB": _peak_rss_mb(resource.RUSAGE_CHILDREN),
     }
 
 
-def _pull(loader: StatefulLoader, batches: int) -> tuple[float, float, int, int]:
-    """Pull ``batches`` batches as the trainer does (re-``iter`` when an epoch ends)."""
-    frames = atoms = pulled = 0
-    first = 0.0
+@dataclass
+class Pulled:
+    """Batches pulled after the first one, in ``seconds``; ``first``: the wait for the first
+    batch (worker start-up, the first reads), which the rates leave out."""
+
+    first: float = 0.0
+    seconds: float = 0.0
+    batches: int = 0
+    frames: int = 0
+    atoms: int = 0
+
+    def rate(self, count: int) -> float:
+        return count / self.seconds if self.seconds > 0 else float("nan")
+
+
+def _pull(loader: StatefulLoader, batches: int) -> Pulled:
+    """Pull ``batches`` batches as the trainer does (re-``iter`` when an epoch ends).
+
+    The rates count from the first batch on: with workers, the wait for the first one is
+    mostly their start-up, which would otherwise dominate a short run."""
+    out = Pulled()
+    pulled = 0
     start = time.perf_counter()
+    steady = start
     while pulled < batches:
         it = iter(loader)
         for batch in it:
-            if pulled == 0:
-                first = time.perf_counter() - start
-            nframes = len(batch["fid"])
-            frames += nframes
-            atoms += nframes * int(batch["atype"].shape[1])
             pulled += 1
+            if pulled == 1:
+                steady = time.perf_counter()
+                out.first = steady - start
+            else:
+                nframes = len(batch["fid"])
+                out.batches += 1
+                out.frames += nframes
+                out.atoms += nframes * int(batch["atype"].shape[1])
             if pulled == batches:
                 break
         it.close()  # stop this epoch's workers now, so their peak RSS is counted
-    return first, time.perf_counter() - start, frames, atoms
+    out.seconds = time.perf_counter() - steady
+    return out
 
 
 def format_bench_rows(rows: list[dict[str, Any]], *, as_json: bool = False) -> str:
@@ -109,8 +136,10 @@ def format_bench_rows(rows: list[dict[str, Any]], *, as_json: bool = False) -> s
     for row in rows:
         lines.append("  ".join(f.format(row[name]) for name, _, f in COLUMNS))
     r0 = rows[0]
+    wait = "mostly worker start-up" if r0["num_workers"] else "the first reads"
     lines.append(f"({r0['world_size']} rank(s), {r0['num_workers']} DataLoader worker(s) per "
-                 f"rank, {r0['batches']} batches per rank)")
+                 f"rank, {r0['batches']} batches per rank; batch/s, frame/s and atom/s count "
+                 f"from the first batch on: first_s, the wait for it, is {wait})")
     return "\n".join(lines)
 
 
@@ -120,10 +149,14 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     """``mdloader bench``'s parser."""
     p = sub.add_parser("bench", parents=[common], help="time the loader on an input.json",
                        description="Build the loader as training would and pull N batches "
-                       "through the outer DataLoader; report per rank.")
+                       "through the outer DataLoader; report per rank. The rates count from the "
+                       "first batch on; first_s, the wait for it, is mostly the start-up of the "
+                       "DataLoader workers.")
     p.add_argument("input", help="DeePMD-kit input.json")
-    p.add_argument("--batches", type=int, default=200, help="batches to pull (default 200)")
-    p.add_argument("--num-workers", type=int, default=None,
+    p.add_argument("--batches", type=at_least(2), default=200,
+                   help="batches to pull (default 200; at least 2: the rates leave the first "
+                   "out)")
+    p.add_argument("--num-workers", type=at_least(0), default=None,
                    help="DataLoader workers (default: NUM_WORKERS or min(4, cpus))")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
 
@@ -132,8 +165,6 @@ def run(args: argparse.Namespace) -> int:
     """Bench; rank 0 prints every rank's row."""
     from mdloader.config.input_json import load_config
 
-    if args.batches < 1:
-        raise ConfigError(f"must be a positive integer, got {args.batches}", path="--batches")
     rows = run_bench(load_config(args.input), batches=args.batches,
                      num_workers=args.num_workers)
     if rows is not None:  # rank 0 only: the gathered rows of every rank

@@ -22,7 +22,7 @@ from mdloader.catalog.discover import discover_systems
 from mdloader.config.input_json import Config, DataConfig, parse_config
 from mdloader.data.formats import backend_of
 from mdloader.data.system import SystemMeta, inspect_system
-from mdloader.errors import MdloaderError
+from mdloader.errors import ConfigError, MdloaderError
 from mdloader.sampling.plan import LoaderPlan
 
 
@@ -46,6 +46,7 @@ class Problem:
     section: str
     message: str
     system: str | None = None
+    config: bool = False  # a configuration error (a missing system path): exit 2, as elsewhere
 
 
 @dataclass
@@ -78,6 +79,12 @@ class CheckReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def exit_code(self) -> int:
+        """0 when all is well, 2 when a problem is a configuration error (as every command
+        exits on one, e.g. a system path that does not exist), else 1."""
+        return 0 if self.ok else 2 if any(p.config for p in self.problems) else 1
 
     def to_json(self) -> str:
         return json.dumps({
@@ -128,13 +135,14 @@ def _build_all(data: DataConfig, type_map: tuple[str, ...] | None, section: Sect
         addresses = discover_systems(list(data.systems), data.rglob_patterns,
                                      key=f"{data.json_path}.systems")
     except MdloaderError as exc:
-        problems.append(Problem(section.name, str(exc)))
+        problems.append(Problem(section.name, str(exc), config=isinstance(exc, ConfigError)))
         return None
     unique = list(dict.fromkeys(addresses))
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         inspected = dict(zip(unique, pool.map(lambda a: _inspect(a, type_map), unique)))
     for address, (meta, found) in inspected.items():
-        problems.extend(Problem(section.name, str(exc), address) for exc in found)
+        problems.extend(Problem(section.name, str(exc), address, isinstance(exc, ConfigError))
+                        for exc in found)
         if meta is not None:
             section.notes.extend(flat_notes(meta))
     return [inspected[a][0] for a in addresses if inspected[a][0] is not None]
@@ -162,7 +170,7 @@ def _plan(data: DataConfig, metas: list[SystemMeta], section: SectionReport,
                                 data.batch_size_value(), seed=None, json_path=data.json_path,
                                 sampler_params=data.sampler_params())
     except MdloaderError as exc:
-        problems.append(Problem(section.name, str(exc)))
+        problems.append(Problem(section.name, str(exc), config=isinstance(exc, ConfigError)))
         return
     for index, size, nbatch, prob in zip(plan.kept, plan.batch_sizes, plan.nbatches,
                                          plan.probabilities):
@@ -178,12 +186,20 @@ def deep_check(meta: SystemMeta) -> list[str]:
     return backend_of(meta.location).deep_check(meta)
 
 
-def format_check_report(report: CheckReport) -> str:
-    """The human summary: one table per section, totals, then every problem."""
+#: Rows of a section's table shown by default; ``--all`` (or ``--json``) lists every system.
+TABLE_ROWS = 20
+
+
+def format_check_report(report: CheckReport, *, rows: int | None = TABLE_ROWS) -> str:
+    """The human summary: one table per section (its first ``rows`` systems, ``None``: all),
+    totals, then every problem."""
     lines: list[str] = []
     for section in report.sections:
-        lines += _table(section)
+        lines += _table(section, rows)
         lines.append("")
+    if any(r.pbc is None for s in report.sections for r in s.rows):
+        lines.append("(pbc ?: an LMDB database stores periodicity with each frame, not per "
+                     "system; frames without a box are read as non-periodic)")
     if not report.deep:
         lines.append("(headers only: the values were not read; --deep reads every array and "
                      "finds NaN/inf)")
@@ -201,19 +217,31 @@ def _fmt(value: Any, spec: str) -> str:
     return format("-", spec[:2]) if value is None else format(value, spec)
 
 
-def _table(section: SectionReport) -> list[str]:
-    width = max([len(r.system) for r in section.rows] + [len("system")])
+def _prob(value: float | None) -> str:
+    """A probability in 7 characters: 3 decimals, or 2 significant digits below 0.001 (with
+    thousands of systems every probability is that small, and ``0.000`` says nothing)."""
+    if value is None:
+        return format("-", ">7")
+    return format(value, ">7.3f" if value == 0 or value >= 1e-3 else ">7.1e")
+
+
+def _table(section: SectionReport, limit: int | None = None) -> list[str]:
+    shown = section.rows if limit is None else section.rows[:limit]
+    width = max([len(r.system) for r in shown] + [len("system")])
     head = (f"{'system':<{width}}  {'natoms':>6}  {'nframes':>7}  {'bsz':>4}  {'batches':>7}  "
-            f"{'prob':>6}  pbc")
+            f"{'prob':>7}  pbc")
     lines = [f"== {section.name}: {len(section.rows)} system(s)", head, "-" * len(head)]
-    for r in section.rows:
+    for r in shown:
         lines.append(f"{r.system:<{width}}  {r.natoms:>6}  {r.nframes:>7}  "
                      f"{_fmt(r.batch_size, '>4')}  {_fmt(r.batches, '>7')}  "
-                     f"{_fmt(r.prob, '>6.3f')}  {'?' if r.pbc is None else 'TF'[not r.pbc]}")
+                     f"{_prob(r.prob)}  {'?' if r.pbc is None else 'TF'[not r.pbc]}")
+    if len(shown) < len(section.rows):
+        lines.append(f"... {len(section.rows) - len(shown)} more system(s): --all lists "
+                     "every one, --json gives them all")
     t = section.totals()
     lines.append("-" * len(head))
     lines.append(f"{'total':<{width}}  {'':>6}  {t['frames']:>7}  {'':>4}  "
-                 f"{_fmt(t['batches'], '>7')}  {_fmt(t['prob'], '>6.3f')}")
+                 f"{_fmt(t['batches'], '>7')}  {_prob(t['prob'])}")
     for address in section.filtered:
         lines.append(f"(removed by the batch-size filter: {address})")
     lines.extend(f"note: {note}" for note in section.notes)
@@ -228,8 +256,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                        help="validate the data of an input.json, or systems and folders",
                        description="Discover, build and validate every training and "
                        "validation system of an input.json, or every system under the paths "
-                       "given; print a summary. Exit 0 when all is well, 1 with every problem "
-                       "listed otherwise.")
+                       "given; print a summary. Exit 0 when all is well; otherwise every "
+                       "problem is listed, and the exit code is 2 when one of them is a "
+                       "configuration "
+                       "error (such as a system path that does not exist), else 1.")
     p.add_argument("input", nargs="+", metavar="INPUT",
                    help="a DeePMD-kit input.json, or system directories, folders searched "
                    "recursively, globs and HDF5 files")
@@ -239,23 +269,25 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                    help="batch size or rule for system paths (default: auto)")
     p.add_argument("--deep", action="store_true",
                    help="also read every array: NaN/inf frames, frame counts that disagree")
+    p.add_argument("--all", action="store_true",
+                   help=f"list every system (default: the first {TABLE_ROWS} of each section)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check, print the report (rank 0), exit 0 when all is well and 1 otherwise."""
+    """Check, print the report (rank 0); the exit code of :attr:`CheckReport.exit_code`."""
     from mdloader.world import World
 
     report = check_input(_check_config(args), deep=args.deep)
     if World.from_env().is_main:  # under torchrun, one copy of the report
-        print(report.to_json() if args.json else format_check_report(report))
-    return 0 if report.ok else 1
+        print(report.to_json() if args.json else
+              format_check_report(report, rows=None if args.all else TABLE_ROWS))
+    return report.exit_code
 
 
 def _check_config(args: argparse.Namespace) -> Config:
     """One ``*.json`` file is an input.json; anything else is a list of system paths."""
     from mdloader.config.input_json import load_config
-    from mdloader.errors import ConfigError
 
     inputs = list(args.input)
     if len(inputs) == 1 and inputs[0].endswith(".json") and not os.path.isdir(inputs[0]):

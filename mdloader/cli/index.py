@@ -21,6 +21,7 @@ from mdloader.catalog.freshness import check_saved
 from mdloader.catalog.index import describe, index_request, inspect, load
 from mdloader.catalog.index_file import MAGIC, IndexFileError, open_index, read_index
 from mdloader.config.input_json import Config, DataConfig, load_config
+from mdloader.data.formats import backend_of
 from mdloader.fs_calls import Overlap
 from mdloader.settings import resolve
 from mdloader.world import World
@@ -39,6 +40,9 @@ class IndexSummary:
     described: int = 0
     reused: int = 0
     seconds: float = 0.0
+    #: systems of a format whose descriptions an index does not keep (LMDB groups: the
+    #: database's own metadata is read at every start instead, which is as cheap)
+    unindexed: int = 0
 
 
 def run_index(action: str, target: str, *, as_json: bool) -> int:
@@ -64,14 +68,17 @@ def build_indexes(config: Config, *, refresh: bool = False,
         start = time.monotonic()
         done = describe(list(data.systems), config.type_map, data.rglob_patterns,
                         workers=int(resolve("build_workers")), progress=progress,
-                        index_file=data.index_file, mode="refresh" if refresh else "check")
+                        index_file=data.index_file, mode="refresh" if refresh else "check",
+                        key=f"{data.json_path}.systems")
         done.save()
         table = done.survey.saved.table
         state = {"built": "built", "index": "unchanged"}.get(done.source, "updated")
+        unindexed = sum(not backend_of(a).indexable for a in set(table.addresses()))
         out.append(IndexSummary(data.json_path, done.request.path if done.request else "",
                                 state, len(table), int(table.nframes().sum()),
-                                described=done.survey.described, reused=done.survey.reused,
-                                seconds=time.monotonic() - start))
+                                described=max(0, done.survey.described - unindexed),
+                                reused=done.survey.reused, seconds=time.monotonic() - start,
+                                unindexed=unindexed))
     return out
 
 
@@ -98,9 +105,15 @@ def _inspect_file(path: str, section: str | None) -> dict[str, Any]:
     _, saved = read_index(path)
     settle = int(float(resolve("index_settle")) * 1e9)
     check = check_saved(saved, saved.since_ns - settle, Overlap(int(resolve("build_workers"))))
-    return {"section": section, "path": path, "state": "unchanged" if check.unchanged
-            else "changed", "systems": len(saved.table),
-            "frames": int(saved.table.nframes().sum()), "changed": int(check.systems.sum()),
+    kept = len(saved.table)
+    systems = int(header.get("systems", kept)) if saved.partial else kept
+    frames = (int(header.get("frames", 0)) if saved.partial
+              else int(saved.table.nframes().sum()))
+    # systems the index does not keep (LMDB groups) are described at every start, by design:
+    # they do not make the index out of date
+    return {"section": section, "path": path, "state": "unchanged"
+            if check.nothing_stored_changed else "changed", "systems": systems,
+            "frames": frames, "unindexed": systems - kept, "changed": int(check.systems.sum()),
             "folders_changed": int(check.folders.sum()), "files_changed": int(check.files.sum()),
             "entries_changed": check.entries, "header": header}
 
@@ -119,6 +132,9 @@ def format_summaries(rows: list[IndexSummary] | list[dict[str, Any]], as_json: b
         elif "seconds" in item and item["state"] in ("built", "updated", "unchanged"):
             what += (f"; {item['described']} described, {item['reused']} reused, "
                      f"{item['seconds']:.2f} s")
+        if item.get("unindexed"):
+            what += (f"; {item['unindexed']} not kept in the index (LMDB groups: their "
+                     "database's metadata is read at every start)")
         lines.append(f"{item['section'] or 'index'}: {item['state']}: {item['path']} ({what})")
     return "\n".join(lines)
 

@@ -10,13 +10,8 @@ receives everything after the command name unparsed (``dp``: ``dp_args``). Addin
 one module and one entry of :data:`COMMANDS`. A command module imports torch only inside
 ``run``, so that ``--help`` and argument errors stay fast.
 
-This module parses, sets up logging, and turns exceptions into exit codes:
-
-* 0 — success;
-* 1 — failure: bad data, a failed check, a distributed error;
-* 2 — usage or configuration error (bad arguments, a bad ``input.json``);
-* 130 — interrupted;
-* 143 — ``train`` stopped by SIGTERM or SIGUSR1 after writing a checkpoint.
+This module parses, sets up logging, and turns exceptions into the exit codes of
+:data:`EXIT_CODES` (which ``mdloader --help`` and the reference page list).
 
 User errors (:class:`~mdloader.errors.MdloaderError`) print one ``mdloader: error: ...`` line
 on stderr without a traceback unless ``--debug``; anything else is a bug and keeps its
@@ -27,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
+import textwrap
 import traceback
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -37,6 +34,17 @@ from mdloader.cli import bench, check, convert, dp, index, pack, train
 from mdloader.errors import ConfigError, MdloaderError, RemoteError
 from mdloader.logs import LEVELS, setup_logging
 from mdloader.world import World
+
+#: Every exit code of ``mdloader``, and what it means (``mdloader --help`` prints them).
+EXIT_CODES: dict[int, str] = {
+    0: "success",
+    1: "a failure: bad data, a failed check, a distributed error",
+    2: "a usage or configuration error: bad arguments, a bad input.json, a system path that "
+       "does not exist (the same in every command)",
+    130: "interrupted (Ctrl-C)",
+    141: "the reader of the output went away (e.g. `| head`): the output stops quietly",
+    143: "`train` stopped by SIGTERM or SIGUSR1 after writing a checkpoint",
+}
 
 #: The sub-commands, in ``mdloader --help`` order.
 COMMANDS: dict[str, ModuleType] = {
@@ -64,12 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
     common = common_options()
     parser = argparse.ArgumentParser(
         prog="mdloader", description="Distributed loader of DeePMD data systems: check, "
-        "benchmark, convert, and a reference training job.")
+        "benchmark, convert, and a reference training job.", epilog=exit_codes_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"mdloader {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS.values():
         command.register(sub, common)
     return parser
+
+
+def exit_codes_text() -> str:
+    """The exit codes as ``mdloader --help`` ends with them."""
+    return "exit codes:\n" + "\n".join(
+        textwrap.fill(meaning, 90, initial_indent=f"  {code:<5}", subsequent_indent=" " * 7)
+        for code, meaning in EXIT_CODES.items())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,7 +119,11 @@ def tell(line: str) -> None:
 def guarded(job: Callable[[], int], *, debug: bool) -> int:
     """Run ``job``; user errors become one line on stderr and an exit code."""
     try:
-        return job()
+        code = job()
+        sys.stdout.flush()  # here, so that a closed pipe is noticed while it can be handled
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except KeyboardInterrupt:
         tell("mdloader: interrupted")
         return 130
@@ -113,6 +133,16 @@ def guarded(job: Callable[[], int], *, debug: bool) -> int:
         text = str(exc) if debug else getattr(exc, "summary", str(exc))
         tell(f"mdloader: error: {text}")
         return 2 if _is_config_error(exc) else 1
+
+
+def _reader_gone() -> int:
+    """The reader of stdout closed it (``| head``): stop quietly with 141 (128 + SIGPIPE, what
+    a shell reports for a program that SIGPIPE ends), and send what is left of the output to
+    the null device, so that Python's own flush at exit does not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
 
 
 def _is_config_error(exc: MdloaderError) -> bool:

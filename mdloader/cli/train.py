@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from mdloader.errors import ConfigError
+from mdloader.cli.arguments import at_least, positive_number
 from mdloader.train.signals import EXIT_STOPPED, StopSignals
 
 
@@ -22,17 +22,17 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--restart", default=None, metavar="CKPT",
                    help="continue from this checkpoint (model, optimizer and loader state), "
                    "on the same or on another number of ranks")
-    p.add_argument("--numb-steps", type=int, default=None, metavar="N",
+    p.add_argument("--numb-steps", type=at_least(0), default=None, metavar="N",
                    help="override training.numb_steps (0: only the statistics and the "
                    "untrained model, as DeePMD-kit)")
-    p.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+    p.add_argument("--stop-after", type=at_least(1), default=None, metavar="STEP",
                    help="stop after this step with a checkpoint (e.g. to fit a job's wall "
                    "time); continue later with --restart")
     p.add_argument("-o", "--output", default=".", metavar="DIR",
                    help="folder for lcurve.out and checkpoints (default: .)")
-    p.add_argument("--num-workers", type=int, default=None,
+    p.add_argument("--num-workers", type=at_least(0), default=None,
                    help="DataLoader workers (default: NUM_WORKERS or min(4, cpus))")
-    p.add_argument("--rcut", type=float, default=4.0,
+    p.add_argument("--rcut", type=positive_number, default=4.0,
                    help="cutoff radius of the reference model in Angstrom (default: 4)")
     p.add_argument("--full-validation", action="store_true",
                    help="at every checkpoint, validate every validation frame once, shared by "
@@ -49,8 +49,6 @@ def session() -> StopSignals:
 
 def run(args: argparse.Namespace) -> int:
     """Train; 143 when a stop signal ended the job after a checkpoint, else 0."""
-    if not args.rcut > 0:  # before torch is imported
-        raise ConfigError(f"must be a positive number, got {args.rcut}", path="--rcut")
     from mdloader.config.input_json import load_config
     from mdloader.train.job import ModelOptions, train
 

@@ -206,8 +206,9 @@ def _import_deepmd() -> dict[str, types.ModuleType]:
     except (ImportError, RuntimeError, OSError) as exc:
         raise ConfigError(
             f"DeePMD-kit's PyTorch backend cannot be imported ({type(exc).__name__}: {exc}); "
-            "install it next to your torch with pip install 'mdloader[deepmd]' "
-            "(docs/migrating.md: keeping your torch, and DeePMD-kit's compiled ops)") from exc
+            "install it next to your torch with pip install -c scripts/deepmd-constraints.txt "
+            "-e \".[deepmd]\" in mdloader's repository (docs/migrating.md: keeping your torch, "
+            "and DeePMD-kit's compiled ops)") from exc
 
 
 def _patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from mdloader.config.input_json import Config
 from mdloader.config.loaders import configured_loader
@@ -38,6 +40,7 @@ from mdloader.distributed.group import device_of, process_group
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.loading.loader import default_num_workers
 from mdloader.loading.stateful_loader import lost_worker
+from mdloader.threads import set_torch_threads
 from mdloader.train.guards import check_boxes, nonfinite_weights
 from mdloader.train.io import (
     FullValidationLog,
@@ -118,8 +121,10 @@ class _Trainer:
                  activity: Activity) -> None:
         self.config, self.world, self.output, self.options = config, world, output, options
         self.full_validation, self.activity = full_validation, activity
+        self.started = (time.monotonic(), 0)  # when the loop started, and from which step
         self.device = device_of(world)
         workers = default_num_workers(num_workers, "--num-workers")
+        set_torch_threads(workers, world=world)
         built = configured_loader(config.training_data, type_map=config.type_map,
                                   seed=config.seed, world=world, labels=LABELS,
                                   num_workers=workers, pin_memory=self.device.type == "cuda",
@@ -216,7 +221,9 @@ class _Trainer:
         batches = self._batches()
         bar = tqdm(total=self.numb_steps, initial=start, disable=True if not self.world.is_main
                    else None, desc="train", unit="step", dynamic_ncols=True)
-        with StopSignals() as signals:
+        self.started = time.monotonic(), start
+        # in a terminal, log lines go above the bar instead of onto its line
+        with logging_redirect_tqdm([logging.getLogger("mdloader")]), StopSignals() as signals:
             if any_rank([signals.requested], activity="starting to train")[0]:
                 end = start  # a signal came before the first step: nothing to train or save
                 self._stopped(start, signals, result)
@@ -280,6 +287,11 @@ class _Trainer:
         if self.lcurve is not None:
             self.lcurve.write(done, lr, result.last_train, result.last_valid)
             bar.set_postfix(rmse_f=f"{result.last_train['rmse_f']:.3g}", lr=f"{lr:.1e}")
+            if bar.disable:  # no bar (output to a file or a pipe): a line at every display
+                since, first = self.started
+                rate = (done - first) / max(time.monotonic() - since, 1e-9)
+                log.info("step %d/%d: rmse_f_trn %.3g, lr %.1e (%.2f steps/s)", done,
+                         self.numb_steps, result.last_train["rmse_f"], lr, rate)
             log.debug("step %d: train %s valid %s", done, result.last_train, result.last_valid)
 
     def _save(self, done: int) -> str | None:

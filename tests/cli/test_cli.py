@@ -97,7 +97,8 @@ def test_check_deep_finds_nan_frames(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["check", str(_input(tmp_path)), "--deep", "--json"]) == 1
     problems = json.loads(capsys.readouterr().out)["problems"]
     assert problems == [{"section": "training_data", "system": str(data / "train1"),
-                         "message": f"NaN/inf in {force}: 2 frame(s), system frame ids 2, 5"}]
+                         "message": f"NaN/inf in {force}: 2 frame(s), system frame ids 2, 5",
+                         "config": False}]
 
 
 def test_check_deep_reads_hdf5(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -119,14 +120,14 @@ def test_check_reports_config_level_problems(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     _data(tmp_path)
     path = _input(tmp_path, data={"batch_size": [1, 2, 3]})
-    assert main(["check", str(path)]) == 1
+    assert main(["check", str(path)]) == 2  # a configuration error, as in train
     assert ("[training_data] training.training_data.batch_size: batch size list has 3 entries "
             "but there are 2 systems") in capsys.readouterr().out
     path = _input(tmp_path, data={"rglob_patterns": ["nothing*"]})
     assert main(["check", str(path)]) == 1
     assert "no DeePMD system" in capsys.readouterr().out
     path = _input(tmp_path, data={"systems": ["data", "nope"]})
-    assert main(["check", str(path)]) == 1
+    assert main(["check", str(path)]) == 2
     assert (f"[training_data] training.training_data.systems[1]: {tmp_path / 'nope'} does not "
             "exist") in capsys.readouterr().out
 
@@ -149,8 +150,8 @@ def test_config_errors_exit_2_without_traceback(tmp_path: Path,
     good = _input(tmp_path)
     capsys.readouterr()
     assert main(["train", str(good), "--stop-after", "0"]) == 2
-    assert capsys.readouterr().err.strip() == ("mdloader: error: --stop-after: must be a "
-                                               "positive step, got 0")
+    assert capsys.readouterr().err.splitlines()[-1] == ("mdloader train: error: argument "
+                                                        "--stop-after: must be at least 1, got 0")
     assert main(["train", str(good), "--numb-steps", "-1", "--rcut", "2.5"]) == 2
 
 
@@ -196,14 +197,15 @@ def test_bench_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:3] == ["rank", "nsys", "setup_s"]
     assert main(["bench", str(_input(tmp_path)), "--batches", "3", "--num-workers", "-1"]) == 2
-    assert capsys.readouterr().err == ("mdloader: error: --num-workers: expected at least 0 "
-                                       "workers, found -1\n")
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "mdloader bench: error: argument --num-workers: must be at least 0, got -1")
     wrong = _input(tmp_path, data={"batch_size": [1, 2, 3]})  # 2 systems
     assert main(["bench", str(wrong), "--batches", "3", "--num-workers", "0"]) == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith(
         "mdloader: error: training.training_data.batch_size: batch size list has 3 entries but "
         "there are 2 systems")
-    assert table[-1] == "(1 rank(s), 0 DataLoader worker(s) per rank, 3 batches per rank)"
+    assert table[-1].startswith("(1 rank(s), 0 DataLoader worker(s) per rank, 3 batches per "
+                                "rank; batch/s, frame/s and atom/s count from the first batch on")
 
 
 def test_train_in_process_and_log_file(tmp_path: Path) -> None:
@@ -389,9 +391,11 @@ def test_error_line_is_one_write(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 def test_dp_passes_every_argument_through(monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`mdloader dp --pt train input.json`: DeePMD-kit's flags are not parsed by mdloader."""
+    import mdloader.cli.dp
     import mdloader.integrations.deepmd as integration
 
     seen: list[list[str]] = []
+    monkeypatch.setattr(mdloader.cli.dp, "deepmd_installed", lambda: True)
     monkeypatch.setattr(integration, "run_dp", lambda argv: seen.append(argv) or 0)
     assert main(["dp", "--pt", "train", "input.json", "--skip-neighbor-stat"]) == 0
     assert seen == [["--pt", "train", "input.json", "--skip-neighbor-stat"]]
@@ -402,4 +406,8 @@ def test_dp_without_deepmd_kit_says_how_to_install_it(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "deepmd", None)  # as if DeePMD-kit were not installed
     assert main(["dp", "--pt", "train", "input.json"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "pip install 'mdloader[deepmd]'" in err
+    assert err.count("\n") == 1 and (
+        'pip install -c scripts/deepmd-constraints.txt -e ".[deepmd]"' in err)
+    assert main(["dp", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "DeePMD-kit is not installed here" in out and "deepmd-constraints.txt" in out

@@ -188,7 +188,7 @@ def test_mdloader_check_on_a_database(tmp_path: Path, sources: list[str],
     (tmp_path / "input.json").write_text(json.dumps(config))
     assert main(["check", str(tmp_path / "input.json")]) == 0
     out = capsys.readouterr().out
-    assert f"{db}#system=0,natoms=6       6        4     6        1   0.500  ?" in out, out
+    assert f"{db}#system=0,natoms=6       6        4     6        1    0.500  ?" in out, out
     assert main(["check", str(tmp_path / "input.json"), "--deep"]) == 1
     assert "cannot decode frame 0 (not msgpack)" in capsys.readouterr().out
 
