@@ -46,6 +46,48 @@ for case in json.loads(sys.argv[1])["cases"]:
 print("RESULT " + json.dumps({"cases": out}))
 """
 
+#: DeePMD-kit's descriptor statistics (``compute_input_stats``) on every frame of the systems of
+#: each case ``{"systems", "type_map", "kind": "se_e2_a"|"dpa1", "rcut", "rcut_smth", "sel",
+#: "set_davg_zero", "exclude_types", "env_protection"}``: mean, stddev and the stat items.
+ENV_MAT = r"""
+import json, sys, logging
+logging.disable(logging.WARNING)
+import numpy as np, torch
+from deepmd.utils.data import DeepmdData
+from deepmd.pt.model.descriptor.se_a import DescrptSeA
+from deepmd.pt.model.descriptor.dpa1 import DescrptDPA1
+out = []
+for case in json.loads(sys.argv[1])["cases"]:
+    merged = []
+    for path in case["systems"]:
+        data = DeepmdData(path, type_map=case["type_map"])
+        for set_dir in data.dirs:
+            arrays = data._load_set(set_dir)
+            nf = arrays["coord"].shape[0]
+            frame = {"coord": torch.tensor(arrays["coord"]).reshape(nf, -1, 3),
+                     "atype": torch.tensor(arrays["type"]).reshape(nf, -1)}
+            if data.pbc:
+                frame["box"] = torch.tensor(arrays["box"]).reshape(nf, 9)
+            merged.append(frame)
+    common = dict(set_davg_zero=case["set_davg_zero"], exclude_types=case["exclude_types"],
+                  env_protection=case["env_protection"])
+    if case["kind"] == "se_e2_a":
+        desc = DescrptSeA(case["rcut"], case["rcut_smth"], case["sel"], **common)
+        block = desc.sea
+    else:
+        desc = DescrptDPA1(case["rcut"], case["rcut_smth"], case["sel"],
+                           len(case["type_map"]), **common)
+        block = desc.se_atten
+    block.compute_input_stats(merged)
+    mean, std = block.get_stat_mean_and_stddev() if hasattr(block, "get_stat_mean_and_stddev") \
+        else (block.mean, block.stddev)
+    items = {k: [float(v.number), float(v.sum), float(v.squared_sum)]
+             for k, v in block.get_stats().items()}
+    out.append({"mean": mean.detach().cpu().numpy().tolist(),
+                "stddev": std.detach().cpu().numpy().tolist(), "items": items})
+print("RESULT " + json.dumps({"cases": out}))
+"""
+
 
 def run(script: str, args: dict, *, timeout: float = 600) -> dict:
     """``script`` run by DeePMD-kit's interpreter with ``args`` as JSON; its ``RESULT`` line."""
