@@ -88,6 +88,40 @@ for case in json.loads(sys.argv[1])["cases"]:
 print("RESULT " + json.dumps({"cases": out}))
 """
 
+#: DeePMD-kit's ``compute_output_stats`` for energy on every frame of the systems of each case
+#: ``{"systems", "type_map", "rcond", "preset"}``: bias and std.
+OUTPUT = r"""
+import json, sys, logging
+logging.disable(logging.WARNING)
+import numpy as np, torch
+from deepmd.utils.data import DeepmdData
+from deepmd.pt.utils.stat import compute_output_stats
+out = []
+for case in json.loads(sys.argv[1])["cases"]:
+    ntypes = len(case["type_map"])
+    merged = []
+    for path in case["systems"]:
+        data = DeepmdData(path, type_map=case["type_map"])
+        data.add("energy", 1, atomic=False, must=False, high_prec=True)
+        frames = [data._load_set(d) for d in data.dirs]
+        energy = np.concatenate([f["energy"] for f in frames]).reshape(-1, 1)
+        nf = energy.shape[0]
+        item = {"energy": torch.tensor(energy), "find_energy": 1.0,
+                "natoms": torch.tensor(np.tile(data.get_natoms_vec(ntypes), (nf, 1)))}
+        # DeePMD-kit reads real_natoms_vec from every system when the first has it (a mix of
+        # mixed-type and plain systems fails there); for a plain system it equals natoms
+        item["real_natoms_vec"] = torch.tensor(
+            np.concatenate([f["real_natoms_vec"] for f in frames]) if data.mixed_type
+            else np.tile(data.get_natoms_vec(ntypes), (nf, 1)))
+        merged.append(item)
+    preset = None if case["preset"] is None else {"energy": case["preset"]}
+    bias, std = compute_output_stats(merged, ntypes, keys=["energy"], rcond=case["rcond"],
+                                     preset_bias=preset)
+    out.append({"bias": np.asarray(bias["energy"]).tolist(),
+                "std": np.asarray(std["energy"]).tolist()})
+print("RESULT " + json.dumps({"cases": out}))
+"""
+
 
 def run(script: str, args: dict, *, timeout: float = 600) -> dict:
     """``script`` run by DeePMD-kit's interpreter with ``args`` as JSON; its ``RESULT`` line."""
