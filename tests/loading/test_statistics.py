@@ -3,6 +3,7 @@ the per-system cache (hit, miss, stale, refresh, off) and failures as one line o
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -133,8 +134,11 @@ def test_cache_hit_miss_stale_refresh(tmp_path: Path) -> None:
         assert changed == _one_by_one(systems, 3.0, False)
         assert run(mode="refresh") == changed and len(computed) == len(systems)
         assert run(mode="off") == changed and len(computed) == len(systems)
-        entries = [p for p in Path(cache).rglob("*.mdlstat")]
-        (entries[0]).write_bytes(b"not msgpack")  # a corrupt entry: warned, recomputed
+        shutil.rmtree(cache)
+        assert run() == changed and len(computed) == len(systems)  # only this run's entries
+        entries = sorted(Path(cache).rglob("*.mdlstat"))
+        assert len(entries) == len(systems)
+        entries[0].write_bytes(b"not msgpack")  # a corrupt entry: warned, recomputed
         assert run() == changed and len(computed) == 1
     finally:
         st.system_neighbour_stats = real
