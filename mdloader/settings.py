@@ -80,6 +80,12 @@ SETTINGS: dict[str, Setting] = {
     "cache_dir": Setting(
         "MDLOADER_CACHE_DIR", _index_cache, str, None, "folder",
         "Where system indexes are kept when input.json or the index_file= argument names none."),
+    "stats_mode": Setting(
+        "MDLOADER_STATS", lambda: "check", str, None, "mode",
+        "What the statistics before training do with their per-system cache "
+        "($MDLOADER_CACHE_DIR/stats): use entries whose data is unchanged (check), compute "
+        "everything again and overwrite them (refresh), or neither read nor write (off).",
+        choices=("check", "refresh", "off")),
     "index_settle": Setting(
         "MDLOADER_INDEX_SETTLE", lambda: 2.0, float, 0.0, "second",
         "A file changed less than this long before an index was built counts as changed at "

@@ -72,6 +72,29 @@ def gather_to_main(obj: Any, *, timeout: float | None = None,
     return [open_packet(p, rank=world.rank) for p in received] if world.is_main else None
 
 
+def every_share(part: Any, error: BaseException | None = None, *,
+                timeout: float | None = None, context: str = "merging shares") -> list[Any]:
+    """Every rank's ``part`` on every rank, in rank order: one all-gather of framed packets.
+
+    A rank passes its ``error`` instead when its share failed (or its part cannot be pickled);
+    then every rank raises the :class:`~mdloader.errors.RemoteError` of the lowest failing rank.
+    In a single process ``error`` is raised as it is. Merging the parts is the caller's.
+    """
+    world = current_world()
+    if not world.distributed:
+        if error is not None:
+            raise error
+        return [part]
+    channel = world_channel(timeout=timeout, activity=context)
+    mine = (error_packet(error, rank=world.rank, context=context) if error is not None
+            else data_packet(part, rank=world.rank, context=context))
+    received = channel.gather(mine)
+    for packet in received:
+        if packet.kind is Kind.ERROR:
+            open_packet(packet, rank=world.rank)  # the same RemoteError on every rank
+    return [open_packet(p, rank=world.rank) for p in received]
+
+
 def agreed_seed(seed: int | None, world: World) -> int:
     """``seed``, or for ``None`` a fresh random seed, rank 0's on every rank (the frame
     permutations of the ranks must agree)."""

@@ -32,12 +32,17 @@ decide about them as about its own; :func:`uninstall` restores the ``mdloader`` 
 
 LMDB: a ``systems`` string that DeePMD-kit takes for an LMDB database goes through mdloader too.
 ``main``'s ``is_lmdb`` answers ``False``, so the trainer builds a ``DpLoaderSet`` on the path,
-whose build expands the database into its groups on rank 0; ``main``'s ``get_data`` hands an
-LMDB path to DeePMD-kit's own ``make_neighbor_stat_data`` for the neighbour statistics.
+whose build expands the database into its groups on rank 0.
 
-Not covered: DeePMD-kit's neighbour statistics (``dp train`` without ``--skip-neighbor-stat``)
-still read the data on every rank through DeePMD-kit's own code before the process group
-exists; data modifiers (``model.modifier``) are rejected.
+Neighbour statistics (``sel: "auto"``, ``min_nbor_dist``): ``main``'s ``get_data`` returns a
+:class:`NeighbourStatData` that reads nothing, and ``BaseUpdateSel.get_nbor_stat`` (called by
+every descriptor's ``update_sel``) computes the statistics of such data with mdloader
+(:func:`mdloader.loading.statistics.neighbour_statistics`): under ``torchrun`` the process group
+is created at that point (DeePMD-kit's own ``init_process_group`` then finds it), rank 0 builds
+the systems, every rank takes a share and one all-gather merges them. The values are
+DeePMD-kit's exactly; DeePMD-kit's own pass over all data on every rank does not run.
+
+Not covered: data modifiers (``model.modifier``) are rejected.
 
 DeePMD-kit is an optional dependency: importing this module does not import it.
 """
@@ -46,19 +51,23 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from mdloader.errors import ConfigError
+from mdloader.loading.build import build_systems
 from mdloader.loading.loader import DpLoaderSet, get_sampler_from_params, get_weighted_sampler
+from mdloader.loading.statistics import neighbour_statistics
 
 log = logging.getLogger(__name__)
 
 _DATALOADER = "deepmd.pt.utils.dataloader"
 _MAIN = "deepmd.pt.entrypoints.main"
 _TRAINING = "deepmd.pt.train.training"
+_UPDATE_SEL = "deepmd.utils.update_sel"
 _saved: dict[tuple[str, str], Any] = {}
 _saved_logger: dict[str, Any] = {}
 
@@ -114,6 +123,8 @@ class _TrainerDist(types.ModuleType):
         return getattr(self._real, name)
 
     def init_process_group(self, backend: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if self._real.is_initialized():  # created earlier for mdloader's neighbour statistics
+            return None
         return self._real.init_process_group(cpu_fallback_backend(backend, self._real),
                                              *args, **kwargs)
 
@@ -202,7 +213,8 @@ def _restore_logs() -> None:
 
 def _import_deepmd() -> dict[str, types.ModuleType]:
     try:
-        return {name: importlib.import_module(name) for name in (_DATALOADER, _MAIN, _TRAINING)}
+        return {name: importlib.import_module(name)
+                for name in (_DATALOADER, _MAIN, _TRAINING, _UPDATE_SEL)}
     except (ImportError, RuntimeError, OSError) as exc:
         raise ConfigError(
             f"DeePMD-kit's PyTorch backend cannot be imported ({type(exc).__name__}: {exc}); "
@@ -214,7 +226,8 @@ def _import_deepmd() -> dict[str, types.ModuleType]:
 def _patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
     main = mods[_MAIN]
     real_dist = _saved.get((_MAIN, "dist"), main.dist)
-    real_get_data = _saved.get((_MAIN, "get_data"), main.get_data)
+    real_nbor_stat = _saved.get((_UPDATE_SEL, "BaseUpdateSel.get_nbor_stat"),
+                                mods[_UPDATE_SEL].BaseUpdateSel.get_nbor_stat)
     return {
         (_DATALOADER, "DpLoaderSet"): DeepmdDpLoaderSet,
         (_DATALOADER, "get_weighted_sampler"): get_weighted_sampler,
@@ -223,7 +236,8 @@ def _patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
         (_MAIN, "process_systems"): defer_discovery,
         (_MAIN, "dist"): _TrainerDist(real_dist),
         (_MAIN, "is_lmdb"): not_lmdb,
-        (_MAIN, "get_data"): lmdb_neighbor_stat(real_get_data),
+        (_MAIN, "get_data"): neighbour_stat_data,
+        (_UPDATE_SEL, "BaseUpdateSel.get_nbor_stat"): mdloader_nbor_stat(real_nbor_stat),
         (_TRAINING, "DpLoaderSet"): DeepmdDpLoaderSet,
         (_TRAINING, "get_sampler_from_params"): get_sampler_from_params,
     }
@@ -250,9 +264,10 @@ def install() -> None:
     """
     mods = _import_deepmd()
     for (module, name), value in {**_patches(mods), **_cpu_patches(mods)}.items():
+        owner, attr = _owner(mods[module], name)
         if (module, name) not in _saved:
-            _saved[(module, name)] = getattr(mods[module], name)
-        setattr(mods[module], name, value)
+            _saved[(module, name)] = owner.__dict__[attr]
+        setattr(owner, attr, value)
     if not _saved_logger:
         _route_logs_to_deepmd()
     log.debug("DeePMD-kit's trainer now loads data through mdloader")
@@ -261,9 +276,19 @@ def install() -> None:
 def uninstall() -> None:
     """Restore DeePMD-kit's own names (for tests and interactive sessions)."""
     for (module, name), value in list(_saved.items()):
-        setattr(sys.modules[module], name, value)
+        owner, attr = _owner(sys.modules[module], name)
+        setattr(owner, attr, value)
         del _saved[(module, name)]
     _restore_logs()
+
+
+def _owner(module: types.ModuleType, name: str) -> tuple[Any, str]:
+    """The object holding ``name`` (``"Class.attr"`` names a class attribute) and the attr."""
+    *path, attr = name.split(".")
+    owner: Any = module
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, attr
 
 
 def installed() -> bool:
@@ -292,17 +317,60 @@ def not_lmdb(systems: Any) -> bool:
     return False
 
 
-def lmdb_neighbor_stat(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``main.get_data``, which ``main`` calls only for neighbour statistics: an LMDB path goes
-    to DeePMD-kit's ``make_neighbor_stat_data``, as DeePMD-kit itself does."""
+class NeighbourStatData:
+    """What ``main.get_data`` returns under mdloader: the training systems, not yet read.
 
-    def get_data(jdata: Any, rcut: Any, type_map: Any, modifier: Any, *args: Any,
-                 **kwargs: Any) -> Any:
-        from deepmd.dpmodel.utils.lmdb_data import is_lmdb, make_neighbor_stat_data
+    DeePMD-kit passes it to ``update_sel``; :func:`mdloader_nbor_stat` builds the systems once
+    (rank 0 discovers them; under ``torchrun`` the process group is created first) and
+    computes their statistics in shares.
+    """
 
-        systems = jdata.get("systems") if hasattr(jdata, "get") else None
-        if isinstance(systems, str) and is_lmdb(systems):
-            return make_neighbor_stat_data(systems, type_map)
-        return original(jdata, rcut, type_map, modifier, *args, **kwargs)
+    def __init__(self, systems: Any, patterns: Sequence[str] | None,
+                 type_map: Sequence[str] | None, dist_module: Any) -> None:
+        self.systems = systems
+        self.patterns = list(patterns) if patterns else None
+        self.type_map = list(type_map) if type_map else None
+        self._dist = dist_module
+        self._datasets: Any = None
 
-    return get_data
+    def datasets(self) -> Any:
+        """The training systems, built (once) as the trainer's ``DpLoaderSet`` will build them."""
+        if self._datasets is None:
+            if os.environ.get("LOCAL_RANK") is not None and not self._dist.is_initialized():
+                self._dist.init_process_group(backend="cuda:nccl,cpu:gloo")  # DeePMD-kit's
+            self._datasets = build_systems(
+                self.systems, self.type_map, rglob_patterns=self.patterns,
+                key="training.training_data.systems")
+        return self._datasets
+
+
+def neighbour_stat_data(jdata: Any, rcut: Any, type_map: Any, modifier: Any, *args: Any,
+                        **kwargs: Any) -> NeighbourStatData:
+    """``main.get_data``, which ``main`` calls only for the neighbour statistics: no I/O."""
+    if modifier is not None:
+        raise ConfigError("data modifiers are not supported by mdloader",
+                          path="model.modifier")
+    dist_module = sys.modules[_MAIN].dist
+    return NeighbourStatData(jdata["systems"], jdata.get("rglob_patterns"), type_map,
+                             dist_module)
+
+
+def mdloader_nbor_stat(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``BaseUpdateSel.get_nbor_stat``: mdloader's sharded statistics for
+    :class:`NeighbourStatData`, DeePMD-kit's own for any other data."""
+
+    def get_nbor_stat(self: Any, train_data: Any, type_map: Sequence[str] | None, rcut: float,
+                      mixed_type: bool = False) -> tuple[float, Any]:
+        if not isinstance(train_data, NeighbourStatData):
+            return original(self, train_data, type_map, rcut, mixed_type=mixed_type)
+        import numpy as np
+
+        from mdloader.stats.neighbours import min_nbor_dist
+
+        if type_map is not None and len(type_map) == 0:
+            type_map = None
+        datasets = train_data.datasets()
+        stats = neighbour_statistics(datasets, rcut, type_map=type_map, mixed_type=mixed_type)
+        return min_nbor_dist(stats), np.asarray(stats.max_neighbours, dtype=int)
+
+    return get_nbor_stat

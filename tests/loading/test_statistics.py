@@ -1,0 +1,156 @@
+"""The sharded statistics pass (:mod:`mdloader.loading.statistics`): shares merged on every rank,
+the per-system cache (hit, miss, stale, refresh, off) and failures as one line on every rank."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from distributed_utils import RankError, run_ranks, values
+
+from mdloader.data.dataset import DeepmdDataSetForLoader
+from mdloader.loading.build import build_systems
+from mdloader.loading.statistics import neighbour_statistics
+from mdloader.stats.neighbours import OverlappingAtomsError, merge_all, system_neighbour_stats
+from mdloader.testing import make_system
+
+TYPE_MAP = ["O", "H"]
+
+
+def _systems(root: Path) -> list[str]:
+    out = [make_system(root, f"p{i}", natoms=n, nframes=4, nsets=2, seed=i)
+           for i, n in enumerate((6, 9, 12, 5))]
+    out.append(make_system(root, "h5", natoms=8, nframes=3, backend="hdf5", seed=7))
+    out.append(make_system(root, "free", natoms=7, nframes=3, pbc=False, seed=8))
+    return out
+
+
+def _one_by_one(systems: list[str], rcut: float, mixed: bool):
+    return merge_all(system_neighbour_stats(DeepmdDataSetForLoader(s, TYPE_MAP), rcut, 2,
+                                            mixed_type=mixed) for s in systems)
+
+
+def test_single_process_equals_system_by_system(tmp_path: Path) -> None:
+    systems = _systems(tmp_path / "d")
+    datasets = [DeepmdDataSetForLoader(s, TYPE_MAP) for s in systems]
+    for mixed in (False, True):
+        ours = neighbour_statistics(datasets, 3.0, type_map=TYPE_MAP, mixed_type=mixed,
+                                    mode="off")
+        assert ours == _one_by_one(systems, 3.0, mixed)
+
+
+def _rank_body(rank: int, world_size: int, root: list[str], cache: str, mixed: bool) -> dict:
+    datasets = build_systems(root, TYPE_MAP, index_mode="off")
+    import mdloader.loading.statistics as st
+
+    computed = []
+    real = st.system_neighbour_stats
+
+    def spy(ds, *a, **k):
+        computed.append(ds.meta.address)
+        return real(ds, *a, **k)
+
+    st.system_neighbour_stats = spy
+    stats = neighbour_statistics(datasets, 3.0, type_map=TYPE_MAP, mixed_type=mixed,
+                                 folder=cache, mode="check")
+    return {"stats": (stats.max_neighbours, stats.min_distance2), "computed": computed}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_two_ranks_take_disjoint_shares_and_agree(tmp_path: Path) -> None:
+    systems = _systems(tmp_path / "d")
+    cache = str(tmp_path / "cache")
+    res = values(run_ranks(_rank_body, 2, systems, cache, False, timeout=120))
+    expected = _one_by_one(systems, 3.0, False)
+    for r in res:
+        assert r["stats"] == (expected.max_neighbours, expected.min_distance2)
+    a, b = set(res[0]["computed"]), set(res[1]["computed"])
+    assert a and b and not a & b and len(a | b) == len(systems)
+    again = values(run_ranks(_rank_body, 2, systems, cache, False, timeout=120))
+    assert again[0]["stats"] == res[0]["stats"]
+    assert again[0]["computed"] == again[1]["computed"] == []  # every system from the cache
+
+
+def _overlap_body(rank: int, world_size: int, root: str) -> None:
+    datasets = build_systems([root], TYPE_MAP, index_mode="off")
+    neighbour_statistics(datasets, 3.0, type_map=TYPE_MAP, mixed_type=False, mode="off")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_overlapping_atoms_fail_every_rank_with_one_line(tmp_path: Path) -> None:
+    systems = _systems(tmp_path / "d")
+    coord_file = Path(systems[1]) / "set.001" / "coord.npy"
+    coord = np.load(coord_file)
+    coord[1, 3:6] = coord[1, 0:3]
+    np.save(coord_file, coord)
+    outcomes = run_ranks(_overlap_body, 2, str(tmp_path / "d"), timeout=120)
+    messages = set()
+    for outcome in outcomes:
+        assert isinstance(outcome, RankError), outcome
+        assert outcome.exc_type == "RemoteError"
+        messages.add(outcome.message.splitlines()[0])  # the rest is the remote traceback
+    (message,) = messages  # the same first line on both ranks
+    assert "OverlappingAtomsError" in message and "frame 3" in message
+    assert f"system: {systems[1]}" in message and str(coord_file) in message
+
+
+def test_cache_hit_miss_stale_refresh(tmp_path: Path) -> None:
+    systems = _systems(tmp_path / "d")
+    cache = str(tmp_path / "cache")
+    import mdloader.loading.statistics as st
+
+    computed: list[str] = []
+    real = st.system_neighbour_stats
+
+    def spy(ds, *a, **k):
+        computed.append(ds.meta.address)
+        return real(ds, *a, **k)
+
+    def run(mode: str = "check", rcut: float = 3.0):
+        computed.clear()
+        datasets = [DeepmdDataSetForLoader(s, TYPE_MAP) for s in systems]
+        return neighbour_statistics(datasets, rcut, type_map=TYPE_MAP, mixed_type=False,
+                                    folder=cache, mode=mode)
+
+    st.system_neighbour_stats = spy
+    try:
+        first = run()
+        assert len(computed) == len(systems)
+        assert run() == first and computed == []  # hit
+        assert run(rcut=3.5) != first and len(computed) == len(systems)  # other settings: miss
+        # rewrite one array in place, same shape and size: stale, recomputed, never reused
+        time.sleep(0.01)
+        coord_file = Path(systems[0]) / "set.000" / "coord.npy"
+        coord = np.load(coord_file)
+        coord[0] *= 0.5
+        np.save(coord_file, coord)
+        changed = run()
+        assert computed == [systems[0]]
+        assert changed == _one_by_one(systems, 3.0, False)
+        assert run(mode="refresh") == changed and len(computed) == len(systems)
+        assert run(mode="off") == changed and len(computed) == len(systems)
+        shutil.rmtree(cache)
+        assert run() == changed and len(computed) == len(systems)  # only this run's entries
+        entries = sorted(Path(cache).rglob("*.mdlstat"))
+        assert len(entries) == len(systems)
+        entries[0].write_bytes(b"not msgpack")  # a corrupt entry: warned, recomputed
+        assert run() == changed and len(computed) == 1
+    finally:
+        st.system_neighbour_stats = real
+
+
+def test_overlap_in_one_process_names_system_file_and_frame(tmp_path: Path) -> None:
+    system = make_system(tmp_path, "s", natoms=6, nframes=3, seed=1)
+    coord_file = Path(system) / "set.000" / "coord.npy"
+    coord = np.load(coord_file)
+    coord[2, 3:6] = coord[2, 0:3]
+    np.save(coord_file, coord)
+    with pytest.raises(OverlappingAtomsError, match=r"frame 2 overlap.*system: .*file: .*coord"):
+        neighbour_statistics([DeepmdDataSetForLoader(system, TYPE_MAP)], 3.0,
+                             type_map=TYPE_MAP, mixed_type=False, mode="off")
+
