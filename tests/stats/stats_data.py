@@ -10,7 +10,7 @@ from mdloader.testing import make_system
 
 REPO = Path(__file__).resolve().parents[2]
 WATER = REPO / "examples" / "water" / "data"
-DEEPMD_TESTS = REPO / "tests" / "data" / "deepmd-tests"
+DEEPMD_TESTS = REPO / "tests" / "fixtures" / "deepmd-tests"
 MIXED_PBC = DEEPMD_TESTS / "tf" / "finetune" / "data_mixed_type"  # O/H, 4 frames, 192 atoms
 MIXED_NOPBC = [DEEPMD_TESTS / "pt" / "property" / "single",  # H/C/N/O, no box
                DEEPMD_TESTS / "pt" / "property" / "double"]
