@@ -16,7 +16,8 @@ This module parses, sets up logging, and turns exceptions into exit codes:
 * 1 — failure: bad data, a failed check, a distributed error;
 * 2 — usage or configuration error (bad arguments, a bad ``input.json``);
 * 130 — interrupted;
-* 143 — ``train`` stopped by SIGTERM or SIGUSR1 after writing a checkpoint.
+* 143 — ``train`` stopped by SIGTERM or SIGUSR1 after writing a checkpoint, or before its
+  first step with nothing to save.
 
 User errors (:class:`~mdloader.errors.MdloaderError`) print one ``mdloader: error: ...`` line
 on stderr without a traceback unless ``--debug``; anything else is a bug and keeps its
@@ -34,8 +35,9 @@ from types import ModuleType
 
 from mdloader import __version__
 from mdloader.cli import bench, check, convert, dp, index, pack, train
-from mdloader.errors import ConfigError, MdloaderError, RemoteError
+from mdloader.errors import ConfigError, MdloaderError, RemoteError, StopRequested
 from mdloader.logs import LEVELS, setup_logging
+from mdloader.train.signals import EXIT_STOPPED
 from mdloader.world import World
 
 #: The sub-commands, in ``mdloader --help`` order.
@@ -107,6 +109,9 @@ def guarded(job: Callable[[], int], *, debug: bool) -> int:
     except KeyboardInterrupt:
         tell("mdloader: interrupted")
         return 130
+    except StopRequested as exc:
+        tell(f"mdloader: stopped on rank {World.from_env().rank}: {exc}")
+        return EXIT_STOPPED
     except MdloaderError as exc:
         if debug or _is_bug(exc):
             traceback.print_exc()
