@@ -85,9 +85,9 @@ class StopSignals:
 def stop_at_once() -> Iterator[None]:
     """Within, a stop signal raises :class:`~mdloader.errors.StopRequested` in the main thread
     (once) instead of setting the flag: for phases with nothing to save. A signal received
-    before entering raises on entry."""
+    before entering (within the same :class:`StopSignals`) raises on entry."""
     global _at_once
-    if _received:
+    if _depth and _received:  # outside StopSignals, what an earlier run received is history
         raise StopRequested(_received[0])
     _at_once = True
     try:

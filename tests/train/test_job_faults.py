@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed_utils import errors, run_ranks
 
 from mdloader.cli.main import main
 from mdloader.config.input_json import parse_config
@@ -207,3 +208,29 @@ def test_sigterm_cuts_a_full_validation_and_the_restart_does_it(
     assert main([*args, "-o", str(out), "--restart", str(out / "model.ckpt.pt")]) == 0
     assert _full_valid(out / "full_valid.out") == whole
     assert (out / "lcurve.out").read_text() == (tmp_path / "whole" / "lcurve.out").read_text()
+
+
+def _restart_on_a_full_disk(rank: int, world_size: int, raw: dict, base: str, out: str) -> None:
+    if rank == 0:  # rank 0 writes the logs: its writes fail past 64 bytes
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE,
+                           (64, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    train(parse_config(raw, base_dir=base), output=out, num_workers=0, options=SMALL,
+          restart=f"{out}/model.ckpt-4.pt")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_a_restart_on_a_full_disk_names_the_log_and_the_phase(tmp_path: Path) -> None:
+    """It was labelled "checking every box against the model cutoff", the last label set."""
+    out = _checkpoints(tmp_path)
+    raw = _raw(tmp_path)
+    outcomes = run_ranks(_restart_on_a_full_disk, 2, raw, str(tmp_path), str(out), timeout=150)
+    failed = errors(outcomes)
+    assert [e.rank for e in failed] == [0, 1], outcomes
+    assert failed[0].message.splitlines()[0] == (
+        f"rank 0 failed (opening the logs in {out}): WriteError: cannot write {out}/lcurve.out: "
+        f"File too large; the old {out}/lcurve.out is kept unchanged"), failed
+    # without torchrun the store lived in rank 0's process: rank 1 says that rank 0 left
+    assert failed[1].message.startswith(f"rank 1 failed (opening the logs in {out}): "), failed
+    assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
