@@ -12,7 +12,8 @@ resumes elastically (:mod:`mdloader.train.io`). Validation is in
 
 Failures: before the first step every box is checked against the cutoff
 (:mod:`mdloader.train.guards`); a SIGTERM or SIGUSR1 stops every rank after the same step with a
-checkpoint (:mod:`mdloader.train.signals`); a failure on one rank ends the job at once with one
+checkpoint, or at once before the first step, or cuts a full validation, which the restart then
+runs first (:mod:`mdloader.train.signals`); a failure on one rank ends the job at once with one
 line on every rank (:mod:`mdloader.distributed.failure`).
 """
 
