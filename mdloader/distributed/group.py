@@ -20,6 +20,7 @@ from mdloader.distributed.failure import (
     failed_together,
     group_ended,
     next_job,
+    published_failure,
     settle,
 )
 from mdloader.errors import StopRequested
@@ -132,7 +133,8 @@ def process_group(activity: Activity | None = None) -> Iterator[World]:
     for a bounded time before the teardown; a rank that failed alone raises
     :class:`~mdloader.errors.RankFailedError` at once and leaves the group as it is
     (:mod:`mdloader.distributed.failure`); after a :class:`~mdloader.errors.StopRequested`
-    (every rank got the signal) each rank leaves the group as it is, without waiting.
+    (every rank got the signal) each rank leaves the group as it is, without waiting, and raises
+    the failure another rank published, if any (the launcher's SIGTERM followed it).
     ``activity`` says what the rank was doing, for the failure line. The CPU groups are created
     on entry (:func:`create_cpu_groups`).
     """
@@ -148,6 +150,9 @@ def process_group(activity: Activity | None = None) -> Iterator[World]:
             raise
         if isinstance(exc, StopRequested):  # every rank got the signal: none waits for another
             group_ended()
+            failure = published_failure(job)
+            if failure is not None:  # the launcher stopped this rank because another failed
+                raise failure from exc
             raise
         if not failed_together(exc):
             group_ended()
