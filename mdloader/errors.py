@@ -224,3 +224,18 @@ class CollectiveTimeoutError(DistributedError, TimeoutError):
 
 class StateDictError(MdloaderError, ValueError):
     """A saved loader/sampler state does not fit this loader (other world size, seed, systems)."""
+
+
+class WriteError(MdloaderError, OSError):
+    """A file of a job's output (a checkpoint, a training log) could not be written (disk full,
+    no permission); the message names it and says what was kept."""
+
+
+class StopRequested(BaseException):
+    """A stop signal (SIGTERM, SIGUSR1) arrived while the run had nothing to save yet: the run
+    ends at once. A ``BaseException``, as ``KeyboardInterrupt``, so that no ``except Exception``
+    swallows it."""
+
+    def __init__(self, signal_name: str) -> None:
+        self.signal_name = signal_name
+        super().__init__(f"{signal_name} before the first training step: nothing to save")

@@ -393,7 +393,8 @@ def test_job_slurm_script_runs_with_a_stand_in_srun(tmp_path: Path) -> None:
         if job.poll() is None:
             job.kill()
     assert "1 node(s) x 2 rank(s)" in out and "OMP_NUM_THREADS=1" in out
-    assert "requeueing job 7" in out, out[-4000:]
+    assert "requeueing job 7" in out and job.returncode == 143, out[-4000:]
+    assert f"latest checkpoint: {os.readlink(run / 'model.ckpt.pt')};" in out, out[-4000:]
     assert (tmp_path / "scontrol.log").read_text().splitlines()[-1] == "requeue 7"
     step = int(os.readlink(run / "model.ckpt.pt")[len("model.ckpt-"):-len(".pt")])
     assert "saved checkpoint" in (run / "train.log").read_text()

@@ -57,7 +57,9 @@ echo "job $SLURM_JOB_ID: $SLURM_NNODES node(s) x $NPROC_PER_NODE rank(s), rendez
 
 # At the signal, pass SIGTERM on: srun forwards it to torchrun, torchrun to every rank, and the
 # ranks stop after the same step, write a checkpoint and exit with 143 (torchrun waits 30 s for
-# that, its --shutdown-timeout). Then the job goes back to the queue.
+# that, its --shutdown-timeout). Then the job goes back to the queue. torchrun itself exits with 1
+# and a SignalException traceback whenever it is signalled, whatever its ranks did: after a stop
+# this script reports the checkpoint and exits with the ranks' 143 instead.
 STOPPED=""
 trap 'STOPPED=1; kill -TERM "$SRUN_PID" 2>/dev/null || true' USR1
 
@@ -73,9 +75,10 @@ SRUN_PID=$!
 rc=0
 wait "$SRUN_PID" || rc=$?
 if [[ -n "$STOPPED" ]]; then   # the wait above returned at the signal: wait for the checkpoint
-  rc=0
-  wait "$SRUN_PID" || rc=$?
-  echo "stopped before the time limit (exit $rc): requeueing job $SLURM_JOB_ID"
+  wait "$SRUN_PID" || true     # torchrun's own 1 (SignalException): the ranks' codes are 143
+  latest=$(cat "$RUN_DIR/checkpoint" 2>/dev/null || echo "none yet")
+  echo "stopped before the time limit, latest checkpoint: $latest; requeueing job $SLURM_JOB_ID"
   scontrol requeue "$SLURM_JOB_ID"
+  rc=143
 fi
 exit "$rc"

@@ -31,8 +31,9 @@ from types import ModuleType
 
 from mdloader import __version__
 from mdloader.cli import bench, check, convert, dp, index, pack, train
-from mdloader.errors import ConfigError, MdloaderError, RemoteError
+from mdloader.errors import ConfigError, MdloaderError, RemoteError, StopRequested
 from mdloader.logs import LEVELS, setup_logging
+from mdloader.train.signals import EXIT_STOPPED
 from mdloader.world import World
 
 #: Every exit code of ``mdloader``, and what it means (``mdloader --help`` prints them).
@@ -43,7 +44,8 @@ EXIT_CODES: dict[int, str] = {
        "does not exist (the same in every command)",
     130: "interrupted (Ctrl-C)",
     141: "the reader of the output went away (e.g. `| head`): the output stops quietly",
-    143: "`train` stopped by SIGTERM or SIGUSR1 after writing a checkpoint",
+    143: "`train` stopped by SIGTERM or SIGUSR1 after writing a checkpoint, or before its first "
+         "step with nothing to save",
 }
 
 #: The sub-commands, in ``mdloader --help`` order.
@@ -127,6 +129,9 @@ def guarded(job: Callable[[], int], *, debug: bool) -> int:
     except KeyboardInterrupt:
         tell("mdloader: interrupted")
         return 130
+    except StopRequested as exc:
+        tell(f"mdloader: stopped on rank {World.from_env().rank}: {exc}")
+        return EXIT_STOPPED
     except MdloaderError as exc:
         if debug or _is_bug(exc):
             traceback.print_exc()

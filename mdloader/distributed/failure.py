@@ -105,6 +105,22 @@ def fail_alone(exc: BaseException, *, job: int, activity: object) -> RankFailedE
     return mine if current == record else RankFailedError(**json.loads(current))
 
 
+def published_failure(job: int) -> RankFailedError | None:
+    """The failure a rank of ``job`` published, if any, without waiting: a rank stopped by the
+    launcher's SIGTERM reports it rather than its stop (the launcher stops the others because
+    that rank failed)."""
+    store = _store()
+    key = f"mdloader/job{job}/failure"
+    try:
+        if store is None or not store.check([key]):
+            return None
+        record = store.get(key)
+    except (RuntimeError, ValueError):  # the store is gone: its host died
+        return None
+    record = record.decode() if isinstance(record, bytes) else record
+    return RankFailedError(**json.loads(record)) if record else None
+
+
 def group_ended() -> None:
     """Remember that a job of this process ended its group, torn down or left as it was."""
     global _ended

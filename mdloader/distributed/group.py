@@ -20,8 +20,10 @@ from mdloader.distributed.failure import (
     failed_together,
     group_ended,
     next_job,
+    published_failure,
     settle,
 )
+from mdloader.errors import StopRequested
 from mdloader.settings import resolve
 from mdloader.world import World
 
@@ -81,6 +83,18 @@ def cpu_group(timeout: float) -> Any:
     return groups[timeout]
 
 
+def create_cpu_groups() -> None:
+    """Create the CPU groups of both timeout settings now, while every rank is alive.
+
+    Creating a gloo group waits for every peer's address for the group's whole timeout: made on
+    first use, after a peer died, it kept the others waiting there for minutes, deaf to the
+    launcher's SIGTERM. A collective: every rank calls it, in the same order.
+    """
+    if dist.is_gloo_available():
+        for setting in ("build_timeout", "collective_timeout"):
+            cpu_group(resolve(setting))
+
+
 def subgroup(ranks: list[int]) -> Any:
     """A group of ``ranks`` (default backend); only its members call this."""
     return dist.new_group(sorted(ranks), use_local_synchronization=True)
@@ -118,16 +132,27 @@ def process_group(activity: Activity | None = None) -> Iterator[World]:
     still inside the group. After a failure, the ranks that failed together settle on the store
     for a bounded time before the teardown; a rank that failed alone raises
     :class:`~mdloader.errors.RankFailedError` at once and leaves the group as it is
-    (:mod:`mdloader.distributed.failure`). ``activity`` says what the rank was doing, for the
-    failure line.
+    (:mod:`mdloader.distributed.failure`); after a :class:`~mdloader.errors.StopRequested`
+    (every rank got the signal) each rank leaves the group as it is, without waiting, and raises
+    the failure another rank published, if any (the launcher's SIGTERM followed it).
+    ``activity`` says what the rank was doing, for the failure line. The CPU groups are created
+    on entry (:func:`create_cpu_groups`).
     """
     started = not dist.is_initialized() and World.from_env().world_size > 1
     world = init_from_env()
     job = next_job()
+    if world.distributed:
+        create_cpu_groups()
     try:
         yield world
     except BaseException as exc:
         if not world.distributed:
+            raise
+        if isinstance(exc, StopRequested):  # every rank got the signal: none waits for another
+            group_ended()
+            failure = published_failure(job)
+            if failure is not None:  # the launcher stopped this rank because another failed
+                raise failure from exc
             raise
         if not failed_together(exc):
             group_ended()

@@ -10,24 +10,51 @@ hold the model, the optimizer, and the loader state of the whole job (every rank
 :func:`mdloader.sampling.elastic.merge_rank_states`), so that a restart on the same number of
 ranks continues every stream exactly and one on another number resumes elastically. Everything is
 plain tensors, integers and lists, so that they load with ``torch.load(weights_only=True)``.
+
+A checkpoint carries the SHA-256 of its content (:func:`content_checksum`), verified on load:
+torch checks neither the zip's CRCs nor the tensors, and would resume from damaged weights. It
+is serialised in memory and written with plain file calls, so that a full disk is an ``OSError``
+naming the file; the partial file is removed and the previous checkpoint stays the latest.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import logging
 import os
+import re
+import tempfile
 from typing import IO, Any
 
 import torch
 
 from mdloader.distributed.collectives import gather_to_main
-from mdloader.errors import StateDictError
+from mdloader.errors import ConfigError, StateDictError, WriteError
 from mdloader.sampling.elastic import merge_rank_states
 from mdloader.state import Stateful
 
 KEYS = ("rmse", "rmse_e", "rmse_f")
 CKPT_FORMAT = "mdloader-train"
-CKPT_VERSION = 2
+CKPT_VERSION = 3
+"""3 added the checksum; version 2 still loads, unverified."""
 MAX_KEEP = 5
+
+log = logging.getLogger(__name__)
+
+
+def check_output(output: str) -> None:
+    """Create the output folder, and make sure this process can write in it: before the build,
+    so that a bad ``--output`` fails in a second rather than at the first checkpoint."""
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ConfigError(f"{output} exists and is not a folder", path="--output")
+    try:
+        os.makedirs(output, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot write in {output}: {exc.strerror or exc}",
+                          path="--output") from None
 
 
 def keep_steps_up_to(path: str, step: int) -> None:
@@ -40,10 +67,7 @@ def keep_steps_up_to(path: str, step: int) -> None:
     kept = [line for line in lines if not _step_of(line) > step]
     if len(kept) == len(lines):
         return
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.writelines(kept)
-    os.replace(tmp, path)
+    _write_atomically(path, "".join(kept).encode(), f"the old {path} is kept unchanged")
 
 
 def _step_of(line: str) -> int:
@@ -56,10 +80,16 @@ def _open_log(path: str, header: str, after: int | None) -> IO[str]:
     missing, else the existing file with its lines after step ``after`` dropped."""
     if after is not None and os.path.exists(path):
         keep_steps_up_to(path, after)
-        return open(path, "a", encoding="utf-8")
-    fh = open(path, "w", encoding="utf-8")
-    fh.write(header)
-    fh.flush()
+        mode = "a"
+    else:
+        mode = "w"
+    try:
+        fh = open(path, mode, encoding="utf-8")
+        if mode == "w":
+            fh.write(header)
+            fh.flush()
+    except OSError as exc:
+        raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from None
     return fh
 
 
@@ -112,6 +142,11 @@ class FullValidationLog:
         self.path = path
         _open_log(path, self.HEADER, after).close()
 
+    def missing(self, step: int) -> bool:
+        """Whether the file has no line for ``step``."""
+        with open(self.path, encoding="utf-8") as fh:
+            return all(_step_of(line) != step for line in fh)
+
     def write(self, step: int, rmse_e: float, rmse_f: float, frames: int, seconds: float) -> str:
         line = f"{step:7d}   {rmse_e:11.4e} {rmse_f:11.4e}   {frames:8d}   {seconds:9.3f}\n"
         with open(self.path, "a", encoding="utf-8") as fh:
@@ -123,22 +158,85 @@ def checkpoint_path(output: str, prefix: str, step: int) -> str:
     return os.path.join(output, f"{prefix}-{step}.pt")
 
 
+def content_checksum(value: Any) -> str:
+    """SHA-256 of a checkpoint's content: every tensor's dtype, shape and bytes, every other
+    value's type and text, and the structure (keys in order) around them."""
+    digest = hashlib.sha256()
+    _feed(digest, value)
+    return digest.hexdigest()
+
+
+def _feed(digest: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"T{flat.dtype}{tuple(value.shape)}:".encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        digest.update(f"D{len(value)}:".encode())
+        for key, item in value.items():
+            _feed(digest, key)
+            _feed(digest, item)
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"L{len(value)}:".encode())
+        for item in value:
+            _feed(digest, item)
+    else:
+        digest.update(f"{type(value).__name__}{value!r};".encode())
+
+
 def save_checkpoint(output: str, prefix: str, step: int, state: dict[str, Any]) -> str:
-    """Write atomically (tmp + rename), point ``<prefix>.pt`` at it, keep the last few."""
+    """Write atomically (tmp + rename) with its checksum, point ``<prefix>.pt`` at it, keep the
+    last few; a write error is a :class:`~mdloader.errors.WriteError` saying what was
+    kept."""
     path = checkpoint_path(output, prefix, step)
-    tmp = path + ".tmp"
-    torch.save({"format": CKPT_FORMAT, "version": CKPT_VERSION, "step": step, **state}, tmp)
-    os.replace(tmp, path)
     latest = os.path.join(output, f"{prefix}.pt")
+    previous = os.path.join(output, os.readlink(latest)) if os.path.islink(latest) else None
+    kept = (f"{previous} is still the latest checkpoint" if previous
+            else "no earlier checkpoint exists")
+    content = {"format": CKPT_FORMAT, "version": CKPT_VERSION, "step": step, **state}
+    content["checksum"] = content_checksum(content)
+    buffer = io.BytesIO()
+    torch.save(content, buffer)
+    _write_atomically(path, buffer.getbuffer(), f"no checkpoint of step {step} was written; "
+                      + kept, error=WriteError)
     link_tmp = latest + ".tmp"
-    if os.path.lexists(link_tmp):
-        os.remove(link_tmp)
-    os.symlink(os.path.basename(path), link_tmp)
-    os.replace(link_tmp, latest)
-    with open(os.path.join(output, "checkpoint"), "w", encoding="utf-8") as fh:
-        fh.write(os.path.basename(path) + "\n")
+    try:
+        if os.path.lexists(link_tmp):
+            os.remove(link_tmp)
+        os.symlink(os.path.basename(path), link_tmp)
+        os.replace(link_tmp, latest)
+        _write_atomically(os.path.join(output, "checkpoint"),
+                          (os.path.basename(path) + "\n").encode(), "", error=WriteError)
+    except OSError as exc:
+        _remove(link_tmp)
+        raise WriteError(f"wrote checkpoint {path}, but could not point {latest} at it: "
+                              f"{exc.strerror or exc}; restart with --restart {path}") from None
     _prune(output, prefix)
     return path
+
+
+def _write_atomically(path: str, data: bytes | memoryview, kept: str,
+                      error: type[Exception] = WriteError) -> None:
+    """``data`` into ``path`` through ``path.tmp`` and a rename; on an error the partial file is
+    removed and ``error`` names the file and says what was ``kept``."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        _remove(tmp)
+        raise error(f"cannot write {path}: {exc.strerror or exc}"
+                    + (f"; {kept}" if kept else "")) from None
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _prune(output: str, prefix: str) -> None:
@@ -153,20 +251,52 @@ def _prune(output: str, prefix: str) -> None:
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
-    """Read and check a checkpoint written by :func:`save_checkpoint` (on any number of ranks)."""
+    """Read and check a checkpoint written by :func:`save_checkpoint` (on any number of ranks):
+    its format, version and checksum."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise StateDictError(f"checkpoint not found: {path}") from None
     except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file
-        raise StateDictError(f"cannot read checkpoint {path}: {type(exc).__name__}: "
-                             f"{exc}") from exc
+        # torch's text advises weights_only=False, which runs the damaged file's pickle: not
+        # advice to pass on
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        said = "" if "weights_only" in said else f": {said}"
+        raise StateDictError(f"cannot read checkpoint {path}: damaged or not a checkpoint "
+                             f"({type(exc).__name__}{said}); {_previous(path)}") from None
     if not isinstance(state, dict) or state.get("format") != CKPT_FORMAT:
         raise StateDictError(f"{path} is not an mdloader training checkpoint")
-    if state.get("version") != CKPT_VERSION:
-        raise StateDictError(f"checkpoint {path} has version {state.get('version')}, this "
-                             f"mdloader reads version {CKPT_VERSION}")
+    version = state.get("version")
+    if version == 2:
+        log.warning("checkpoint %s has version 2, which carries no checksum: not verified", path)
+        return state
+    if version != CKPT_VERSION:
+        raise StateDictError(f"checkpoint {path} has version {version}, this "
+                             f"mdloader reads versions 2 and {CKPT_VERSION}")
+    written = state.pop("checksum", None)
+    if written != content_checksum(state):
+        raise StateDictError(f"checkpoint {path} is damaged: its content does not match the "
+                             f"checksum written with it; {_previous(path)}")
     return state
+
+
+def _previous(path: str) -> str:
+    """Advice after a damaged checkpoint: the newest older one in its folder, if any."""
+    real = os.path.realpath(path)
+    folder, name = os.path.split(real)
+    match = re.fullmatch(r"(.+)-(\d+)\.pt", name)
+    if match is None:
+        return "restart from an earlier checkpoint"
+    prefix, step = match.group(1), int(match.group(2))
+    older = []
+    for other in os.listdir(folder):
+        found = re.fullmatch(re.escape(prefix) + r"-(\d+)\.pt", other)
+        if found and int(found.group(1)) < step:
+            older.append(int(found.group(1)))
+    if not older:
+        return f"no earlier checkpoint is kept in {folder}"
+    return (f"restart from the previous checkpoint, --restart "
+            f"{os.path.join(os.path.dirname(path), f'{prefix}-{max(older)}.pt')}")
 
 
 def gather_loader_states(loader: Stateful, valid: Stateful | None) -> dict[str, Any] | None:

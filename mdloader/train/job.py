@@ -12,7 +12,8 @@ resumes elastically (:mod:`mdloader.train.io`). Validation is in
 
 Failures: before the first step every box is checked against the cutoff
 (:mod:`mdloader.train.guards`); a SIGTERM or SIGUSR1 stops every rank after the same step with a
-checkpoint (:mod:`mdloader.train.signals`); a failure on one rank ends the job at once with one
+checkpoint, or at once before the first step, or cuts a full validation, which the restart then
+runs first (:mod:`mdloader.train.signals`); a failure on one rank ends the job at once with one
 line on every rank (:mod:`mdloader.distributed.failure`).
 """
 
@@ -34,7 +35,12 @@ from mdloader.config.input_json import Config
 from mdloader.config.loaders import configured_loader
 from mdloader.data.formats import release_handles
 from mdloader.data.schema import DataRequirementItem
-from mdloader.distributed.collectives import all_reduce_mean, any_rank, fail_together
+from mdloader.distributed.collectives import (
+    all_reduce_mean,
+    any_rank,
+    broadcast_from_main,
+    fail_together,
+)
 from mdloader.distributed.failure import Activity
 from mdloader.distributed.group import device_of, process_group
 from mdloader.errors import ConfigError, StateDictError
@@ -45,6 +51,7 @@ from mdloader.train.guards import check_boxes, nonfinite_weights
 from mdloader.train.io import (
     FullValidationLog,
     Lcurve,
+    check_output,
     gather_loader_states,
     load_checkpoint,
     restart_note,
@@ -52,7 +59,7 @@ from mdloader.train.io import (
 )
 from mdloader.train.model import RadialPotential
 from mdloader.train.objective import EnergyForceLoss, ExpDecayLR, resolve_numb_steps, rmse_columns
-from mdloader.train.signals import StopSignals, ignore_stop_signals
+from mdloader.train.signals import StopSignals, ignore_stop_signals, stop_at_once
 from mdloader.train.statistics import fit_statistics, on_main_for_all
 from mdloader.train.step import Stepper
 from mdloader.train.validation import FullValidation, Validation
@@ -105,12 +112,15 @@ def train(config: Config, *, output: str = ".", restart: str | None = None,
         raise ConfigError(f"must be a positive step, got {stop_after}", path="--stop-after")
     if numb_steps is not None and numb_steps < 0:
         raise ConfigError(f"must be an integer >= 0, got {numb_steps}", path="--numb-steps")
+    check_output(output)
     activity = Activity("building the loader")
     with process_group(activity) as world:
-        trainer = _Trainer(config, world, output=output, numb_steps=numb_steps,
-                           num_workers=num_workers, options=options,
-                           full_validation=full_validation, activity=activity)
-        return trainer.run(restart, stop_after, nonfinite)
+        with stop_at_once():  # nothing to save before the first step: a signal ends the run
+            trainer = _Trainer(config, world, output=output, numb_steps=numb_steps,
+                               num_workers=num_workers, options=options,
+                               full_validation=full_validation, activity=activity)
+            trainer.prepare(restart, nonfinite)
+        return trainer.run(restart, stop_after)
 
 
 class _Trainer:
@@ -122,6 +132,7 @@ class _Trainer:
         self.config, self.world, self.output, self.options = config, world, output, options
         self.full_validation, self.activity = full_validation, activity
         self.started = (time.monotonic(), 0)  # when the loop started, and from which step
+        self.start, self.validation_due = 0, False  # a restart's step; a validation it owes
         self.device = device_of(world)
         workers = default_num_workers(num_workers, "--num-workers")
         set_torch_threads(workers, world=world)
@@ -149,11 +160,11 @@ class _Trainer:
             self.model = RadialPotential(ntypes, rcut=options.rcut, nbasis=options.nbasis,
                                          hidden=options.hidden).to(self.device)
 
-    def run(self, restart: str | None, stop_after: int | None, nonfinite: str) -> TrainResult:
+    def prepare(self, restart: str | None, nonfinite: str) -> None:
+        """Everything before the first step: checks, statistics or the restored checkpoint."""
         self.activity.doing = "checking every box against the model cutoff"
         valid = self.valid.systems if self.valid is not None else []
         check_boxes([*self.train_set.systems, *valid], self.options.rcut, self.world)
-        step = 0
         if restart is None:
             self.activity.doing = "computing the model statistics"
             on_main_for_all(self._statistics, self.world, context=self.activity.doing)
@@ -164,8 +175,12 @@ class _Trainer:
         self.stepper = Stepper(self.model, ddp_model, self.optimizer, self.loss_fn,
                                self.train_set.systems, device=self.device, nonfinite=nonfinite,
                                rank=self.world.rank)
-        if restart is not None:
-            step = self._restore(restart)
+        self.start = 0 if restart is None else self._restore(restart)
+
+    def run(self, restart: str | None, stop_after: int | None) -> TrainResult:
+        """Open the logs and train from the start step (a restart's: its checkpoint's)."""
+        step = self.start
+        self.activity.doing = f"opening the logs in {self.output}"
         self._open_logs(restart, step)
         try:
             return self._loop(step, stop_after)
@@ -181,7 +196,6 @@ class _Trainer:
     def _open_logs(self, restart: str | None, step: int) -> None:
         """``lcurve.out`` (and ``full_valid.out``) on rank 0; a restart first drops the lines
         after its checkpoint's step, written by a run that went on without saving."""
-        os.makedirs(self.output, exist_ok=True)
         after = step if restart is not None else None
         self.lcurve = (Lcurve(os.path.join(self.output, self.config.disp_file),
                               with_validation=self.valid is not None, after=after)
@@ -195,7 +209,9 @@ class _Trainer:
                        frames=self.options.stat_frames, device=self.device)
 
     def _restore(self, path: str) -> int:
+        self.activity.doing = f"restoring the checkpoint {path}"
         state = load_checkpoint(path)
+        self.validation_due = bool(state.get("full_validation_due"))
         if state["model_args"] != self.model_args:
             raise StateDictError(f"checkpoint {path} holds a model {state['model_args']} but "
                                  f"this run builds {self.model_args}")
@@ -227,6 +243,10 @@ class _Trainer:
             if any_rank([signals.requested], activity="starting to train")[0]:
                 end = start  # a signal came before the first step: nothing to train or save
                 self._stopped(start, signals, result)
+            elif self._validation_missed(start) and not self._validate_fully(start, result,
+                                                                              signals):
+                end = start  # cut again by a signal: the next restart validates it
+                self._stopped(start, signals, result)
             for step in range(start, end):
                 done = step + 1
                 self.activity.doing = f"training step {done}"
@@ -239,13 +259,14 @@ class _Trainer:
                 if done % self.config.disp_freq == 0 or done == 1 or done == self.numb_steps:
                     self._display(done, lr, outcome.mse, result, bar)
                 saved = done % self.config.save_freq == 0 or done == end
-                if saved or outcome.stop:
-                    result.checkpoint = self._save(done)
-                if saved and self.full_validation and not outcome.stop:
-                    self._validate_fully(done, result)
+                stop = outcome.stop
+                if saved or stop:
+                    result.checkpoint = self._save(done, validation_due=saved)
+                if saved and self.full_validation and not stop:
+                    stop = not self._validate_fully(done, result, signals)
                 result.step = done
                 bar.update(1)
-                if outcome.stop:
+                if stop:
                     self._stopped(done, signals, result)
                     break
         bar.close()
@@ -266,15 +287,33 @@ class _Trainer:
             log.warning("stopped after step %d (%s): continue with --restart %s", done,
                         result.stopped_by, result.checkpoint)
 
-    def _validate_fully(self, done: int, result: TrainResult) -> None:
+    def _validation_missed(self, step: int) -> bool:
+        """Whether this restart's checkpoint was due a full validation that ``full_valid.out``
+        lacks (a signal cut it, or came at its step): then it runs before the first step."""
+        if not (self.full_validation and self.validation_due):
+            return False
+        missing = self.full_log.missing(step) if self.full_log is not None else None
+        return bool(broadcast_from_main(missing, context="checking full_valid.out"))
+
+    def _validate_fully(self, done: int, result: TrainResult, signals: StopSignals) -> bool:
+        """The full validation at step ``done``; False when a stop signal on some rank cut it
+        (then no line is written: the restart validates this step first)."""
         self.activity.doing = f"the full validation at step {done}"
-        full = self.valid.full(self.stepper.predict, done)  # type: ignore[union-attr]
+        if self.world.is_main:
+            log.info("full validation at step %d: started", done)
+        full = self.valid.full(self.stepper.predict, done,  # type: ignore[union-attr]
+                               stop=lambda: signals.requested)
+        if full is None:
+            if self.world.is_main:
+                log.warning("full validation at step %d cut by a stop signal", done)
+            return False
         result.full_valid.append(full)
         if self.full_log is not None:
             self.full_log.write(done, full.rmse_e, full.rmse_f, full.frames, full.seconds)
             log.info("full validation at step %d: rmse_e %.4e, rmse_f %.4e over %d frames "
                      "(%.2f s on %d rank(s))", done, full.rmse_e, full.rmse_f, full.frames,
                      full.seconds, self.world.world_size)
+        return True
 
     def _display(self, done: int, lr: float, mse: dict[str, float], result: TrainResult,
                  bar: tqdm) -> None:
@@ -294,7 +333,7 @@ class _Trainer:
                          self.numb_steps, result.last_train["rmse_f"], lr, rate)
             log.debug("step %d: train %s valid %s", done, result.last_train, result.last_valid)
 
-    def _save(self, done: int) -> str | None:
+    def _save(self, done: int, *, validation_due: bool = False) -> str | None:
         self.activity.doing = f"saving the checkpoint of step {done}"
         fail_together(nonfinite_weights(self.model, done), context=self.activity.doing)
         loaders = gather_loader_states(self.loader, self.valid)
@@ -302,7 +341,8 @@ class _Trainer:
             return None
         state = {"world_size": self.world.world_size, "model": self.model.state_dict(),
                  "optimizer": self.optimizer.state_dict(), **loaders,
-                 "model_args": self.model_args, "numb_steps": self.numb_steps}
+                 "model_args": self.model_args, "numb_steps": self.numb_steps,
+                 "full_validation_due": validation_due and self.full_validation}
         path = save_checkpoint(self.output, self.config.save_ckpt, done, state)
         log.info("saved checkpoint %s", path)
         return path

@@ -9,7 +9,11 @@ command line exits with :data:`EXIT_STOPPED`.
 ``mdloader train`` keeps the handlers active for its whole run, not only the training loop: as
 soon as one rank exits, ``torchrun`` sends SIGTERM to the others, which may still be writing
 their line or tearing the group down; they must finish that, not die half-way. A signal that
-comes before the first step stops the job before it trains.
+comes before the first step stops the job before it trains: while the job builds, checks and
+computes its statistics (:func:`stop_at_once`) a signal raises
+:class:`~mdloader.errors.StopRequested` at once, since there is nothing to save yet, and the
+rank exits with :data:`EXIT_STOPPED` instead of finishing a phase that may take minutes (or wait
+for a peer that is gone) while the launcher's 30 s before SIGKILL run out.
 
 DataLoader workers must outlive the signal until the main process has written its checkpoint:
 ``torchrun`` sends it to each rank's whole process group and Slurm to every process of a step,
@@ -21,8 +25,12 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType, TracebackType
 from typing import Any
+
+from mdloader.errors import StopRequested
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 EXIT_STOPPED = 128 + signal.SIGTERM
@@ -31,6 +39,7 @@ process ended by SIGTERM): a job script requeues on it."""
 
 _received: list[str] = []  # the stop signals received while handlers were active, in order
 _depth = 0  # how many StopSignals are active (they nest: the command line's and the loop's)
+_at_once = False  # within stop_at_once: the next stop signal raises StopRequested
 
 
 class StopSignals:
@@ -72,8 +81,27 @@ class StopSignals:
         return bool(_received)
 
 
+@contextmanager
+def stop_at_once() -> Iterator[None]:
+    """Within, a stop signal raises :class:`~mdloader.errors.StopRequested` in the main thread
+    (once) instead of setting the flag: for phases with nothing to save. A signal received
+    before entering (within the same :class:`StopSignals`) raises on entry."""
+    global _at_once
+    if _depth and _received:  # outside StopSignals, what an earlier run received is history
+        raise StopRequested(_received[0])
+    _at_once = True
+    try:
+        yield
+    finally:
+        _at_once = False
+
+
 def _note(signum: int, frame: FrameType | None) -> None:
+    global _at_once
     _received.append(signal.Signals(signum).name)
+    if _at_once:
+        _at_once = False
+        raise StopRequested(_received[-1])
 
 
 def ignore_stop_signals(worker_id: int) -> None:

@@ -95,15 +95,26 @@ class Validation:
         summed = reduce_sums(totals)
         return rmse_columns({k: summed[k] / summed["batches"] for k in ("mse", "mse_e", "mse_f")})
 
-    def full(self, predict: Predict, step: int) -> FullValidation:
-        """Every validation frame once, shared by the ranks; the same result on every rank."""
+    def full(self, predict: Predict, step: int,
+             stop: Callable[[], bool] = lambda: False) -> FullValidation | None:
+        """Every validation frame once, shared by the ranks; the same result on every rank.
+
+        A rank on which ``stop()`` turns true leaves its loop; then every rank returns ``None``
+        (they learn it in the same exchange as the sums), so that a stop signal is acted on in
+        a pass that may take minutes.
+        """
         started = time.perf_counter()
-        sums = {"sse_e": 0.0, "frames": 0.0, "sse_f": 0.0, "force_terms": 0.0}
+        sums = {"sse_e": 0.0, "frames": 0.0, "sse_f": 0.0, "force_terms": 0.0, "cut": 0.0}
         for batch in self.full_loader:
+            if stop():
+                sums["cut"] = 1.0
+                break
             pred, label = predict(batch)
             for key, value in frame_sums(pred, label, batch["atype"]).items():
                 sums[key] += value
         total = reduce_sums(sums)
+        if total["cut"]:
+            return None
         rmse_e, rmse_f = rmse_from_sums(total)
         return FullValidation(step, rmse_e, rmse_f, int(total["frames"]),
                               time.perf_counter() - started)

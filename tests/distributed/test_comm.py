@@ -19,6 +19,7 @@ from mdloader.errors import (
     DistributedError,
     MissingDataError,
     RemoteError,
+    StopRequested,
 )
 from mdloader.settings import SETTINGS, resolve
 from mdloader.world import World
@@ -392,3 +393,27 @@ def test_a_rank_killed_outright_is_named_as_a_rank_that_left() -> None:
                     r"the job during training step 5 \(it failed or was killed: see its own "
                     r"output and the launcher's\); gloo: .*Connection (closed|reset) by peer",
                     rank0.message), rank0.message
+
+
+def _stopped_after_a_peer_failed(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    with group.process_group(failure.Activity("building the loader")):
+        if rank == 1:
+            raise MissingDataError("gone", system="/d/s", file="/d/s/set.001/force.npy")
+        store = dist.distributed_c10d._get_default_store()
+        while not store.check(["mdloader/job0/failure"]):  # rank 1 published its failure
+            time.sleep(0.01)
+        raise StopRequested("SIGTERM")  # what the launcher's SIGTERM raises before step 1
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_a_rank_stopped_because_a_peer_failed_reports_the_failure() -> None:
+    """torchrun sends SIGTERM to the other ranks once one has failed: a rank stopped that way
+    before the first step prints the failure, the same line as the failing rank, not its stop."""
+    errs = errors(run_ranks(_stopped_after_a_peer_failed, 2, init_group=False))
+    assert [e.exc_type for e in errs] == ["RankFailedError", "RankFailedError"], errs
+    assert {e.message.splitlines()[0] for e in errs} == {
+        "rank 1 failed (building the loader): MissingDataError: gone; system: /d/s; "
+        "file: /d/s/set.001/force.npy"}

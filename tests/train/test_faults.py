@@ -5,9 +5,10 @@ on a copy of one generated data set. The fault happens at a known moment through
 test truncates, moves or overwrites a file once rank 0 has logged the model statistics (the last
 read before training), kills a DataLoader worker, or sends SIGTERM. Which rank reads the damaged
 file first is computed from the sampler's pure key streams, so "read by rank 1" is a fact of the
-data, not a race. Every job must end on every rank within :data:`BOUND` seconds of its fault
-(torchrun returns only after both ranks did), with the same one ``mdloader: error:`` line on each
-rank naming the rank, the system and the file.
+data, not a race. Every job must end on every rank with the same one ``mdloader: error:`` line
+on each rank naming the rank, the system and the file; :data:`BOUND` is a hang guard (the
+figures measured are in ``docs/distributed.md``), and what shows that no rank waited for the
+launcher's SIGKILL is its exit code.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from mdloader.testing import make_system
 from mdloader.world import World
 
 ROOT = Path(__file__).resolve().parents[2]
-BOUND = 15.0
-"""Seconds from the fault to the end of the job on every rank (torchrun's exit)."""
+BOUND = 60.0
+"""Seconds from the fault to the end of the job on every rank (torchrun's exit): a hang guard,
+several times the 1-4 s measured, which took 16 s on a loaded machine."""
 NSYS, NFRAMES, SET0 = 6, 24, 12  # two sets of 12 frames: the statistics read set.000 only
 FIRST = 20  # the earliest step at which the damaged file may be read: time to damage it
 MARGIN = 10  # steps between the first reader's read and the other rank's first read
@@ -316,3 +318,50 @@ def test_a_systems_entry_that_does_not_exist(tmp_path: Path, dataset: Path) -> N
     _check_one_line(job, "missing systems entry (from the start)", 2,
                     "ConfigError: training.training_data.systems[1]: ",
                     f"{tmp_path / 'data' / 'nope'} does not exist")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_killed_before_the_first_step(tmp_path: Path, dataset: Path, victim: int) -> None:
+    """kill -9 of one rank right after the build: the other used to wait in the creation of a
+    gloo group (its 300 s timeout) until torchrun's SIGKILL, deaf to torchrun's SIGTERM. Now it
+    ends by itself: an error naming the rank that left, or stopped by torchrun's SIGTERM."""
+    path = _input(tmp_path, dataset, seed=1)
+    job = _job([str(path), "--rcut", "2.5", "--num-workers", "1", "-o", "out"], tmp_path,
+               ready=_logged("---Summary of DataSystem: training"),
+               fault=lambda proc: os.kill(_ranks_of(proc.pid)[victim], signal.SIGKILL))
+    print(f"rank {victim} killed: the job ended {job.seconds:.1f} s later")
+    codes = job.exit_codes()
+    assert sorted(codes) in ([-9, 1], [-9, 143]), job.stderr[-4000:]  # never SIGKILLed
+    ended = [line for _, line in job.lines if line.startswith(("mdloader: error:",
+                                                               "mdloader: stopped on rank"))]
+    assert len(ended) == 1, job.stderr[-4000:]
+    assert ("another rank left the job" in ended[0] or f"rank {1 - victim}" in ended[0]), ended
+    assert job.seconds < BOUND
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_torchrun_during_a_long_full_validation(tmp_path: Path,
+                                                            dataset: Path) -> None:
+    """torchrun passes SIGTERM on and SIGKILLs its ranks 30 s later: the full validation is cut,
+    the checkpoint written before it kept, every rank exits 143 by itself."""
+    path = _input(tmp_path, dataset, seed=1, steps=2000)
+    for i in range(2):
+        make_system(tmp_path / "valid", f"v{i}", natoms=6, nframes=1500, seed=20 + i,
+                    keys=("energy", "force"))
+    raw = json.loads(path.read_text())
+    raw["training"].update(save_freq=5, validation_data={"systems": ["valid"], "batch_size": 1})
+    path.write_text(json.dumps(raw))
+    job = _job([str(path), "--rcut", "2.5", "--num-workers", "1", "-o", "out",
+                "--full-validation"], tmp_path,
+               ready=_logged("full validation at step 5: started"),
+               fault=lambda proc: os.kill(proc.pid, signal.SIGTERM))
+    print(f"SIGTERM to torchrun during the full validation: the job ended {job.seconds:.1f} s "
+          "later")
+    assert "full validation at step 5 cut by a stop signal" in job.stderr, job.stderr[-4000:]
+    stopped = [line for _, line in job.lines if "stopped after step" in line]
+    assert len(stopped) == 1 and "stopped after step 5 (SIGTERM): continue with --restart " \
+        "out/model.ckpt-5.pt" in stopped[0], job.stderr[-4000:]
+    assert not job.errors() and "exitcode  : -9" not in job.stderr, job.stderr[-4000:]
+    assert (tmp_path / "out" / "full_valid.out").read_text().splitlines()[1:] == []
+    assert job.seconds < BOUND
