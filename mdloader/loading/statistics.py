@@ -25,7 +25,7 @@ from typing import Any
 from mdloader.catalog.stats_store import StatsStore, system_stamp
 from mdloader.distributed.collectives import every_share
 from mdloader.distributed.group import current_world
-from mdloader.errors import CorruptFileError
+from mdloader.errors import CorruptFileError, MdloaderError
 from mdloader.loading.system_list import natoms_of, nframes_of
 from mdloader.settings import resolve
 from mdloader.stats import cache
@@ -88,7 +88,7 @@ def sharded_pass(datasets: Sequence[Any], kind: str, settings: Mapping[str, Any]
     mine = share(weights, world.rank, world.world_size).tolist()
     parts: list[tuple[int, bytes]] = []
     cached = 0
-    error = None
+    error, dataset = None, None
     try:
         for position in _progress(mine, f"{kind} statistics", progress):
             dataset = datasets[position]
@@ -109,6 +109,8 @@ def sharded_pass(datasets: Sequence[Any], kind: str, settings: Mapping[str, Any]
                     store.put(key, payload)
             parts.append((position, payload))
     except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
+        if not isinstance(exc, MdloaderError) and dataset is not None:  # a bug: say where
+            exc.add_note(f"while computing the {kind} statistics of {dataset.meta.address}")
         error = exc
     gathered = every_share((parts, cached), error, context=f"{kind} statistics")
     ordered = sorted((p for rank_parts, _ in gathered for p in rank_parts), key=lambda p: p[0])

@@ -398,8 +398,10 @@ class WeightedSystemSampler(Sampler[BatchKey]):
             return
         started = time.perf_counter()
         world = self.plan.world_size
-        self._full = full_continuation(JobSampling(self.plan), history)
-        cont = None if self._full is None else share_of(self._full, self.rank, world)
+        full = full_continuation(JobSampling(self.plan), history)
+        cont = None if full is None else share_of(full, self.rank, world)
+        # only balanced steps read other ranks' shares; otherwise keep this rank's 1/W alone
+        self._full = full if self.plan.balance_window else None
         self.order = self.plan.frame_order(self.rank, continuation=cont)
         self._history = history
         self._step, self._chunk_id = 0, -1

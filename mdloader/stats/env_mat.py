@@ -218,12 +218,13 @@ def system_env_sums(dataset: Any, settings: EnvMatSettings, *,
     """The statistics of one system's frames (all, or ``frames``), read through a
     :class:`~mdloader.data.dataset.DeepmdDataSetForLoader`."""
     sums = EnvMatSums.zeros(settings.ntypes)
-    for set_name, fids in frames_by_set(dataset, frames):
-        arrays = read_frames(dataset, fids)
-        place = FramePlace(dataset.meta.address, file_of(dataset, set_name, "coord.npy"),
-                           file_of(dataset, set_name, "box.npy"), fids)
-        sums = sums.merge(frames_env_sums(arrays["coord"], arrays["atype"], arrays["box"],
-                                          settings, place=place, threads=threads))
+    for set_name, set_fids in frames_by_set(dataset, frames):
+        for fids, arrays in read_frames(dataset, set_fids):
+            place = FramePlace(dataset.meta.address,
+                               file_of(dataset, set_name, "coord.npy", fids[0]),
+                               file_of(dataset, set_name, "box.npy", fids[0]), fids)
+            sums = sums.merge(frames_env_sums(arrays["coord"], arrays["atype"], arrays["box"],
+                                              settings, place=place, threads=threads))
     return sums
 
 

@@ -39,26 +39,36 @@ def set_spans(dataset: Any) -> list[tuple[str, int, int]]:
     return spans
 
 
-def file_of(dataset: Any, set_name: str, name: str) -> str:
-    """The file a message should name for ``name`` in a set of the dataset's system."""
+def file_of(dataset: Any, set_name: str, name: str, fid: int = 0) -> str:
+    """The file (or database entry) a message should name for ``name`` of frame ``fid`` in a set
+    of the dataset's system, as its format says."""
     from mdloader.data.formats import backend_of
 
     meta = dataset.meta
-    if meta.backend == "lmdb":
-        return meta.address
-    return backend_of(meta.location).file_of(meta.location, set_name, name)
+    return backend_of(meta.location).frame_file(meta, name.removesuffix(".npy"), fid) \
+        or meta.address
 
 
-def read_frames(dataset: Any, fids: np.ndarray) -> dict[str, np.ndarray | None]:
-    """``coord`` ``(k, natoms, 3)``, ``atype`` ``(k, natoms)`` and ``box`` ``(k, 9)`` or
-    ``None`` of frames ``fids``, in DeePMD-kit's (type-sorted) atom order."""
+def read_frames(dataset: Any, fids: np.ndarray) -> list[tuple[np.ndarray, dict[str, Any]]]:
+    """Runs of consecutive frames ``fids`` that agree on having a box: ``(fids, {"coord":
+    (k, natoms, 3), "atype": (k, natoms), "box": (k, 9) or None})``, in DeePMD-kit's (type-sorted)
+    atom order. A frame stored without a cell (an LMDB frame of a molecule) is non-periodic, as
+    DeePMD-kit reads it."""
     frames = dataset.get_frames([int(f) for f in fids])
-    coord = np.stack([np.asarray(f["coord"], dtype=np.float64) for f in frames])
-    atype = np.stack([np.asarray(f["atype"], dtype=np.int64) for f in frames])
-    box = None
-    if dataset.meta.pbc:
-        box = np.stack([np.asarray(f["box"], dtype=np.float64) for f in frames])
-    return {"coord": coord, "atype": atype, "box": box}
+    periodic = [bool(dataset.meta.pbc) and f.get("box") is not None for f in frames]
+    runs = []
+    lo = 0
+    for hi in range(1, len(frames) + 1):
+        if hi < len(frames) and periodic[hi] == periodic[lo]:
+            continue
+        part = frames[lo:hi]
+        runs.append((np.asarray(fids[lo:hi]), {
+            "coord": np.stack([np.asarray(f["coord"], dtype=np.float64) for f in part]),
+            "atype": np.stack([np.asarray(f["atype"], dtype=np.int64) for f in part]),
+            "box": (np.stack([np.asarray(f["box"], dtype=np.float64) for f in part])
+                    if periodic[lo] else None)}))
+        lo = hi
+    return runs
 
 
 def atom_file_order(dataset: Any) -> np.ndarray:

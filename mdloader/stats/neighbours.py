@@ -110,14 +110,13 @@ class NeighbourStats:
 
 def merge_all(parts: Iterable[NeighbourStats]) -> NeighbourStats:
     """Merge any number of partial statistics (at least one)."""
-    it = iter(parts)
-    try:
-        total = next(it)
-    except StopIteration:
-        raise ConfigError("no neighbour statistics to merge") from None
-    for part in it:
-        total = total.merge(part)
-    return total
+    parts = list(parts)
+    if not parts:
+        raise ConfigError("no neighbour statistics to merge")
+    total = parts[0]
+    for part in parts[1:]:  # counts and distances; the findings are joined once, below
+        total = total.merge(replace(part, findings=()))
+    return replace(total, findings=tuple(f for part in parts for f in part.findings))
 
 
 # -- what DeePMD-kit derives from the statistics -----------------------------------------------
@@ -373,11 +372,12 @@ def system_neighbour_stats(
     stats = NeighbourStats.empty(rcut, ntypes, mixed_type)
     atom_ids = atom_file_order(dataset)
     batch = None if not batch_atoms else max(int(batch_atoms) // max(meta.natoms, 1), 1)
-    for set_name, fids in frames_by_set(dataset, frames):
-        arrays = read_frames(dataset, fids)
-        place = FramePlace(meta.address, file_of(dataset, set_name, "coord.npy"),
-                           file_of(dataset, set_name, "box.npy"), fids, atom_ids)
-        stats = stats.merge(frames_neighbour_stats(
-            arrays["coord"], arrays["atype"], arrays["box"], rcut, ntypes,
-            mixed_type=mixed_type, batch_frames=batch, place=place, threads=threads))
-    return stats
+    parts = [stats]
+    for set_name, set_fids in frames_by_set(dataset, frames):
+        for fids, arrays in read_frames(dataset, set_fids):
+            place = FramePlace(meta.address, file_of(dataset, set_name, "coord.npy", fids[0]),
+                               file_of(dataset, set_name, "box.npy", fids[0]), fids, atom_ids)
+            parts.append(frames_neighbour_stats(
+                arrays["coord"], arrays["atype"], arrays["box"], rcut, ntypes,
+                mixed_type=mixed_type, batch_frames=batch, place=place, threads=threads))
+    return merge_all(parts)

@@ -247,7 +247,11 @@ def _prune(output: str, prefix: str) -> None:
         if stem.isdigit():
             steps.append(int(stem))
     for step in sorted(steps)[:-MAX_KEEP]:
-        os.remove(checkpoint_path(output, prefix, step))
+        old = checkpoint_path(output, prefix, step)
+        try:
+            os.remove(old)
+        except OSError as exc:  # the new checkpoint is written: an old one left is no failure
+            log.warning("could not remove the old checkpoint %s: %s", old, exc)
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from mdloader.distributed.collectives import (
 )
 from mdloader.distributed.failure import Activity
 from mdloader.distributed.group import device_of, process_group
-from mdloader.errors import ConfigError, StateDictError
+from mdloader.errors import ConfigError, StateDictError, WriteError
 from mdloader.loading.loader import default_num_workers
 from mdloader.loading.stateful_loader import lost_worker
 from mdloader.threads import set_torch_threads
@@ -337,12 +337,17 @@ class _Trainer:
         self.activity.doing = f"saving the checkpoint of step {done}"
         fail_together(nonfinite_weights(self.model, done), context=self.activity.doing)
         loaders = gather_loader_states(self.loader, self.valid)
-        if loaders is None:  # not rank 0
-            return None
-        state = {"world_size": self.world.world_size, "model": self.model.state_dict(),
-                 "optimizer": self.optimizer.state_dict(), **loaders,
-                 "model_args": self.model_args, "numb_steps": self.numb_steps,
-                 "full_validation_due": validation_due and self.full_validation}
-        path = save_checkpoint(self.output, self.config.save_ckpt, done, state)
-        log.info("saved checkpoint %s", path)
+        path, failed = None, None
+        if loaders is not None:  # rank 0 writes; a write error is every rank's, not a hang
+            state = {"world_size": self.world.world_size, "model": self.model.state_dict(),
+                     "optimizer": self.optimizer.state_dict(), **loaders,
+                     "model_args": self.model_args, "numb_steps": self.numb_steps,
+                     "full_validation_due": validation_due and self.full_validation}
+            try:
+                path = save_checkpoint(self.output, self.config.save_ckpt, done, state)
+            except WriteError as exc:
+                failed = exc
+        fail_together(failed, context=self.activity.doing)
+        if path is not None:
+            log.info("saved checkpoint %s", path)
         return path

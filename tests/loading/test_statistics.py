@@ -154,3 +154,18 @@ def test_overlap_in_one_process_names_system_file_and_frame(tmp_path: Path) -> N
         neighbour_statistics([DeepmdDataSetForLoader(system, TYPE_MAP)], 3.0,
                              type_map=TYPE_MAP, mixed_type=False, mode="off")
 
+
+
+def test_lmdb_frames_without_a_box_are_non_periodic(tmp_path: Path) -> None:
+    """An LMDB database of molecules stores frames without cells: they count as non-periodic,
+    as DeePMD-kit reads them, and give the numbers of the same systems stored as npy folders."""
+    from mdloader.catalog.discover import discover_systems
+    from mdloader.testing import make_lmdb
+
+    free = [make_system(tmp_path / "npy", f"m{i}", natoms=n, nframes=3, pbc=False, seed=20 + i)
+            for i, n in enumerate((5, 7))]
+    database = make_lmdb(tmp_path / "mol.lmdb", free, type_map=TYPE_MAP)
+    groups = discover_systems([database])
+    from_lmdb = neighbour_statistics([DeepmdDataSetForLoader(g, TYPE_MAP) for g in groups], 3.0,
+                                     type_map=TYPE_MAP, mixed_type=False, mode="off")
+    assert from_lmdb == _one_by_one(free, 3.0, False)
