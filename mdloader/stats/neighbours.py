@@ -200,9 +200,11 @@ def check_frames(coord: np.ndarray, cells: np.ndarray | None, place: FramePlace)
     bad = ~(volume > 0)
     if bad.any():
         k = int(np.argmax(bad))
+        what = ("is left-handed (negative determinant; DeePMD-kit's neighbour search needs "
+                "right-handed box vectors: swap two of them)" if volume[k] < 0 else
+                "has no volume (add an empty 'nopbc' file to the system if it is not periodic)")
         raise DegenerateBoxError(
-            f"the box of frame {place.frame(k)} has no positive volume (add an empty 'nopbc' "
-            "file to the system if it is not periodic)", system=place.system,
+            f"the box of frame {place.frame(k)} {what}", system=place.system,
             file=place.box_file, expected="box vectors (rows) with a positive determinant",
             found=f"volume {float(volume[k])!r}, box {cells[k].reshape(-1).tolist()}")
 
