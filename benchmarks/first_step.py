@@ -35,6 +35,7 @@ from typing import Any
 import psutil
 
 from benchmarks import first_step_phases as fsp
+from benchmarks import probes
 from benchmarks.generate import DEFAULT_BASE
 from benchmarks.water_data import ensure_water
 
@@ -192,9 +193,10 @@ def record(run: dict[str, Any], world: int) -> dict[str, Any]:
            "cpu_s": cpu,
            "peak_rss_mib": [round(poller.peak_rss.get(r, 0) * mib, 1) for r in ranks],
            "peak_tree_rss_mib": [round(poller.peak_tree.get(r, 0) * mib, 1) for r in ranks],
-           "markers": {k: [round(t, 3), line[:200]] for k, (t, line) in found.items()}}
+           "markers": {k: [round(t, 3), probes.scrubbed(line)[:200]]
+                       for k, (t, line) in found.items()}}
     if run["status"] != "ok" or ready is None:
-        rec["tail"] = "\n".join(line for _t, line in run["lines"][-25:])[-3000:]
+        rec["tail"] = probes.scrubbed("\n".join(line for _t, line in run["lines"][-25:]))[-3000:]
     return rec
 
 

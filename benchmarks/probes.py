@@ -127,6 +127,13 @@ def marker(name: str, rank: int) -> float:
     return time.monotonic()
 
 
+def scrubbed(text: str) -> str:
+    """``text`` (log lines) with every path in the repository written relative to it and the
+    home folder written ``~``, wherever they occur."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return text.replace(repo + "/", "").replace(os.path.expanduser("~") + "/", "~/")
+
+
 def shown(value: str) -> str:
     """``value`` as results record it: paths in the repository relative to it, the home folder
     written ``~``, so that no record names a path of the machine it ran on."""
