@@ -124,23 +124,26 @@ def test_statistics_equal_deepmd_kits_own(peer: str, tmp_path: Path, case: str) 
     _run([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], theirs)
     log = _run([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     assert "neighbour statistics:" in log and "computed" in log
+    assert "environment statistics:" in log and "output statistics:" in log  # mdloader's
     _compare(peer, theirs, ours)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-def test_two_ranks_shard_and_equal_deepmd_kits_own(peer: str, tmp_path: Path) -> None:
-    systems = _npy_data(tmp_path)
-    theirs = _job(tmp_path, "deepmd", systems, SE_E2_A, ["O", "H"])
-    ours = _job(tmp_path, "mdloader", systems, SE_E2_A, ["O", "H"])
+@pytest.mark.parametrize("case", ["se_e2_a-npy-nopbc", "se_atten-mixed-type"])
+def test_two_ranks_shard_and_equal_deepmd_kits_own(peer: str, tmp_path: Path, case: str) -> None:
+    make, descriptor, type_map = CASES[case]
+    systems = make(tmp_path)
+    theirs = _job(tmp_path, "deepmd", systems, descriptor, type_map)
+    ours = _job(tmp_path, "mdloader", systems, descriptor, type_map)
     _run([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], theirs)
     log = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
-    assert "on 2 ranks" in log
-    # the input statistics are still rank 0's shard of the frames, DeePMD-kit's own rule under
-    # DDP, so a 2-rank job's davg/dstd/bias differ from a 1-rank job's: neighbours only here
-    _compare(peer, theirs, ours, inputs=False)
+    assert "on 2 ranks" in log and "environment statistics:" in log
+    # every rank computed a share of the input statistics: a 2-rank job's davg/dstd/bias are
+    # DeePMD-kit's one-rank values (DeePMD-kit's own 2-rank job sees rank 0's frames only)
+    _compare(peer, theirs, ours)
     again = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                   "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     assert f"cached {len(systems)}, computed 0" in again
