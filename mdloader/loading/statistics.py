@@ -206,3 +206,25 @@ def input_statistics(datasets: Sequence[Any], blocks: Sequence[EnvMatSettings], 
         [np.full(len(part.positions), i, dtype=np.int64), part.positions[:, 1]]))
         for i, part in enumerate(parts)]
     return sums, samples
+
+
+#: Atom-frames per second of the neighbour pass on one rank (measured: docs/benchmarks.md,
+#: rcut 6, 96-384 atoms); ``mdloader check`` turns it into an estimate, never a promise.
+NEIGHBOUR_RATE = 20_000.0
+
+
+def cached_systems(metas: Sequence[Any], rcut: float, *, type_map: Sequence[str] | None,
+                   mixed_type: bool, ntypes: int, folder: str | None = None) -> int:
+    """How many of the systems ``metas`` have a neighbour-statistics cache entry at ``rcut``
+    (0 when the cache is off); reads file status only."""
+    store, mode = stats_store(None, folder)
+    if store.folder is None or mode != "check":
+        return 0
+    settings = {"rcut": float(rcut), "mixed_type": bool(mixed_type), "ntypes": int(ntypes),
+                "batch_atoms": DEEPMD_BATCH_ATOMS}
+    found = 0
+    for meta in metas:
+        key = cache.cache_key(system_stamp(meta.address, layout_of(meta)), "neighbour",
+                              settings, type_map)
+        found += os.path.isfile(store.path(key))
+    return found

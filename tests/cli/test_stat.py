@@ -81,3 +81,19 @@ def test_descriptor_blocks_of_dpa2_and_unknown_descriptors() -> None:
         ("model.descriptor.repformer", 4.0, 40, True)]
     with pytest.raises(ConfigError, match="model.descriptor"):
         descriptor_blocks({"type": "custom"})
+
+
+def test_check_says_whether_the_statistics_are_cached(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MDLOADER_CACHE_DIR", str(tmp_path / "cache"))
+    path = _input(tmp_path, {"type": "se_e2_a", "sel": "auto", "rcut": 4.0, "rcut_smth": 0.5})
+    assert main(["check", path, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["statistics"]
+    assert row["cached"] == 0 and row["systems"] == 3 and row["estimate_seconds"] >= 0
+    assert main(["check", path]) == 0
+    assert "cached for 0 of 3 systems; computing the rest takes roughly" in \
+        capsys.readouterr().out
+    _stat(capsys, path)
+    assert main(["check", path]) == 0
+    assert "rcut 4): cached for all 3 systems" in capsys.readouterr().out
