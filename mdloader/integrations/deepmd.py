@@ -57,6 +57,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mdloader.distributed.group import current_world
 from mdloader.errors import ConfigError
 from mdloader.loading.build import build_systems
 from mdloader.loading.loader import DpLoaderSet, get_sampler_from_params, get_weighted_sampler
@@ -424,6 +425,9 @@ class InputStatPlan:
         """The merged environment sums of each block and every system's output samples
         (collective: every rank calls it)."""
         type_map = getattr(self.data, "type_map", None)
+        if current_world().is_main:
+            log.info("input statistics: all frames of %d systems, in shares on %d ranks",
+                     len(self.data.systems), current_world().world_size)
         return input_statistics(self.data.systems, self.settings, type_map=type_map)
 
     def action(self, merged: tuple[list[Any], list[Any]]) -> Callable[[], None] | None:
