@@ -42,6 +42,14 @@ is created at that point (DeePMD-kit's own ``init_process_group`` then finds it)
 the systems, every rank takes a share and one all-gather merges them. The values are
 DeePMD-kit's exactly; DeePMD-kit's own pass over all data on every rank does not run.
 
+Input statistics (``davg``/``dstd``, energy bias): ``Trainer._run_stat_on_chief`` is wrapped.
+When ``data_stat_nbatch`` covers every frame (and nothing mdloader does not compute is needed,
+:func:`_unsupported`), every rank first computes its share of the environment sums and energy
+samples and one all-gather per block merges them (:class:`InputStatPlan`); rank 0 then runs
+DeePMD-kit's own ``compute_or_load_stat`` with ``EnvMatStatSe`` handed the merged ``StatItem``s
+and a sampled function holding only energies and type counts, so DeePMD-kit's code derives the
+values, equal to its one-rank run at any world size. Otherwise DeePMD-kit's action runs as is.
+
 Not covered: data modifiers (``model.modifier``) are rejected.
 
 DeePMD-kit is an optional dependency: importing this module does not import it.
