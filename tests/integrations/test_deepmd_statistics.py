@@ -35,6 +35,14 @@ SE_E2_A = {"type": "se_e2_a", "sel": "auto", "rcut_smth": 0.5, "rcut": 4.0, "neu
 DPA1 = {"type": "se_atten", "sel": "auto", "rcut_smth": 0.5, "rcut": 4.0, "neuron": [4, 8],
         "axis_neuron": 4, "attn": 8, "attn_layer": 1, "seed": 1}
 
+DPA2 = {"type": "dpa2", "seed": 1, "add_tebd_to_repinit_out": False,
+        "repinit": {"rcut": 4.0, "rcut_smth": 0.5, "nsel": "auto", "neuron": [4, 8],
+                    "axis_neuron": 4, "activation_function": "tanh"},
+        "repformer": {"rcut": 3.0, "rcut_smth": 0.5, "nsel": "auto", "nlayers": 1,
+                      "g1_dim": 8, "g2_dim": 4, "attn2_hidden": 4, "attn2_nhead": 1,
+                      "attn1_hidden": 4, "attn1_nhead": 1, "axis_neuron": 4,
+                      "update_h2": False}}
+
 
 def _config(systems: object, descriptor: dict, type_map: list[str]) -> dict:
     return {
@@ -69,6 +77,7 @@ CASES = {
     "se_e2_a-npy-nopbc": (_npy_data, SE_E2_A, ["O", "H"]),
     "se_atten-mixed-type": (_mixed_data, DPA1, ["O", "H"]),
     "se_e2_a-lmdb": (_lmdb_data, SE_E2_A, ["O", "H"]),
+    "dpa2-mixed-type": (_mixed_data, DPA2, ["O", "H"]),  # two blocks: repinit, repformer
 }
 
 
