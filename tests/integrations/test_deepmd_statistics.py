@@ -104,9 +104,9 @@ def _job(root: Path, name: str, systems: object, descriptor: dict, type_map: lis
 
 def _compare(peer: str, theirs: Path, ours: Path, *, inputs: bool = True) -> None:
     """Equal ``sel`` and ``min_nbor_dist``; with ``inputs`` also the input statistics."""
-    sel = [json.loads((j / "out.json").read_text())["model"]["descriptor"]["sel"]
-           for j in (theirs, ours)]
-    assert sel[0] == sel[1]
+    descriptor = [json.loads((j / "out.json").read_text())["model"]["descriptor"]
+                  for j in (theirs, ours)]
+    assert descriptor[0] == descriptor[1]  # the resolved sel (DPA-2: nsel of each block)
     a, b = _model(peer, theirs), _model(peer, ours)
     assert a.keys() == b.keys() and any("min_nbor_dist" in k for k in a)
     for key in a:
