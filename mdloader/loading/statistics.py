@@ -208,8 +208,8 @@ def input_statistics(datasets: Sequence[Any], blocks: Sequence[EnvMatSettings], 
     return sums, samples
 
 
-#: Atom-frames per second of the neighbour pass on one rank (measured: docs/benchmarks.md,
-#: rcut 6, 96-384 atoms); ``mdloader check`` turns it into an estimate, never a promise.
+#: Atom-frames per second of the neighbour pass on one rank, a rounded measurement (see
+#: docs/statistics.md); ``mdloader check`` turns it into an estimate, never a promise.
 NEIGHBOUR_RATE = 20_000.0
 
 
