@@ -60,12 +60,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data-base", default=DEFAULT_BASE)
     p.add_argument("--out", default=OUT)
     p.add_argument("--keep-jobs", action="store_true", help="keep the job folders (logs)")
+    p.add_argument("--stat-nbatch", type=int, default=None,
+                   help="model.data_stat_nbatch (default: the example's); a large value makes "
+                   "the input statistics use every frame, mdloader's sharded case")
     return p.parse_args(argv)
 
 
-def job_input(root: str, steps: int) -> dict[str, Any]:
+def job_input(root: str, steps: int, stat_nbatch: int | None = None) -> dict[str, Any]:
     """DeePMD-kit's water ``input.json`` on ``root``, ``steps`` steps, a line and a checkpoint
-    per step (validation data left out: it is not part of the first step)."""
+    per step (validation data left out: it is not part of the first step), and
+    ``data_stat_nbatch`` when given."""
     with open(os.path.join(REPO, "examples", "water", "input.json")) as fh:
         config = json.load(fh)
     config.pop("_comment", None)
@@ -73,6 +77,8 @@ def job_input(root: str, steps: int) -> dict[str, Any]:
     training.pop("validation_data", None)
     training["training_data"]["systems"] = root
     training.update(numb_steps=steps, disp_freq=1, save_freq=1)
+    if stat_nbatch is not None:
+        config["model"]["data_stat_nbatch"] = stat_nbatch
     return config
 
 
@@ -210,7 +216,7 @@ def run_pair(python: str, impl: str, root: str, nsys: int, world: int,
     first_ok = False
     for start in ("first", "restart"):
         base = {"kind": "first_step", "run": run_id, "impl": impl, "nsys": nsys, "world": world,
-                "start": start, "timeout_s": args.timeout,
+                "start": start, "timeout_s": args.timeout, "stat_nbatch": args.stat_nbatch,
                 "loadavg_1min": round(os.getloadavg()[0], 2)}
         if start == "first":  # a restart needs the first start's checkpoint
             first_ok, rec = _launch_first(python, impl, job, root, world, env, args)
@@ -223,7 +229,7 @@ def run_pair(python: str, impl: str, root: str, nsys: int, world: int,
                    "ready_s": None}
         else:
             with open(os.path.join(job, "input.json"), "w") as out:
-                json.dump(job_input(root, 2), out, indent=1)
+                json.dump(job_input(root, 2, args.stat_nbatch), out, indent=1)
             cmd = _cmd(python, impl, world, ["--restart", "model.ckpt.pt"])
             rec = record(launch(cmd, job, env, args.timeout), world)
         fh.write(json.dumps({**base, **rec}) + "\n")
@@ -246,7 +252,7 @@ def _cmd(python: str, impl: str, world: int, extra: list[str]) -> list[str]:
 def _launch_first(python: str, impl: str, job: str, root: str, world: int,
                   env: dict[str, str], args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     with open(os.path.join(job, "input.json"), "w") as out:
-        json.dump(job_input(root, 1), out, indent=1)
+        json.dump(job_input(root, 1, args.stat_nbatch), out, indent=1)
     rec = record(launch(_cmd(python, impl, world, []), job, env, args.timeout), world)
     ok = rec["status"] == "ok" and os.path.exists(os.path.join(job, "model.ckpt.pt"))
     return ok, rec

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -75,6 +76,7 @@ class CheckReport:
     sections: list[SectionReport]
     problems: list[Problem]
     deep: bool = False  # were the values read (NaN/inf found), or the headers only?
+    statistics: list[dict[str, Any]] = field(default_factory=list)  # per descriptor block
 
     @property
     def ok(self) -> bool:
@@ -93,7 +95,8 @@ class CheckReport:
                                   "filtered": s.filtered, "notes": s.notes,
                                   "totals": s.totals()}
                          for s in self.sections},
-            "problems": [asdict(p) for p in self.problems]}, indent=2)
+            "problems": [asdict(p) for p in self.problems],
+            "statistics": self.statistics}, indent=2)
 
 
 def config_for_paths(paths: list[str], *, type_map: list[str] | None = None,
@@ -104,9 +107,15 @@ def config_for_paths(paths: list[str], *, type_map: list[str] | None = None,
         "systems": paths, "batch_size": batch_size}}}, base_dir=os.getcwd())
 
 
-def check_input(config: Config, *, deep: bool = False, threads: int = 4) -> CheckReport:
-    """Check the training and validation data of ``config``; never stops at the first problem."""
+def check_input(config: Config, *, deep: bool = False, threads: int = 4,
+                descriptor: Mapping[str, Any] | None = None) -> CheckReport:
+    """Check the training and validation data of ``config``; never stops at the first problem.
+
+    With the model's ``descriptor`` section, also say per neighbour-list block whether the
+    neighbour statistics of the training systems are cached, or estimate their time.
+    """
     sections, problems = [], []
+    statistics: list[dict[str, Any]] = []
     for name, data in (("training_data", config.training_data),
                        ("validation_data", config.validation_data)):
         if data is None:
@@ -121,10 +130,37 @@ def check_input(config: Config, *, deep: bool = False, threads: int = 4) -> Chec
                         for m in metas]
         if not any(p.section == name for p in problems):
             _plan(data, metas, section, problems)
+        if descriptor is not None and name == "training_data":
+            statistics = statistics_status(metas, descriptor, config.type_map)
         if deep:
             for meta in dict.fromkeys(metas):
                 problems.extend(Problem(name, msg, meta.address) for msg in deep_check(meta))
-    return CheckReport(sections, problems, deep)
+    return CheckReport(sections, problems, deep, statistics)
+
+
+def statistics_status(metas: list[SystemMeta], descriptor: Mapping[str, Any],
+                      type_map: tuple[str, ...] | None) -> list[dict[str, Any]]:
+    """Per descriptor block: systems, how many have cached neighbour statistics, and the
+    estimated seconds (one rank) to compute the others at ``NEIGHBOUR_RATE``."""
+    from mdloader.cli.stat import descriptor_blocks
+    from mdloader.loading.statistics import NEIGHBOUR_RATE, cached_systems
+
+    unique = list(dict.fromkeys(metas))
+    ntypes = max([len(type_map or ())] + [m.ntypes for m in unique])
+    work = sum(m.nframes * m.natoms for m in unique)
+    try:
+        blocks = descriptor_blocks(descriptor)
+    except ConfigError:  # a descriptor mdloader stat does not know: nothing to say
+        return []
+    rows = []
+    for block in blocks:
+        cached = cached_systems(unique, block.rcut, type_map=type_map,
+                                mixed_type=block.mixed_type, ntypes=ntypes)
+        rows.append({"block": block.path, "rcut": block.rcut, "systems": len(unique),
+                     "cached": cached,
+                     "estimate_seconds": 0.0 if cached == len(unique) else
+                     round(work * (1 - cached / max(len(unique), 1)) / NEIGHBOUR_RATE, 1)})
+    return rows
 
 
 def _build_all(data: DataConfig, type_map: tuple[str, ...] | None, section: SectionReport,
@@ -203,6 +239,16 @@ def format_check_report(report: CheckReport, *, rows: int | None = TABLE_ROWS) -
     if not report.deep:
         lines.append("(headers only: the values were not read; --deep reads every array and "
                      "finds NaN/inf)")
+    for row in report.statistics:
+        if row["cached"] == row["systems"]:
+            lines.append(f"neighbour statistics ({row['block']}, rcut {row['rcut']:g}): cached "
+                         f"for all {row['systems']} systems")
+        else:
+            lines.append(f"neighbour statistics ({row['block']}, rcut {row['rcut']:g}): cached "
+                         f"for {row['cached']} of {row['systems']} systems; computing the rest "
+                         f"takes roughly {row['estimate_seconds']:g} s on one rank (an "
+                         "estimate; divided among the ranks of a job; mdloader stat computes "
+                         "and caches them)")
     if report.ok:
         lines.append("OK: no problem found")
     else:
@@ -278,11 +324,22 @@ def run(args: argparse.Namespace) -> int:
     """Check, print the report (rank 0); the exit code of :attr:`CheckReport.exit_code`."""
     from mdloader.world import World
 
-    report = check_input(_check_config(args), deep=args.deep)
+    report = check_input(_check_config(args), deep=args.deep, descriptor=_descriptor(args))
     if World.from_env().is_main:  # under torchrun, one copy of the report
         print(report.to_json() if args.json else
               format_check_report(report, rows=None if args.all else TABLE_ROWS))
     return report.exit_code
+
+
+def _descriptor(args: argparse.Namespace) -> Mapping[str, Any] | None:
+    """The model's descriptor section of an input.json (``None`` for system paths, or when the
+    model section has none)."""
+    inputs = list(args.input)
+    if len(inputs) != 1 or not inputs[0].endswith(".json") or os.path.isdir(inputs[0]):
+        return None
+    with open(inputs[0], encoding="utf-8") as fh:
+        descriptor = json.load(fh).get("model", {}).get("descriptor")
+    return descriptor if isinstance(descriptor, Mapping) else None
 
 
 def _check_config(args: argparse.Namespace) -> Config:

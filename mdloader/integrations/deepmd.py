@@ -42,6 +42,14 @@ is created at that point (DeePMD-kit's own ``init_process_group`` then finds it)
 the systems, every rank takes a share and one all-gather merges them. The values are
 DeePMD-kit's exactly; DeePMD-kit's own pass over all data on every rank does not run.
 
+Input statistics (``davg``/``dstd``, energy bias): ``Trainer._run_stat_on_chief`` is wrapped.
+When ``data_stat_nbatch`` covers every frame (and nothing mdloader does not compute is needed,
+:func:`_unsupported`), every rank first computes its share of the environment sums and energy
+samples and one all-gather per block merges them (:class:`InputStatPlan`); rank 0 then runs
+DeePMD-kit's own ``compute_or_load_stat`` with ``EnvMatStatSe`` handed the merged ``StatItem``s
+and a sampled function holding only energies and type counts, so DeePMD-kit's code derives the
+values, equal to its one-rank run at any world size. Otherwise DeePMD-kit's action runs as is.
+
 Not covered: data modifiers (``model.modifier``) are rejected.
 
 DeePMD-kit is an optional dependency: importing this module does not import it.
@@ -57,10 +65,11 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mdloader.distributed.group import current_world
 from mdloader.errors import ConfigError
 from mdloader.loading.build import build_systems
 from mdloader.loading.loader import DpLoaderSet, get_sampler_from_params, get_weighted_sampler
-from mdloader.loading.statistics import neighbour_statistics
+from mdloader.loading.statistics import input_statistics, neighbour_statistics
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +237,8 @@ def _patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
     real_dist = _saved.get((_MAIN, "dist"), main.dist)
     real_nbor_stat = _saved.get((_UPDATE_SEL, "BaseUpdateSel.get_nbor_stat"),
                                 mods[_UPDATE_SEL].BaseUpdateSel.get_nbor_stat)
+    real_run_stat = _saved.get((_TRAINING, "Trainer._run_stat_on_chief"),
+                               mods[_TRAINING].Trainer._run_stat_on_chief)
     return {
         (_DATALOADER, "DpLoaderSet"): DeepmdDpLoaderSet,
         (_DATALOADER, "get_weighted_sampler"): get_weighted_sampler,
@@ -240,6 +251,7 @@ def _patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
         (_UPDATE_SEL, "BaseUpdateSel.get_nbor_stat"): mdloader_nbor_stat(real_nbor_stat),
         (_TRAINING, "DpLoaderSet"): DeepmdDpLoaderSet,
         (_TRAINING, "get_sampler_from_params"): get_sampler_from_params,
+        (_TRAINING, "Trainer._run_stat_on_chief"): mdloader_run_stat_on_chief(real_run_stat),
     }
 
 
@@ -374,3 +386,186 @@ def mdloader_nbor_stat(original: Callable[..., Any]) -> Callable[..., Any]:
         return min_nbor_dist(stats), np.asarray(stats.max_neighbours, dtype=int)
 
     return get_nbor_stat
+
+
+class InputStatPlan:
+    """The trainer's statistics action, computed by mdloader in shares when it can be.
+
+    Built on every rank from DeePMD-kit's ``initialize_statistics`` closure (the model, the
+    training ``DpLoaderSet``, ``data_stat_nbatch``, the stat-file setting). :meth:`compute` is
+    collective; :meth:`action` is what rank 0 then runs in place of DeePMD-kit's action: its
+    own ``compute_or_load_stat``, fed the merged statistics.
+    """
+
+    def __init__(self, model: Any, data: DpLoaderSet, get_sample: Callable[[], Any],
+                 preset_observed_type: Any, blocks: list[Any]) -> None:
+        self.model = model
+        self.data = data
+        self.get_sample = get_sample
+        self.preset_observed_type = preset_observed_type
+        self.blocks = blocks
+        self.settings = [env_settings(b) for b in blocks]
+
+    @classmethod
+    def of(cls, action: Callable[[], None]) -> InputStatPlan | None:
+        """The plan for DeePMD-kit's ``action``, or ``None`` (then DeePMD-kit computes it:
+        a stat file is set, frames are drawn, fparam/aparam or exclusions are used)."""
+        import inspect
+
+        outer = inspect.getclosurevars(action).nonlocals
+        model, spec = outer.get("_model"), outer.get("_stat_file_spec")
+        get_sample = outer.get("get_sample")
+        inner_fn = getattr(get_sample, "__wrapped__", None)
+        if model is None or spec is None or inner_fn is None:
+            return None
+        inner = inspect.getclosurevars(inner_fn).nonlocals
+        data, nbatch = inner.get("_training_data"), inner.get("_data_stat_nbatch")
+        reason = _unsupported(model, data, nbatch, spec, inner.get("_min_pair_dist", 0.0))
+        if reason:
+            log.info("input statistics: DeePMD-kit's own (%s)", reason)
+            return None
+        blocks = _env_blocks(model)
+        if not blocks:
+            return None
+        return cls(model, data, get_sample, outer.get("preset_observed_type"), blocks)
+
+    def compute(self) -> tuple[list[Any], list[Any]]:
+        """The merged environment sums of each block and every system's output samples
+        (collective: every rank calls it)."""
+        type_map = getattr(self.data, "type_map", None)
+        if current_world().is_main:
+            log.info("input statistics: all frames of %d systems, in shares on %d ranks",
+                     len(self.data.systems), current_world().world_size)
+        return input_statistics(self.data.systems, self.settings, type_map=type_map)
+
+    def action(self, merged: tuple[list[Any], list[Any]]) -> Callable[[], None] | None:
+        """Rank 0's statistics action on the merged results (``None``: some system has frames
+        without energy, DeePMD-kit's own sampling decides)."""
+        sums, samples = merged
+        if any(len(s.counts) != len(d) for s, d in zip(samples, self.data.systems)):
+            return None
+        sampled = output_sampled(samples)
+        by_settings = dict(zip(self.settings, sums))
+        model, preset, get_sample = self.model, self.preset_observed_type, self.get_sample
+
+        def initialize_statistics() -> None:
+            with _env_stats_from(by_settings, get_sample):
+                model.compute_or_load_stat(sampled_func=lambda: sampled, stat_file_path=None,
+                                           preset_observed_type=preset)
+
+        return initialize_statistics
+
+
+def _unsupported(model: Any, data: Any, nbatch: Any, spec: Any, min_pair_dist: Any) -> str:
+    if not isinstance(data, DpLoaderSet):
+        return "training data not read by mdloader"
+    if getattr(spec, "path", None) is not None:
+        return "training.stat_file is set"
+    if float(min_pair_dist or 0.0) > 0:
+        return "min_pair_dist filters frames"
+    atomic = getattr(model, "atomic_model", None)
+    fitting = getattr(atomic, "fitting_net", None)
+    if atomic is None or fitting is None or list(getattr(atomic, "bias_keys", [])) != ["energy"]:
+        return "not an energy model"
+    if getattr(fitting, "numb_fparam", 0) or getattr(fitting, "numb_aparam", 0):
+        return "fparam/aparam statistics"
+    if getattr(atomic, "pair_exclude_types", None) or getattr(atomic, "atom_exclude_types", None):
+        return "model-level exclude types"
+    sizes = [int(n) for n in data.batch_sizes]
+    if any(-(-len(s) // b) > int(nbatch) for s, b in zip(data.systems, sizes)):
+        return f"data_stat_nbatch={nbatch} draws a subset of the frames"
+    return ""
+
+
+def _env_blocks(model: Any) -> list[Any]:
+    """The descriptor blocks whose ``davg``/``dstd`` come from ``EnvMatStatSe``."""
+    needed = ("get_rcut", "get_rcut_smth", "get_sel", "get_nsel", "get_ntypes", "mixed_types",
+              "get_env_protection", "compute_input_stats")
+    return [m for m in model.modules()
+            if all(hasattr(m, n) for n in needed) and hasattr(m, "mean") and
+            hasattr(m, "stddev") and type(m).__name__.startswith("DescrptBlock")]
+
+
+def env_settings(block: Any) -> Any:
+    """mdloader's :class:`~mdloader.stats.env_mat.EnvMatSettings` of a DeePMD-kit block."""
+    from deepmd.dpmodel.utils.env_mat_stat import EnvMatStatSe
+
+    from mdloader.stats.env_mat import EnvMatSettings
+
+    mixed = bool(block.mixed_types())
+    sel = (int(block.get_nsel()),) if mixed else tuple(int(s) for s in block.get_sel())
+    return EnvMatSettings(
+        float(block.get_rcut()), float(block.get_rcut_smth()), sel, int(block.get_ntypes()),
+        mixed_types=mixed, env_protection=float(block.get_env_protection()),
+        radial_only=EnvMatStatSe(block).last_dim == 1,
+        exclude_types=tuple(tuple(int(t) for t in p)
+                            for p in getattr(block, "exclude_types", None) or ()))
+
+
+def output_sampled(samples: Sequence[Any]) -> list[dict[str, Any]]:
+    """DeePMD-kit's sampled systems, reduced to what its output statistics and observed types
+    read: ``energy``, ``find_energy``, ``natoms`` and ``atype`` (virtual atoms ``-1``)."""
+    import numpy as np
+    import torch
+
+    out = []
+    for s in samples:
+        counts = np.asarray(s.counts, dtype=np.int64)
+        natoms = counts.sum(axis=1, keepdims=True)
+        width = int(natoms.max()) if len(natoms) else 0
+        atype = np.full((len(counts), width), -1, dtype=np.int64)
+        for f, row in enumerate(counts):
+            types = np.repeat(np.arange(row.size), row)
+            atype[f, :types.size] = types
+        out.append({
+            "energy": torch.as_tensor(np.asarray(s.labels, dtype=np.float64)),
+            "find_energy": np.float32(1.0),
+            "natoms": torch.as_tensor(np.concatenate([natoms, natoms, counts], axis=1)),
+            "atype": torch.as_tensor(atype),
+        })
+    return out
+
+
+class _env_stats_from:  # noqa: N801 - a context manager used like a function
+    """While active, DeePMD-kit's ``EnvMatStatSe`` takes its ``StatItem``s from merged sums of
+    the same settings; any other descriptor block samples as usual (``get_sample``)."""
+
+    def __init__(self, by_settings: dict[Any, Any], get_sample: Callable[[], Any]) -> None:
+        self.by_settings = by_settings
+        self.get_sample = get_sample
+
+    def __enter__(self) -> None:
+        from deepmd.dpmodel.utils.env_mat_stat import EnvMatStatSe
+        from deepmd.utils.env_mat_stat import StatItem
+
+        by_settings, get_sample = self.by_settings, self.get_sample
+        self.cls, self.original = EnvMatStatSe, EnvMatStatSe.load_or_compute_stats
+
+        def load_or_compute_stats(stat: Any, data: Any, path: Any = None) -> None:
+            sums = by_settings.get(env_settings(stat.descriptor))
+            if sums is None:
+                return self.original(stat, get_sample, path)
+            keys = set(stat.get_stat_keys())
+            stat.stats = {k: StatItem(*v) for k, v in sums.items().items() if k in keys}
+            return None
+
+        EnvMatStatSe.load_or_compute_stats = load_or_compute_stats
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cls.load_or_compute_stats = self.original
+
+
+def mdloader_run_stat_on_chief(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Trainer._run_stat_on_chief``: for the statistics initialization, every rank first
+    computes its share of the input statistics and one all-gather merges them; rank 0 then
+    runs DeePMD-kit's ``compute_or_load_stat`` on the merged result."""
+
+    def _run_stat_on_chief(self: Any, action: Callable[[], None], *, operation: str) -> None:
+        plan = InputStatPlan.of(action) if operation == "statistics initialization" else None
+        if plan is not None:
+            ours = plan.action(plan.compute())
+            if ours is not None:
+                action = ours
+        return original(self, action, operation=operation)
+
+    return _run_stat_on_chief

@@ -15,6 +15,7 @@ system and file, before the first step. Each pass logs one line on rank 0,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -22,19 +23,23 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from mdloader.catalog.stats_store import StatsStore, system_stamp
 from mdloader.distributed.collectives import every_share
 from mdloader.distributed.group import current_world
 from mdloader.errors import CorruptFileError, MdloaderError
 from mdloader.loading.system_list import natoms_of, nframes_of
 from mdloader.settings import resolve
-from mdloader.stats import cache
+from mdloader.stats import cache, env_mat
+from mdloader.stats.env_mat import EnvMatSettings, EnvMatSums, system_env_sums
 from mdloader.stats.neighbours import (
     DEEPMD_BATCH_ATOMS,
     NeighbourStats,
     merge_all,
     system_neighbour_stats,
 )
+from mdloader.stats.output import OutputSamples, system_samples
 from mdloader.stats.shards import share, system_weights
 
 log = logging.getLogger(__name__)
@@ -170,3 +175,58 @@ def neighbour_statistics(datasets: Sequence[Any], rcut: float, *,
                  "(rcut %g)", stats.min_distance, list(stats.max_neighbours), rcut)
     return stats
 
+
+
+def input_statistics(datasets: Sequence[Any], blocks: Sequence[EnvMatSettings], *,
+                     type_map: Sequence[str] | None, key: str = "energy",
+                     mode: str | None = None, folder: str | None = None,
+                     progress: bool | None = None,
+                     ) -> tuple[list[EnvMatSums], list[OutputSamples]]:
+    """The input statistics of all frames of ``datasets``, sharded over the ranks.
+
+    Returns, on every rank, the merged environment-matrix sums of each descriptor block in
+    ``blocks`` and each system's output samples of ``key`` (system order), from which
+    DeePMD-kit's ``davg``/``dstd`` and output bias follow. The datasets must require ``key``.
+    """
+    sums = []
+    for block in blocks:
+        parts, report = sharded_pass(
+            datasets, "environment", dataclasses.asdict(block), type_map,
+            lambda ds, block=block: system_env_sums(ds, block),
+            mode=mode, folder=folder, progress=progress)
+        sums.append(env_mat.merge_all([EnvMatSums.zeros(block.ntypes), *parts]))
+        if current_world().is_main:
+            log.info(report_line("environment", report))
+    parts, report = sharded_pass(
+        datasets, "output", {"key": key}, type_map,
+        lambda ds: system_samples(ds, 0, key=key),
+        mode=mode, folder=folder, progress=progress)
+    if current_world().is_main:
+        log.info(report_line("output", report))
+    # a cached entry may come from another job, where the system had another position
+    samples = [dataclasses.replace(part, positions=np.column_stack(
+        [np.full(len(part.positions), i, dtype=np.int64), part.positions[:, 1]]))
+        for i, part in enumerate(parts)]
+    return sums, samples
+
+
+#: Atom-frames per second of the neighbour pass on one rank, a rounded measurement (see
+#: docs/statistics.md); ``mdloader check`` turns it into an estimate, never a promise.
+NEIGHBOUR_RATE = 20_000.0
+
+
+def cached_systems(metas: Sequence[Any], rcut: float, *, type_map: Sequence[str] | None,
+                   mixed_type: bool, ntypes: int, folder: str | None = None) -> int:
+    """How many of the systems ``metas`` have a neighbour-statistics cache entry at ``rcut``
+    (0 when the cache is off); reads file status only."""
+    store, mode = stats_store(None, folder)
+    if store.folder is None or mode != "check":
+        return 0
+    settings = {"rcut": float(rcut), "mixed_type": bool(mixed_type), "ntypes": int(ntypes),
+                "batch_atoms": DEEPMD_BATCH_ATOMS}
+    found = 0
+    for meta in metas:
+        key = cache.cache_key(system_stamp(meta.address, layout_of(meta)), "neighbour",
+                              settings, type_map)
+        found += os.path.isfile(store.path(key))
+    return found

@@ -35,6 +35,14 @@ SE_E2_A = {"type": "se_e2_a", "sel": "auto", "rcut_smth": 0.5, "rcut": 4.0, "neu
 DPA1 = {"type": "se_atten", "sel": "auto", "rcut_smth": 0.5, "rcut": 4.0, "neuron": [4, 8],
         "axis_neuron": 4, "attn": 8, "attn_layer": 1, "seed": 1}
 
+DPA2 = {"type": "dpa2", "seed": 1, "add_tebd_to_repinit_out": False,
+        "repinit": {"rcut": 4.0, "rcut_smth": 0.5, "nsel": "auto", "neuron": [4, 8],
+                    "axis_neuron": 4, "activation_function": "tanh"},
+        "repformer": {"rcut": 3.0, "rcut_smth": 0.5, "nsel": "auto", "nlayers": 1,
+                      "g1_dim": 8, "g2_dim": 4, "attn2_hidden": 4, "attn2_nhead": 1,
+                      "attn1_hidden": 4, "attn1_nhead": 1, "axis_neuron": 4,
+                      "update_h2": False}}
+
 
 def _config(systems: object, descriptor: dict, type_map: list[str]) -> dict:
     return {
@@ -69,6 +77,7 @@ CASES = {
     "se_e2_a-npy-nopbc": (_npy_data, SE_E2_A, ["O", "H"]),
     "se_atten-mixed-type": (_mixed_data, DPA1, ["O", "H"]),
     "se_e2_a-lmdb": (_lmdb_data, SE_E2_A, ["O", "H"]),
+    "dpa2-mixed-type": (_mixed_data, DPA2, ["O", "H"]),  # two blocks: repinit, repformer
 }
 
 
@@ -95,9 +104,9 @@ def _job(root: Path, name: str, systems: object, descriptor: dict, type_map: lis
 
 def _compare(peer: str, theirs: Path, ours: Path, *, inputs: bool = True) -> None:
     """Equal ``sel`` and ``min_nbor_dist``; with ``inputs`` also the input statistics."""
-    sel = [json.loads((j / "out.json").read_text())["model"]["descriptor"]["sel"]
-           for j in (theirs, ours)]
-    assert sel[0] == sel[1]
+    descriptor = [json.loads((j / "out.json").read_text())["model"]["descriptor"]
+                  for j in (theirs, ours)]
+    assert descriptor[0] == descriptor[1]  # the resolved sel (DPA-2: nsel of each block)
     a, b = _model(peer, theirs), _model(peer, ours)
     assert a.keys() == b.keys() and any("min_nbor_dist" in k for k in a)
     for key in a:
@@ -124,23 +133,26 @@ def test_statistics_equal_deepmd_kits_own(peer: str, tmp_path: Path, case: str) 
     _run([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], theirs)
     log = _run([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     assert "neighbour statistics:" in log and "computed" in log
+    assert "environment statistics:" in log and "output statistics:" in log  # mdloader's
     _compare(peer, theirs, ours)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-def test_two_ranks_shard_and_equal_deepmd_kits_own(peer: str, tmp_path: Path) -> None:
-    systems = _npy_data(tmp_path)
-    theirs = _job(tmp_path, "deepmd", systems, SE_E2_A, ["O", "H"])
-    ours = _job(tmp_path, "mdloader", systems, SE_E2_A, ["O", "H"])
+@pytest.mark.parametrize("case", ["se_e2_a-npy-nopbc", "se_atten-mixed-type"])
+def test_two_ranks_shard_and_equal_deepmd_kits_own(peer: str, tmp_path: Path, case: str) -> None:
+    make, descriptor, type_map = CASES[case]
+    systems = make(tmp_path)
+    theirs = _job(tmp_path, "deepmd", systems, descriptor, type_map)
+    ours = _job(tmp_path, "mdloader", systems, descriptor, type_map)
     _run([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], theirs)
     log = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
-    assert "on 2 ranks" in log
-    # the input statistics are still rank 0's shard of the frames, DeePMD-kit's own rule under
-    # DDP, so a 2-rank job's davg/dstd/bias differ from a 1-rank job's: neighbours only here
-    _compare(peer, theirs, ours, inputs=False)
+    assert "on 2 ranks" in log and "environment statistics:" in log
+    # every rank computed a share of the input statistics: a 2-rank job's davg/dstd/bias are
+    # DeePMD-kit's one-rank values (DeePMD-kit's own 2-rank job sees rank 0's frames only)
+    _compare(peer, theirs, ours)
     again = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                   "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     assert f"cached {len(systems)}, computed 0" in again
