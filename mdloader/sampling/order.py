@@ -103,6 +103,16 @@ def rank_frames(seed: int, sid: int, pass_: int, nframes: int, rank: int, world_
     return shard_frames(frame_permutation(seed, sid, pass_, nframes, shuffle), rank, world_size)
 
 
+def statistics_frames(seed: int, sid: int, nframes: int, batch_size: int, nbatch: int,
+                      shuffle: bool = True) -> np.ndarray:
+    """The frames system ``sid`` gives the input statistics: its first ``nbatch`` batches of pass
+    0 on one rank (DeePMD-kit's ``make_stat_input`` on a one-rank job), whatever the world size,
+    so the statistics are the same on every rank count."""
+    nbatches = -(-int(nframes) // int(batch_size))
+    keep = min(int(nbatch), nbatches) * int(batch_size)
+    return rank_frames(seed, sid, 0, nframes, 0, 1, shuffle)[:keep]
+
+
 def batch_of_shard(shard: np.ndarray, batch_index: int, batch_size: int) -> np.ndarray:
     """Batch ``batch_index`` of a shard: a slice of ``batch_size`` (the last may be short)."""
     return shard[batch_index * batch_size:(batch_index + 1) * batch_size]
@@ -289,6 +299,7 @@ class FrameOrder:
 
 __all__ = [
     "STREAM_CHUNK", "Continuation", "FrameOrder", "normalize_seed", "frame_permutation",
-    "shard_frames", "rank_frames", "batch_of_shard", "occurrence_to_batch", "weights_to_cdf",
+    "shard_frames", "rank_frames", "statistics_frames", "batch_of_shard", "occurrence_to_batch",
+    "weights_to_cdf",
     "stream_key", "stream_chunk", "stream_draws", "stream_counts", "sizes_digest",
 ]

@@ -15,6 +15,7 @@ from mdloader.sampling.order import (
     rank_frames,
     shard_frames,
     sizes_digest,
+    statistics_frames,
     stream_counts,
     stream_draws,
     weights_to_cdf,
@@ -95,6 +96,24 @@ def test_shard_frames_matches_distributed_sampler():
                 ds = DistributedSampler(range(n), num_replicas=w, rank=r, shuffle=False)
                 np.testing.assert_array_equal(shard_frames(np.arange(n), r, w), list(ds))
     assert torch is not None
+
+
+@pytest.mark.parametrize("nframes", FRAMES)
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize("nbatch", [1, 2, 10])
+def test_statistics_frames_are_the_first_batches_of_a_one_rank_pass(nframes, batch_size, nbatch):
+    """What DeePMD-kit's make_stat_input reads from a one-rank job: the first min(nbatch, nb)
+    batches of pass 0, distinct frames, the same for every rank count (no world size in it)."""
+    got = statistics_frames(5, 3, nframes, batch_size, nbatch)
+    shard = rank_frames(5, 3, 0, nframes, 0, 1)
+    nb = batches_per_rank([nframes], [batch_size], 1)[0]
+    want = np.concatenate([batch_of_shard(shard, j, batch_size) for j in range(min(nbatch, nb))])
+    assert got.tolist() == want.tolist()
+    assert len(set(got.tolist())) == len(got) == min(nframes, nbatch * batch_size)
+    assert statistics_frames(5, 4, nframes, batch_size, nbatch).tolist() == \
+        statistics_frames(5, 4, nframes, batch_size, nbatch).tolist()
+    assert statistics_frames(5, 3, nframes, batch_size, nbatch, shuffle=False).tolist() == \
+        list(range(len(got)))
 
 
 def test_occurrence_to_batch():
