@@ -1,16 +1,18 @@
-"""Time to first step: launch → first optimizer step of ``dp --pt train``, DeePMD-kit and mdloader.
+"""Time to first step: launch → first optimizer step, DeePMD-kit's ``dp --pt train``,
+``mdloader dp --pt train`` and ``mdloader train``.
 
-One command (defaults: 20 water systems, W = 1 and 2, both loaders, 600 s per launch)::
+One command (defaults: 20 water systems, W = 1 and 2, all three, 600 s per launch)::
 
-    python -m benchmarks.first_step [--systems 200 2000] [--world 1 2] [--only mdloader|deepmd]
-                                    [--timeout S]
+    python -m benchmarks.first_step [--systems 200 2000] [--world 1 2]
+                                    [--only mdloader|deepmd|mdloader-train ...] [--timeout S]
 
 For every (systems, W) each loader runs twice in fresh ``torchrun --standalone`` jobs (gloo,
 CPU, one OpenMP thread per rank) on DeePMD-kit's water example ``input.json`` with
 ``numb_steps: 1``: a **first start** (empty job folder, empty mdloader cache) and a **restart**
 (``--restart model.ckpt.pt`` in the same folder, with whatever the first start cached). DeePMD-kit
 runs as ``python -m benchmarks.dp_cpu`` (its own ``dp`` with CPU fallbacks only), mdloader as
-``python -m mdloader dp``, both with the DeePMD-kit venv's python (``scripts/deepmd-env.sh``).
+``python -m mdloader dp``, both with the DeePMD-kit venv's python (``scripts/deepmd-env.sh``);
+``mdloader train`` (its own reference model, no DeePMD-kit import) runs with the same python.
 Every output line is time-stamped as it arrives; :mod:`benchmarks.first_step_phases` splits the
 log into phases. A poller samples each rank's processes (the rank and its DataLoader workers)
 for resident memory and CPU time. A launch that exceeds ``--timeout`` is stopped and recorded as
@@ -41,7 +43,9 @@ from benchmarks.water_data import ensure_water
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(REPO, "benchmarks", "results", "first_step", "first_step.jsonl")
-ENTRY = {"deepmd": ["-m", "benchmarks.dp_cpu"], "mdloader": ["-m", "mdloader", "dp"]}
+ENTRY = {"deepmd": ["-m", "benchmarks.dp_cpu", "--pt", "train"],
+         "mdloader": ["-m", "mdloader", "dp", "--pt", "train"],
+         "mdloader-train": ["-m", "mdloader", "train"]}
 POLL_S = 0.25
 
 
@@ -49,7 +53,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--systems", type=int, nargs="+", default=[20])
     p.add_argument("--world", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--only", choices=("mdloader", "deepmd"))
+    p.add_argument("--only", nargs="+", choices=tuple(ENTRY))
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds per launch; a longer one is stopped and recorded as > T s")
     p.add_argument("--starts", nargs="+", default=["first", "restart"],
@@ -184,9 +188,9 @@ def _stop(proc: subprocess.Popen[str]) -> None:
             continue
 
 
-def record(run: dict[str, Any], world: int) -> dict[str, Any]:
+def record(run: dict[str, Any], world: int, impl: str) -> dict[str, Any]:
     """What one launch adds to the results: phases, time to first step, CPU and memory."""
-    found = fsp.find_markers(run["lines"])
+    found = fsp.find_markers(run["lines"], impl)
     durations, ready = fsp.phases(found, end=run["wall_s"])
     windows = fsp.phase_windows(found, end=run["wall_s"])
     poller: Poller = run["poller"]
@@ -231,7 +235,7 @@ def run_pair(python: str, impl: str, root: str, nsys: int, world: int,
             with open(os.path.join(job, "input.json"), "w") as out:
                 json.dump(job_input(root, 2, args.stat_nbatch), out, indent=1)
             cmd = _cmd(python, impl, world, ["--restart", "model.ckpt.pt"])
-            rec = record(launch(cmd, job, env, args.timeout), world)
+            rec = record(launch(cmd, job, env, args.timeout), world, impl)
         fh.write(json.dumps({**base, **rec}) + "\n")
         fh.flush()
         shown = (f"{rec['ready_s']:.1f} s to first step" if rec["ready_s"] is not None
@@ -246,14 +250,14 @@ def run_pair(python: str, impl: str, root: str, nsys: int, world: int,
 
 def _cmd(python: str, impl: str, world: int, extra: list[str]) -> list[str]:
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-            *ENTRY[impl], "--pt", "train", "input.json", *extra]
+            *ENTRY[impl], "input.json", *extra]
 
 
 def _launch_first(python: str, impl: str, job: str, root: str, world: int,
                   env: dict[str, str], args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     with open(os.path.join(job, "input.json"), "w") as out:
         json.dump(job_input(root, 1, args.stat_nbatch), out, indent=1)
-    rec = record(launch(_cmd(python, impl, world, []), job, env, args.timeout), world)
+    rec = record(launch(_cmd(python, impl, world, []), job, env, args.timeout), world, impl)
     ok = rec["status"] == "ok" and os.path.exists(os.path.join(job, "model.ckpt.pt"))
     return ok, rec
 
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.python} cannot import DeePMD-kit: run bash scripts/deepmd-env.sh "
               "or pass --python", file=sys.stderr)
         return 2
-    impls = [args.only] if args.only else ["mdloader", "deepmd"]
+    impls = list(args.only or ENTRY)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     run_id = time.strftime("%Y-%m-%d %H:%M:%S")
     with open(args.out, "a") as fh:

@@ -1,10 +1,11 @@
 """From a time-stamped training log to the phases of time to first step (pure functions).
 
 ``dp --pt train`` and ``mdloader dp --pt train`` print the same DeePMD-kit log lines (mdloader's
-records go through DeePMD-kit's logger); each phase starts at the first line matching its
-marker and ends where the next phase found in the log starts, so a phase that a run skips (input
-statistics at a restart) is absent rather than zero, and the phases add up to the time to first
-step. ``MARKERS`` is the one place to adjust when a loader's log lines change.
+records go through DeePMD-kit's logger); ``mdloader train`` prints its own. Each phase starts at
+the first line matching its marker and ends where the next phase found in the log starts, so a
+phase that a run skips (input statistics at a restart) is absent rather than zero, and the phases
+add up to the time to first step. ``MARKERS`` and ``TRAIN_MARKERS`` are the one place to adjust
+when a loader's log lines change.
 """
 
 from __future__ import annotations
@@ -27,6 +28,21 @@ PHASES = ("start-up",) + tuple(name for name, _ in MARKERS)
 # DeePMD-kit prints "Batch <step>: trn: ..." when a step completes (``disp_freq: 1``)
 FIRST_STEP_DONE = re.compile(r"Batch\s+\d+: trn")
 
+# ``mdloader train``'s log: no neighbour statistics (its reference model has no ``sel``)
+TRAIN_MARKERS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("build", re.compile(r"mdloader\.threads: torch threads")),  # its first line after imports
+    ("input statistics", re.compile(r"Summary of DataSystem: training")),
+    ("first step", re.compile(r"energy bias per type|restarted from \S+ at step")),
+)
+TRAIN_STEP_DONE = re.compile(r"mdloader\.train\.job: step \d+/\d+:")
+
+
+def markers_of(impl: str) -> tuple[tuple[tuple[str, re.Pattern[str]], ...], re.Pattern[str]]:
+    """The phase markers and the completed-step line of a loader's log."""
+    if impl == "mdloader-train":
+        return TRAIN_MARKERS, TRAIN_STEP_DONE
+    return MARKERS, FIRST_STEP_DONE
+
 
 def stamped_lines(text: str) -> list[tuple[float, str]]:
     """Lines ``"<seconds since launch> <line>"`` (what the harness writes) as (t, line)."""
@@ -40,14 +56,16 @@ def stamped_lines(text: str) -> list[tuple[float, str]]:
     return out
 
 
-def find_markers(lines: Iterable[tuple[float, str]]) -> dict[str, tuple[float, str]]:
+def find_markers(lines: Iterable[tuple[float, str]],
+                 impl: str = "deepmd") -> dict[str, tuple[float, str]]:
     """The first (time, line) of every phase marker and of the first completed step."""
+    markers, done = markers_of(impl)
     found: dict[str, tuple[float, str]] = {}
     for t, line in lines:
-        for name, pattern in MARKERS:
+        for name, pattern in markers:
             if name not in found and pattern.search(line):
                 found[name] = (t, line.strip())
-        if "ready" not in found and FIRST_STEP_DONE.search(line):
+        if "ready" not in found and done.search(line):
             found["ready"] = (t, line.strip())
     return found
 
@@ -59,7 +77,7 @@ def phases(found: dict[str, tuple[float, str]],
     Without a completed step (a stopped run), the last phase found runs to ``end``.
     """
     starts = [(0.0, "start-up")]
-    starts += sorted((found[name][0], name) for name, _ in MARKERS if name in found)
+    starts += sorted((found[name][0], name) for name in PHASES[1:] if name in found)
     ready = found["ready"][0] if "ready" in found else None
     stop = ready if ready is not None else end
     out: dict[str, float] = {}

@@ -1,7 +1,8 @@
 """The "Time to first step" section of ``docs/benchmarks.md``, from :mod:`benchmarks.first_step`.
 
 :mod:`benchmarks.report` calls :func:`section` when it rewrites the page; the latest record of
-every (loader, systems, W, start) is shown, DeePMD-kit and mdloader side by side.
+every (loader, systems, W, start) is shown, DeePMD-kit, ``mdloader dp`` and ``mdloader train``
+side by side.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from benchmarks.first_step_phases import PHASES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(REPO, "benchmarks", "results", "first_step", "first_step.jsonl")
-MD, DP = "mdloader", "deepmd"
+MD, DP, TRAIN = "mdloader", "deepmd", "mdloader-train"
+NAMES = {MD: "mdloader dp", TRAIN: "mdloader train"}
 # issue 22's targets for mdloader: (systems, start) -> seconds to first step
 TARGETS = {(200, "first"): 30.0, (200, "restart"): 5.0, (2000, "first"): 180.0}
 Key = tuple[str, int, int, str]  # (impl, systems, W, start)
@@ -68,14 +70,16 @@ def _configs(latest: dict[Key, dict[str, Any]]) -> list[tuple[int, int, str]]:
 
 def ready_table(latest: dict[Key, dict[str, Any]]) -> list[str]:
     head = " | ".join(f"{p} s (md / dp)" for p in PHASES)
-    lines = [f"| systems | W | start | to first step s, mdloader | DeePMD-kit | DeePMD ÷ md | "
-             f"{head} | load |", "|---:|---:|---|---:|---:|---:|" + "---|" * len(PHASES) + "---:|"]
+    lines = [f"| systems | W | start | to first step s, mdloader dp | DeePMD-kit | DeePMD ÷ md | "
+             f"mdloader train | {head} | load |",
+             "|---:|---:|---|---:|---:|---:|---:|" + "---|" * len(PHASES) + "---:|"]
     for n, w, s in _configs(latest):
         md, dp = latest.get((MD, n, w, s)), latest.get((DP, n, w, s))
+        tr = latest.get((TRAIN, n, w, s))
         phases = " | ".join(f"{_phase(md, p)} / {_phase(dp, p)}" for p in PHASES)
-        loads = [r["loadavg_1min"] for r in (md, dp) if r and "loadavg_1min" in r]
+        loads = [r["loadavg_1min"] for r in (md, dp, tr) if r and "loadavg_1min" in r]
         lines.append(f"| {n:,} | {w} | {s} | {ready(md)} | {ready(dp)} | "
-                     f"{ratio(_seconds(dp), _seconds(md))} | {phases} | "
+                     f"{ratio(_seconds(dp), _seconds(md))} | {ready(tr)} | {phases} | "
                      f"{' / '.join(f'{x:.1f}' for x in loads) or '–'} |")
     return lines
 
@@ -107,18 +111,19 @@ def memory_table(latest: dict[Key, dict[str, Any]]) -> list[str]:
 
 
 def targets(latest: dict[Key, dict[str, Any]]) -> list[str]:
-    """Issue 22's targets for mdloader, at the largest W measured for each size."""
-    out = ["| target (mdloader) | measured | met? |", "|---|---:|:---:|"]
-    for (n, s), limit in TARGETS.items():
-        worlds = sorted(w for (i, nn, w, ss) in latest if i == MD and nn == n and ss == s)
-        rec = latest.get((MD, n, worlds[-1], s)) if worlds else None
-        value = _seconds(rec)
-        verdict = None if rec is None else (value is not None and value <= limit)
-        where = f", W = {worlds[-1]}" if worlds else ""
-        label = "first start" if s == "first" else s
-        shown = ready(rec) + (" s" if value is not None else "")
-        out.append(f"| {n:,} systems, {label}: ready to step ≤ {number(limit)} s{where} | "
-                   f"{shown} | {met(verdict)} |")
+    """Issue 22's targets for mdloader (``dp`` and ``train``), at the largest W measured."""
+    out = ["| target | measured | met? |", "|---|---:|:---:|"]
+    for impl in (MD, TRAIN):
+        for (n, s), limit in TARGETS.items():
+            worlds = sorted(w for (i, nn, w, ss) in latest if i == impl and nn == n and ss == s)
+            rec = latest.get((impl, n, worlds[-1], s)) if worlds else None
+            value = _seconds(rec)
+            verdict = None if rec is None else (value is not None and value <= limit)
+            where = f", W = {worlds[-1]}" if worlds else ""
+            label = "first start" if s == "first" else s
+            shown = ready(rec) + (" s" if value is not None else "")
+            out.append(f"| {NAMES[impl]}, {n:,} systems, {label}: ready to step ≤ "
+                       f"{number(limit)} s{where} | {shown} | {met(verdict)} |")
     for n in sorted({nn for (i, nn, _w, _s) in latest if i == MD}):
         one, two = latest.get((MD, n, 1, "first")), latest.get((MD, n, 2, "first"))
 
@@ -131,8 +136,8 @@ def targets(latest: dict[Key, dict[str, Any]]) -> list[str]:
 
         a, b = busiest(one), busiest(two)
         ok = None if a is None or b is None else b <= 0.6 * a
-        out.append(f"| {n:,} systems: statistics CPU per rank scales as 1/W (busiest rank, "
-                   f"W = 1 ÷ W = 2 ≥ 1.67×) | {ratio(a, b)} | {met(ok)} |")
+        out.append(f"| mdloader dp, {n:,} systems: statistics CPU per rank scales as 1/W "
+                   f"(busiest rank, W = 1 ÷ W = 2 ≥ 1.67×) | {ratio(a, b)} | {met(ok)} |")
     return out
 
 

@@ -71,6 +71,35 @@ def test_stopped_run_ends_its_last_phase_at_the_stop() -> None:
     assert fsp.phase_windows(found, end=600.0)["neighbour statistics"] == (2.686, 600.0)
 
 
+# abridged from a `torchrun --nproc_per_node=2 -m mdloader train input.json` log, and its restart
+TRAIN_FIRST = """\
+2.950 2026-12-01 14:47:19 INFO    mdloader.threads: torch threads per rank: 1 (2 core(s) ...)
+3.010 2026-12-01 14:47:19 INFO    mdloader.loading.build: built 3 systems (320 frames), ...
+3.020 2026-12-01 14:47:19 INFO    mdloader.loading.loader: ---Summary of DataSystem: training ...
+3.400 2026-12-01 14:47:19 INFO    mdloader.train.statistics: energy bias per type from 30 frames
+4.100 2026-12-01 14:47:20 INFO    mdloader.train.job: step 1/1: rmse_f_trn 0.916, lr 3.0e-03
+"""
+TRAIN_RESTART = """\
+2.900 2026-12-01 14:47:29 INFO    mdloader.threads: torch threads per rank: 1 (2 core(s) ...)
+3.000 2026-12-01 14:47:29 INFO    mdloader.loading.loader: ---Summary of DataSystem: training ...
+3.200 2026-12-01 14:47:29 INFO    mdloader.train.job: restarted from model.ckpt.pt at step 1
+3.900 2026-12-01 14:47:30 INFO    mdloader.train.job: step 2/2: rmse_f_trn 0.8, lr 3.0e-03
+"""
+
+
+def test_mdloader_train_log_has_its_own_markers() -> None:
+    durations, ready = fsp.phases(fsp.find_markers(fsp.stamped_lines(TRAIN_FIRST),
+                                                   "mdloader-train"))
+    assert ready == 4.1
+    assert durations == pytest.approx({"start-up": 2.95, "build": 0.07,
+                                       "input statistics": 0.38, "first step": 0.7})
+    durations, ready = fsp.phases(fsp.find_markers(fsp.stamped_lines(TRAIN_RESTART),
+                                                   "mdloader-train"))
+    assert ready == 3.9 and "input statistics" in durations  # the summary line marks it
+    assert durations["first step"] == pytest.approx(0.7)
+    assert fsp.find_markers(fsp.stamped_lines(TRAIN_FIRST)) == {}  # DeePMD-kit's markers
+
+
 def test_window_cpu_interpolates_cumulative_samples() -> None:
     samples = [(0.0, 0.0), (1.0, 1.0), (3.0, 2.0)]
     assert fsp.window_cpu(samples, 0.5, 2.0) == pytest.approx(1.0)
@@ -86,14 +115,20 @@ def test_report_section_side_by_side_with_stopped_rows(tmp_path: Path) -> None:
              "cpu_s": {"neighbour statistics": [4.0, 4.0], "input statistics": [2.0, 1.0]},
              "peak_rss_mib": [800.0, 790.0], "peak_tree_rss_mib": [1600.0, 1500.0]},
             {**base, "impl": "deepmd", "start": "first", "status": "stopped", "ready_s": None,
-             "timeout_s": 240, "phases": {"start-up": 5.0, "neighbour statistics": 235.0}}]
+             "timeout_s": 240, "phases": {"start-up": 5.0, "neighbour statistics": 235.0}},
+            {**base, "impl": "mdloader-train", "start": "first", "status": "ok", "ready_s": 9.0,
+             "timeout_s": 240, "phases": {"start-up": 3.0, "first step": 6.0}}]
     path = tmp_path / "fs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     text = first_step_report.section(str(path))
     row = next(line for line in text.splitlines() if line.startswith("| 200 | 2 | first"))
     assert "| 20 | > 240 (stopped) |" in row and "235 (stopped)" in row
-    assert "| 200 systems, first start: ready to step ≤ 30 s, W = 2 | 20 s | yes |" in text
-    assert "| 200 systems, restart: ready to step ≤ 5 s | – | – |" in text
+    assert "| mdloader dp, 200 systems, first start: ready to step ≤ 30 s, W = 2 | 20 s | yes |" \
+        in text
+    assert "| mdloader dp, 200 systems, restart: ready to step ≤ 5 s | – | – |" in text
+    assert "| mdloader train, 200 systems, first start: ready to step ≤ 30 s, W = 2 | 9 s | yes |" \
+        in text
+    assert "| 20 | > 240 (stopped) | – | 9 |" in row
     assert "6 / 5" in text  # statistics CPU per rank, neighbour + input
 
 

@@ -136,7 +136,20 @@ def wrap(coord: np.ndarray, cell: np.ndarray) -> np.ndarray:
 
 
 def _kept(i: np.ndarray, tj: np.ndarray, rr: np.ndarray, settings: EnvMatSettings) -> np.ndarray:
-    """Positions of the pairs each centre keeps: its ``nsel`` nearest, then per type."""
+    """Positions of the pairs each centre keeps: its ``nsel`` nearest, then per type.
+
+    When no centre has more neighbours than it may keep, every pair is kept (and nothing needs
+    sorting, which is most of the cost of a frame).
+    """
+    if not i.size:
+        return np.arange(0)
+    centres = int(i.max()) + 1
+    if np.bincount(i, minlength=centres).max() <= settings.nsel:
+        if settings.mixed_types:
+            return np.arange(i.size)
+        per_type = np.bincount(i * settings.ntypes + tj, minlength=centres * settings.ntypes)
+        if (per_type.reshape(centres, settings.ntypes) <= np.asarray(settings.sel)).all():
+            return np.arange(i.size)
     order = np.lexsort((rr, i))
     i_sorted = i[order]
     starts = np.searchsorted(i_sorted, i_sorted, side="left")
