@@ -30,14 +30,16 @@ SEED, BATCH, NBATCH = 7, 2, 2  # 2 batches of 2 frames: a shuffled subset of mos
 
 
 def _data(root: Path) -> list[str]:
-    """Four systems: npy with two sets, npy, HDF5, non-periodic; 4 to 6 frames each."""
+    """Five systems: npy with two sets, npy, HDF5, non-periodic, mixed type; 4 to 6 frames."""
     return [make_system(root, "sys0", natoms=5, nframes=6, nsets=2, seed=1,
                         keys=("energy", "force")),
             make_system(root, "sys1", natoms=7, nframes=6, seed=2, keys=("energy", "force")),
             make_system(root, "h5", natoms=6, nframes=5, backend="hdf5", seed=3,
                         keys=("energy", "force")),
             make_system(root, "free", natoms=4, nframes=4, pbc=False, seed=4,
-                        keys=("energy", "force"))]
+                        keys=("energy", "force")),
+            make_system(root, "mixed", types=(0, 0, 0, 1, 1), nframes=5, mixed_type=True,
+                        seed=5, keys=("energy", "force"))]
 
 
 def _raw(systems: list[str]) -> dict:
@@ -67,7 +69,7 @@ def _direct(systems: list[str]) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             f = model.features(batch["coord"].double(), atype, batch["box"])
         feats.append(f[atype >= 0])
-        counts.append(batch["natoms"][:, 2:].numpy())
+        counts.append(batch.get("real_natoms_vec", batch["natoms"])[:, 2:].numpy())
         energies.append(batch["energy"].numpy().reshape(-1))
     rows = torch.cat(feats)
     bias = np.linalg.lstsq(np.concatenate(counts).astype(np.float64), np.concatenate(energies),
@@ -96,13 +98,13 @@ def test_one_rank_equals_a_direct_computation_and_the_cache_serves_the_next_star
         first = _statistics(_raw(systems), tmp_path / "a")
         _assert_close(first, _direct(systems))
         assert [re.sub(r" in \S+ s", "", m) for m in _lines(caplog)] == [
-            "feature statistics: 4 systems (cached 0, computed 4 on 1 ranks)",
-            "output statistics: 4 systems (cached 0, computed 4 on 1 ranks)"]
+            "feature statistics: 5 systems (cached 0, computed 5 on 1 ranks)",
+            "output statistics: 5 systems (cached 0, computed 5 on 1 ranks)"]
         caplog.clear()
         again = _statistics(_raw(systems), tmp_path / "b")  # a second first start: the cache
         assert [re.sub(r" in \S+ s", "", m) for m in _lines(caplog)] == [
-            "feature statistics: 4 systems (cached 4, computed 0 on 1 ranks)",
-            "output statistics: 4 systems (cached 4, computed 0 on 1 ranks)"]
+            "feature statistics: 5 systems (cached 5, computed 0 on 1 ranks)",
+            "output statistics: 5 systems (cached 5, computed 0 on 1 ranks)"]
         for key in first:
             assert torch.equal(again[key], first[key])
         caplog.clear()
@@ -110,8 +112,8 @@ def test_one_rank_equals_a_direct_computation_and_the_cache_serves_the_next_star
         np.save(energy, np.load(energy) + 0.5)
         changed = _statistics(_raw(systems), tmp_path / "c")
         assert [re.sub(r" in \S+ s", "", m) for m in _lines(caplog)] == [
-            "feature statistics: 4 systems (cached 3, computed 1 on 1 ranks)",
-            "output statistics: 4 systems (cached 3, computed 1 on 1 ranks)"]
+            "feature statistics: 5 systems (cached 4, computed 1 on 1 ranks)",
+            "output statistics: 5 systems (cached 4, computed 1 on 1 ranks)"]
         _assert_close(changed, _direct(systems))
         assert not torch.equal(changed["energy_bias"], first["energy_bias"])
         caplog.clear()
@@ -158,9 +160,10 @@ def test_two_ranks_compute_disjoint_shares_and_set_what_one_rank_sets(tmp_path: 
 def test_a_nonfinite_energy_in_rank_1s_share_fails_both_ranks_naming_system_and_file(
         tmp_path: Path) -> None:
     systems = _data(tmp_path / "data")
-    nframes, natoms = [6, 6, 5, 4], [5, 7, 6, 4]
+    metas = [DeepmdDataSetForLoader(s, TYPE_MAP).meta for s in systems]
+    nframes, natoms = [m.nframes for m in metas], [m.natoms for m in metas]
     sid = next(int(s) for s in share(system_weights(nframes, natoms), 1, 2)
-               if not systems[s].endswith(".h5") and "free" not in systems[s])
+               if "sys" in Path(systems[s]).name)  # an npy system of rank 1's share
     frame = int(statistics_frames(SEED, sid, nframes[sid], BATCH, NBATCH)[0])
     sets = sorted(Path(systems[sid]).glob("set.*"))
     for set_dir in sets:  # the set that holds ``frame``
