@@ -17,7 +17,6 @@ rank as one line naming the rank, the system and the file, before the first step
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,9 +30,8 @@ from mdloader.errors import DataError
 from mdloader.loading.loader import DpLoaderSet
 from mdloader.loading.statistics import report_line, sharded_pass
 from mdloader.sampling.order import statistics_frames
-from mdloader.stats import moments
-from mdloader.stats.moments import FeatureMoments
-from mdloader.stats.output import OutputSamples, merge_all, output_bias, system_samples
+from mdloader.stats.moments import FeatureMoments, merge_all
+from mdloader.stats.output import OutputSamples, output_bias, system_samples
 from mdloader.train.guards import nonfinite_data, small_box_in_batch
 from mdloader.train.model import RadialPotential
 
@@ -96,15 +94,18 @@ def system_features(model: RadialPotential, dataset: Any, fids: Sequence[int], *
     return total
 
 
-def _with_types(samples: OutputSamples, position: int, ntypes: int) -> OutputSamples:
-    """``samples`` at system ``position`` (a cached entry may come from another job), with a
-    type count for each of the model's ``ntypes`` types."""
-    counts = samples.counts
-    if counts.shape[1] < ntypes:
-        counts = np.pad(counts, ((0, 0), (0, ntypes - counts.shape[1])))
-    positions = np.column_stack([np.full(len(samples.positions), position, dtype=np.int64),
-                                 samples.positions[:, 1]])
-    return dataclasses.replace(samples, counts=counts, positions=positions)
+def _merged(samples: Sequence[OutputSamples], ntypes: int) -> OutputSamples:
+    """Every system's samples in global order (system position, frame), with a type count for
+    each of the model's ``ntypes`` types; positions are set here, as a cached entry may come
+    from another job. One concatenation: merging pairwise sorts everything again at each step."""
+    counts, positions = [], []
+    for position, part in enumerate(samples):
+        counts.append(np.pad(part.counts, ((0, 0), (0, ntypes - part.counts.shape[1]))))
+        positions.append(np.column_stack([np.full(len(part.positions), position, np.int64),
+                                          part.positions[:, 1]]))
+    return OutputSamples("energy", np.concatenate(counts),
+                         np.concatenate([part.labels for part in samples]),
+                         np.concatenate(positions))
 
 
 def fit_statistics(model: RadialPotential, data: DpLoaderSet, *, nbatch: int,
@@ -125,10 +126,10 @@ def fit_statistics(model: RadialPotential, data: DpLoaderSet, *, nbatch: int,
         log.info(report_line("output", report))
     error = None
     try:  # the same on every rank: a failure here is every rank's
-        merged = merge_all([_with_types(s, i, model.ntypes) for i, s in enumerate(samples)])
+        merged = _merged(samples, model.ntypes)
         bias, _ = output_bias(merged)
-        mean, std = moments.merge_all(
-            [FeatureMoments.zeros(model.ntypes * model.nbasis), *parts]).mean_std()
+        mean, std = merge_all([FeatureMoments.zeros(model.ntypes * model.nbasis),
+                               *parts]).mean_std()
         model.set_statistics(bias[:, 0], mean, std)
     except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
         error = exc
