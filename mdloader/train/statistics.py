@@ -3,7 +3,9 @@ rank on the path ``mdloader dp``'s input statistics take.
 
 The frames are DeePMD-kit's ``make_stat_input`` frames of a one-rank job: of every training
 system, the first ``data_stat_nbatch`` batches of pass 0 under the job's seed
-(:func:`~mdloader.sampling.order.statistics_frames`). Two passes of
+(:func:`~mdloader.sampling.order.statistics_frames`) for the energy bias, and the first
+``FEATURE_NBATCH`` of them for the feature scales (normalisation constants, for which a sample
+of every system is enough, at a cost of all pairs of atoms per frame). Two passes of
 :func:`~mdloader.loading.statistics.sharded_pass` give every rank each system's partial results,
 cached per system: ``feature`` (the count, sum and sum of squares of the model's radial features
 over the real atoms, :class:`~mdloader.stats.moments.FeatureMoments`) and ``output`` (the type
@@ -39,6 +41,9 @@ log = logging.getLogger(__name__)
 
 #: Bumped when :meth:`RadialPotential.features` changes: cached feature moments then miss.
 FEATURES_VERSION = 1
+
+#: Batches of every system whose frames give the feature scales (at most ``data_stat_nbatch``).
+FEATURE_NBATCH = 1
 
 #: Bytes of float64 intermediates one chunk of frames may take in ``RadialPotential.features``
 #: (a few [frames, atoms, atoms, nbasis] arrays).
@@ -116,7 +121,8 @@ def fit_statistics(model: RadialPotential, data: DpLoaderSet, *, nbatch: int,
     main = current_world().is_main
     parts, report = sharded_pass(
         data.systems, "feature", feature_settings(model), data.type_map,
-        lambda ds, fids: system_features(model, ds, fids, device=device), frames=frames)
+        lambda ds, fids: system_features(model, ds, fids, device=device),
+        frames=frames_of(data, min(nbatch, FEATURE_NBATCH)))
     if main:
         log.info(report_line("feature", report))
     samples, report = sharded_pass(

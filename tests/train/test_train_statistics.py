@@ -56,19 +56,20 @@ def _statistics(raw: dict, output: Path) -> dict[str, torch.Tensor]:
 
 
 def _direct(systems: list[str]) -> dict[str, torch.Tensor]:
-    """One process, system after system: the features of every real atom of the statistics
-    frames, their mean and std, and the least-squares energy per type over those frames."""
+    """One process, system after system: the features of every real atom of the first statistics
+    batch, their mean and std, and the least-squares energy per type over the statistics
+    frames."""
     model = RadialPotential(len(TYPE_MAP), rcut=SMALL.rcut, nbasis=SMALL.nbasis)
     feats, counts, energies = [], [], []
     for sid, address in enumerate(systems):
         ds = DeepmdDataSetForLoader(address, TYPE_MAP)
         ds.add_data_requirement(LABELS)
-        fids = statistics_frames(SEED, sid, len(ds), BATCH, NBATCH)
-        batch = ds.get_batch(fids.tolist())
-        atype = batch["atype"].long()
+        first = ds.get_batch(statistics_frames(SEED, sid, len(ds), BATCH, 1).tolist())
+        atype = first["atype"].long()
         with torch.no_grad():
-            f = model.features(batch["coord"].double(), atype, batch["box"])
+            f = model.features(first["coord"].double(), atype, first["box"])
         feats.append(f[atype >= 0])
+        batch = ds.get_batch(statistics_frames(SEED, sid, len(ds), BATCH, NBATCH).tolist())
         counts.append(batch.get("real_natoms_vec", batch["natoms"])[:, 2:].numpy())
         energies.append(batch["energy"].numpy().reshape(-1))
     rows = torch.cat(feats)
