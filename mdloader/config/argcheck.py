@@ -83,8 +83,8 @@ DEEPMD_KEYS: dict[str, tuple[str, ...]] = {
         "optimizer", "validating", "nvnmd",
     ),
     "model": (
-        "atom_exclude_types", "bridging_method", "bridging_r_inner", "bridging_r_outer", "compress",
-        "data_bias_nsample", "data_stat_nbatch", "data_stat_protect", "descriptor", "enable_tf32",
+        "atom_exclude_types", "bridging_method", "bridging_r_inner", "bridging_r_outer",
+        "compress", "data_bias_nsample", "data_stat_protect", "descriptor", "enable_tf32",
         "finetune_head", "fitting_net", "info", "lora", "model_branch_alias", "model_file",
         "models", "modifier", "pair_exclude_types", "preset_out_bias", "qm_model", "qmmm_model",
         "rcut", "sel", "shared_dict", "smin_alpha", "spin", "srtab_add_bias", "sw_rmax", "sw_rmin",
@@ -239,10 +239,16 @@ def _training_arg() -> Argument:
 
 def _model_arg() -> Argument:
     return Argument("model", dict, optional=True, default={}, doc="Model (only type_map "
-                    "is read; other keys pass through).", sub_fields=[
+                    "and data_stat_nbatch are read; other keys pass through).", sub_fields=[
         _arg("type_map", [list[str], None], "Element names; index = model type id. Systems "
              "are remapped to it through their type_map.raw.", check=_check_type_map,
              expect="a non-empty list of distinct element names"),
+        _arg("data_stat_nbatch", int, "Batches of each training system that the statistics "
+             "before training read (DeePMD-kit's key). `mdloader train` fits its reference "
+             "model's energy bias and feature scales on the first `data_stat_nbatch` batches "
+             "of each system in a one-rank job's first pass under the job's seed, whatever "
+             "the number of ranks.", default=10, check=_positive_int,
+             expect="a positive integer"),
         *_passed_through("model"),
     ])
 

@@ -102,6 +102,7 @@ class Config:
     save_ckpt: str = "model.ckpt"
     learning_rate: LearningRateConfig = field(default_factory=LearningRateConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    data_stat_nbatch: int = 10
     source: str | None = None
 
 
@@ -256,7 +257,8 @@ def _build(normed: dict, *, base_dir: str, source: str | None) -> Config:
         raise ConfigError("numb_steps and numb_epoch are mutually exclusive; give one",
                           path="training.numb_steps")
     valid = training.get("validation_data")
-    type_map = normed.get("model", {}).get("type_map")
+    model = normed.get("model", {})
+    type_map = model.get("type_map")
     lr = normed.get("learning_rate", {})
     loss = normed.get("loss", {})
     return Config(
@@ -274,5 +276,6 @@ def _build(normed: dict, *, base_dir: str, source: str | None) -> Config:
         save_ckpt=training["save_ckpt"],
         learning_rate=_sub_config(LearningRateConfig, lr),
         loss=_sub_config(LossConfig, loss),
+        data_stat_nbatch=model.get("data_stat_nbatch", 10),
         source=source,
     )

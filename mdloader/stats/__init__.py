@@ -3,10 +3,11 @@
 Neighbour statistics (:mod:`~mdloader.stats.neighbours`: minimal pair distance and maximal
 neighbour counts, hence ``sel`` and ``min_nbor_dist``), descriptor environment-matrix statistics
 (:mod:`~mdloader.stats.env_mat`: ``davg``/``dstd``), the output (energy) bias
-(:mod:`~mdloader.stats.output`), which systems a rank takes (:mod:`~mdloader.stats.shards`) and
-the key and payload of a per-system cache entry (:mod:`~mdloader.stats.cache`). Every partial
-result is computed on a share of the systems and merges exactly, so each rank can take a disjoint
-share and a collective can combine them.
+(:mod:`~mdloader.stats.output`), per-feature moments for the feature scales of ``mdloader
+train``'s reference model (:mod:`~mdloader.stats.moments`), which systems a rank takes
+(:mod:`~mdloader.stats.shards`) and the key and payload of a per-system cache entry
+(:mod:`~mdloader.stats.cache`). Every partial result is computed on a share of the systems and
+merges exactly, so each rank can take a disjoint share and a collective can combine them.
 
 This package may import only the leaves (``mdloader.errors``, ``mdloader.settings``,
 ``mdloader.world``, ``mdloader.logs``), ``mdloader.data``, numpy and vesin; never

@@ -19,6 +19,7 @@ import numpy as np
 
 from mdloader.errors import CorruptFileError
 from mdloader.stats.env_mat import EnvMatSums
+from mdloader.stats.moments import FeatureMoments
 from mdloader.stats.neighbours import Finding, NeighbourStats
 from mdloader.stats.output import OutputSamples
 
@@ -70,7 +71,7 @@ def _unarray(d: Mapping[str, Any]) -> np.ndarray:
     return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
 
 
-def dumps(result: NeighbourStats | EnvMatSums | OutputSamples) -> bytes:
+def dumps(result: NeighbourStats | EnvMatSums | OutputSamples | FeatureMoments) -> bytes:
     """msgpack bytes of a partial result."""
     if isinstance(result, NeighbourStats):
         body = {"kind": "neighbours", "rcut": result.rcut, "mixed_type": result.mixed_type,
@@ -84,13 +85,16 @@ def dumps(result: NeighbourStats | EnvMatSums | OutputSamples) -> bytes:
     elif isinstance(result, OutputSamples):
         body = {"kind": "output", "key": result.key, "counts": _array(result.counts),
                 "labels": _array(result.labels), "positions": _array(result.positions)}
+    elif isinstance(result, FeatureMoments):
+        body = {"kind": "moments", "count": result.count, "total": _array(result.total),
+                "squared": _array(result.squared)}
     else:
         raise TypeError(f"no cache format for {type(result).__name__}")
     return msgpack.packb({"format": FORMAT, **body}, use_bin_type=True)
 
 
 def loads(payload: bytes, *, source: str | None = None
-          ) -> NeighbourStats | EnvMatSums | OutputSamples:
+          ) -> NeighbourStats | EnvMatSums | OutputSamples | FeatureMoments:
     """The partial result of :func:`dumps` bytes; ``source`` names the entry in errors."""
     try:
         body = msgpack.unpackb(payload, raw=False)
@@ -109,8 +113,11 @@ def loads(payload: bytes, *, source: str | None = None
         if kind == "output":
             return OutputSamples(body["key"], _unarray(body["counts"]),
                                  _unarray(body["labels"]), _unarray(body["positions"]))
+        if kind == "moments":
+            return FeatureMoments(int(body["count"]), _unarray(body["total"]),
+                                  _unarray(body["squared"]))
         raise CorruptFileError("cache entry of an unknown kind", file=source,
-                               expected="neighbours, env_mat or output", found=kind)
+                               expected="neighbours, env_mat, output or moments", found=kind)
     except CorruptFileError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError,

@@ -4,11 +4,13 @@ One process per rank (``torchrun``); the process group starts only when ``WORLD_
 NCCL on GPUs and gloo on CPUs. Every rank builds the loader (rank 0 reads the data tree, the
 others receive metadata), pulls batches through the outer ``DataLoader`` with the stateful
 weighted sampler, and steps a :class:`~mdloader.train.model.RadialPotential` wrapped in
-``DistributedDataParallel``. Rank 0 writes ``lcurve.out`` and the checkpoints; ``restart``
-resumes model, optimizer and the loader streams: on the same number of ranks the batches after the
-restart are exactly those an uninterrupted run would have drawn, on another number the job
-resumes elastically (:mod:`mdloader.train.io`). Validation is in
-:mod:`mdloader.train.validation`, one step in :mod:`mdloader.train.step`.
+``DistributedDataParallel``; its statistics (energy bias, feature scales) are computed before
+the first step in shares by every rank, cached per system (:mod:`mdloader.train.statistics`).
+Rank 0 writes ``lcurve.out`` and the checkpoints; ``restart`` resumes model, optimizer and the
+loader streams: on the same number of ranks the batches after the restart are exactly those an
+uninterrupted run would have drawn, on another number the job resumes elastically
+(:mod:`mdloader.train.io`). Validation is in :mod:`mdloader.train.validation`, one step in
+:mod:`mdloader.train.step`.
 
 Failures: before the first step every box is checked against the cutoff
 (:mod:`mdloader.train.guards`); a SIGTERM or SIGUSR1 stops every rank after the same step with a
@@ -60,7 +62,7 @@ from mdloader.train.io import (
 from mdloader.train.model import RadialPotential
 from mdloader.train.objective import EnergyForceLoss, ExpDecayLR, resolve_numb_steps, rmse_columns
 from mdloader.train.signals import StopSignals, ignore_stop_signals, stop_at_once
-from mdloader.train.statistics import fit_statistics, on_main_for_all
+from mdloader.train.statistics import fit_statistics
 from mdloader.train.step import Stepper
 from mdloader.train.validation import FullValidation, Validation
 from mdloader.world import World
@@ -78,8 +80,6 @@ class ModelOptions:
     rcut: float = 4.0
     nbasis: int = 16
     hidden: tuple[int, ...] = (32, 32)
-    stat_frames: int = 10
-    stat_systems: int = 200
 
 
 @dataclass
@@ -167,7 +167,7 @@ class _Trainer:
         check_boxes([*self.train_set.systems, *valid], self.options.rcut, self.world)
         if restart is None:
             self.activity.doing = "computing the model statistics"
-            on_main_for_all(self._statistics, self.world, context=self.activity.doing)
+            self._statistics()
         release_handles()  # training reopens (and checks again) what the checks read
         ddp_model = (DistributedDataParallel(self.model) if self.world.distributed
                      else self.model)
@@ -205,8 +205,9 @@ class _Trainer:
                          if self.world.is_main and self.full_validation else None)
 
     def _statistics(self) -> None:
-        fit_statistics(self.model, self.train_set.systems, systems_max=self.options.stat_systems,
-                       frames=self.options.stat_frames, device=self.device)
+        """Energy bias and feature scales, in shares on every rank (collective)."""
+        fit_statistics(self.model, self.train_set, nbatch=self.config.data_stat_nbatch,
+                       device=self.device)
 
     def _restore(self, path: str) -> int:
         self.activity.doing = f"restoring the checkpoint {path}"

@@ -4,8 +4,9 @@ The point of ``mdloader train`` is to exercise the loader the way DeePMD-kit's t
 (batches of frames, energies and forces, DDP, restart), not to compete with DeePMD models. So
 the model is deliberately plain:
 
-* a per-type energy bias fitted by least squares on the training energies (what DeePMD-kit's
-  output statistics do), so that the network only learns a small residual;
+* a per-type energy bias fitted by least squares on the training energies (DeePMD-kit's output
+  statistics, :mod:`mdloader.train.statistics`), so that the network only learns a small
+  residual;
 * a smooth atomic correction ``E_i = MLP([G_i, onehot(t_i)])`` where ``G_i`` are Gaussian radial
   functions of the distances to the neighbours of each type inside ``rcut``, multiplied by a
   cosine cutoff, so that the energy and its derivatives go to zero smoothly at ``rcut``;
@@ -139,25 +140,13 @@ class RadialPotential(nn.Module):
         return {"energy": energy, "force": -grad, "atom_energy": atom}
 
     @torch.no_grad()
-    def set_statistics(self, bias: np.ndarray, feats: torch.Tensor) -> None:
-        """Store the energy bias and the mean/std of features [M, F] for normalisation."""
-        self.energy_bias.copy_(torch.as_tensor(bias, dtype=torch.float64,
-                                                device=self.energy_bias.device))
-        self.feat_mean.copy_(feats.mean(0))
-        self.feat_std.copy_(feats.std(0).clamp(min=1e-3))
+    def set_statistics(self, bias: np.ndarray, mean: np.ndarray, std: np.ndarray) -> None:
+        """Store the energy bias per type and the mean/std of each feature (a std under 1e-3,
+        e.g. of a feature that no pair reaches, is raised to 1e-3 so normalising stays finite)."""
+        def put(buffer: torch.Tensor, value: np.ndarray) -> None:
+            buffer.copy_(torch.as_tensor(np.asarray(value, dtype=np.float64).reshape(
+                buffer.shape), device=buffer.device))
 
-
-def fit_energy_bias(type_counts: np.ndarray, energies: np.ndarray,
-                    rcond: float | None = None) -> np.ndarray:
-    """Per-type energies ``b`` minimising ``|counts @ b - E|`` (minimum norm when degenerate).
-
-    Water frames all have twice as many H as O, so the system is rank-deficient; the minimum
-    norm solution still reproduces every frame's mean energy, which is all the bias is for.
-    """
-    counts = np.asarray(type_counts, dtype=np.float64)
-    target = np.asarray(energies, dtype=np.float64).reshape(-1)
-    if counts.ndim != 2 or counts.shape[0] != target.shape[0] or counts.shape[0] == 0:
-        raise ValueError(f"need [F, T] type counts and F energies, got {counts.shape} and "
-                         f"{target.shape}")
-    bias, *_ = np.linalg.lstsq(counts, target, rcond=rcond)
-    return bias
+        put(self.energy_bias, bias)
+        put(self.feat_mean, mean)
+        put(self.feat_std, np.maximum(std, 1e-3))

@@ -13,6 +13,7 @@ from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.errors import CorruptFileError
 from mdloader.stats.cache import cache_key, dumps, loads
 from mdloader.stats.env_mat import EnvMatSettings, system_env_sums
+from mdloader.stats.moments import FeatureMoments
 from mdloader.stats.neighbours import NeighbourStats, system_neighbour_stats
 from mdloader.stats.output import OutputSamples
 
@@ -60,6 +61,10 @@ def test_payloads_round_trip_bit_for_bit(tmp_path: Path) -> None:
                             np.array([[3, 0]]))
     back = loads(dumps(samples))
     assert back.key == "energy" and np.array_equal(back.labels, samples.labels)
+    moments = FeatureMoments.of_rows(np.random.default_rng(0).random((7, 5)) / 3)
+    back = loads(dumps(moments))
+    assert back.count == 7 and back.total.tobytes() == moments.total.tobytes()
+    assert back.squared.tobytes() == moments.squared.tobytes()
 
 
 def test_unreadable_payloads_are_named() -> None:

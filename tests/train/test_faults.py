@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BOUND = 60.0
 """Seconds from the fault to the end of the job on every rank (torchrun's exit): a hang guard,
 several times the 1-4 s measured, which took 16 s on a loaded machine."""
-NSYS, NFRAMES, SET0 = 6, 24, 12  # two sets of 12 frames: the statistics read set.000 only
+NSYS, NFRAMES, SET0 = 6, 24, 12  # two sets of 12 frames; the faults go into set.001
 FIRST = 20  # the earliest step at which the damaged file may be read: time to damage it
 MARGIN = 10  # steps between the first reader's read and the other rank's first read
 

@@ -8,14 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from distributed_utils import errors, run_ranks, values
+from distributed_utils import run_ranks, values
 
 from mdloader.config.input_json import LearningRateConfig, LossConfig, parse_config
 from mdloader.errors import ConfigError, DataError, StateDictError
+from mdloader.stats.output import OutputSamples, output_bias
 from mdloader.testing import make_system
 from mdloader.train.io import Lcurve, load_checkpoint
 from mdloader.train.job import ModelOptions, train
-from mdloader.train.model import RadialPotential, fit_energy_bias, minimum_image
+from mdloader.train.model import RadialPotential, minimum_image
 from mdloader.train.objective import EnergyForceLoss, ExpDecayLR
 
 SMALL = ModelOptions(rcut=2.5, nbasis=4, hidden=(8,))
@@ -95,12 +96,18 @@ def test_virtual_atoms_are_ignored() -> None:
     assert torch.all(pad["force"][0, -1] == 0)
 
 
+def _bias(counts: np.ndarray, energies: np.ndarray) -> np.ndarray:
+    samples = OutputSamples("energy", counts, energies.reshape(-1, 1),
+                            np.column_stack([np.zeros(len(counts)), np.arange(len(counts))]))
+    return output_bias(samples)[0][:, 0]
+
+
 def test_energy_bias_least_squares() -> None:
     counts = np.array([[1, 2], [2, 1], [3, 3], [0, 4]])
     bias = np.array([-3.5, -1.25])
-    np.testing.assert_allclose(fit_energy_bias(counts, counts @ bias), bias)
+    np.testing.assert_allclose(_bias(counts, counts @ bias), bias)
     degenerate = np.array([[64, 128], [64, 128]])  # water: one composition only
-    fitted = fit_energy_bias(degenerate, np.array([-100.0, -102.0]))
+    fitted = _bias(degenerate, np.array([-100.0, -102.0]))
     np.testing.assert_allclose(degenerate @ fitted, [-101.0, -101.0])
 
 
@@ -282,33 +289,6 @@ def test_zero_steps_save_the_untrained_model_with_its_statistics(tmp_path: Path)
     with pytest.raises(ConfigError, match=r"^--numb-steps: must be an integer >= 0, got -1$"):
         train(cfg, output=str(tmp_path / "q"), num_workers=0, options=SMALL, numb_steps=-1)
     assert ExpDecayLR.from_config(LearningRateConfig(), 0).value(0) == pytest.approx(1e-3)
-
-
-def _train_rank0_stats_fail(rank: int, world_size: int, raw: dict, base: str, out: str) -> None:
-    from mdloader.train import job as train_module
-
-    if rank == 0:
-        def boom(self: object) -> None:
-            raise DataError("synthetic statistics failure", system="sysX", file="sysX/e.npy")
-
-        train_module._Trainer._statistics = boom  # type: ignore[method-assign]
-    train(parse_config(raw, base_dir=base), output=out, num_workers=0, options=SMALL)
-
-
-@pytest.mark.distributed
-@pytest.mark.timeout(120)
-def test_rank0_statistics_failure_reaches_every_rank(tmp_path: Path) -> None:
-    _config(tmp_path, valid=False)  # writes the data
-    raw = {"training": {"training_data": {"systems": ["data/sys0", "data/sys1"],
-                                          "batch_size": 1}, "numb_steps": 2}}
-    outcomes = run_ranks(_train_rank0_stats_fail, 2, raw, str(tmp_path), str(tmp_path / "o"),
-                         timeout=90)
-    failed = errors(outcomes)
-    assert [e.rank for e in failed] == [0, 1]
-    for e in failed:
-        assert e.exc_type == "RemoteError"
-        assert e.message.startswith("rank 0 failed (computing the model statistics): DataError: "
-                                    "synthetic statistics failure; system: sysX")
 
 
 @pytest.mark.slow
