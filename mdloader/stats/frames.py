@@ -12,9 +12,9 @@ import numpy as np
 
 from mdloader.errors import ConfigError
 
-#: Atom-frames a statistics pass reads at once (2**20: 24 MiB of float64 coordinates), so its
-#: memory is bounded by one chunk, not by a set of 10**5 frames.
-CHUNK_ATOM_FRAMES = 2 ** 20
+#: Atom-frames a statistics pass reads at once (2**18: 6 MiB of float64 coordinates, a few
+#: times that while read), so its memory is bounded by one chunk, not by a set of 10**5 frames.
+CHUNK_ATOM_FRAMES = 2 ** 18
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,8 @@ def read_chunks(dataset: Any, fids: np.ndarray, *, budget: int | None = CHUNK_AT
     Yields ``(fids, arrays, starts_run)`` in order; the pieces of one run joined are the run.
     A piece that does not end its run holds whole ``align``-frame batches counted from the
     run's first frame (a run's last incomplete batch waits for the next read), so work done per
-    batch within a piece is the work done per batch over the whole run.
+    batch within a piece is the work done per batch over the whole run. A piece's ``arrays``
+    are emptied when the next piece is asked for, so that one chunk at a time is in memory.
     """
     fids = np.asarray(fids, dtype=np.int64)
     align = max(int(align), 1)
@@ -145,19 +146,25 @@ def read_chunks(dataset: Any, fids: np.ndarray, *, budget: int | None = CHUNK_AT
             if (open_run[1]["box"] is None) == (runs[0][1]["box"] is None):
                 runs[0] = (*_joined(open_run[:2], runs[0][:2]), open_run[2])
             elif len(open_run[0]):
-                yield open_run
+                runs.insert(0, open_run)
             open_run = None
         if lo + step < len(fids):  # the last run may go on in the next read
             run_fids, arrays, starts = runs.pop()
-            whole = len(run_fids) // align * align  # its incomplete batch waits
+            whole = len(run_fids) // align * align  # its incomplete batch waits, copied
             if whole:
                 runs.append((run_fids[:whole], _rows(arrays, slice(0, whole)), starts))
-            open_run = (run_fids[whole:], _rows(arrays, slice(whole, None)), starts and not whole)
-        yield from runs
+            open_run = (run_fids[whole:], _rows(arrays, slice(whole, None), copy=True),
+                        starts and not whole)
+            del arrays
+        for piece in runs:
+            yield piece
+            piece[1].clear()  # the caller is done with it
+        del runs
 
 
-def _rows(arrays: dict[str, Any], rows: slice) -> dict[str, Any]:
-    return {k: None if v is None else v[rows] for k, v in arrays.items()}
+def _rows(arrays: dict[str, Any], rows: slice, copy: bool = False) -> dict[str, Any]:
+    return {k: None if v is None else (v[rows].copy() if copy else v[rows])
+            for k, v in arrays.items()}
 
 
 def _joined(first: tuple[np.ndarray, dict[str, Any]], then: tuple[np.ndarray, dict[str, Any]]
