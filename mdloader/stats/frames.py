@@ -159,7 +159,6 @@ def read_chunks(dataset: Any, fids: np.ndarray, *, budget: int | None = CHUNK_AT
         for piece in runs:
             yield piece
             piece[1].clear()  # the caller is done with it
-        del runs
 
 
 def _rows(arrays: dict[str, Any], rows: slice, copy: bool = False) -> dict[str, Any]:

@@ -5,6 +5,7 @@ bounded by the chunk, not by the set."""
 from __future__ import annotations
 
 import tracemalloc
+import weakref
 from pathlib import Path
 
 import h5py
@@ -153,6 +154,36 @@ def test_lmdb_with_and_without_cells_gives_the_same_bits_with_every_budget(
     whole = system_neighbour_stats(ds, 6.0, 2, batch_atoms=BATCH * NATOMS, frames=range(21))
     assert (whole.min_distance2, whole.max_neighbours) == (alone.min_distance2,
                                                            alone.max_neighbours)
+
+
+class _Watched:
+    """A dataset that checks, at every read, that the arrays of earlier reads are gone."""
+
+    def __init__(self, dataset: DeepmdDataSetForLoader) -> None:
+        self.dataset, self.owners = dataset, []
+
+    @property
+    def meta(self):
+        return self.dataset.meta
+
+    def get_frames(self, fids: list[int]) -> list[dict]:
+        assert all(owner() is None for owner in self.owners), "an earlier chunk is held"
+        return self.dataset.get_frames(fids)
+
+
+def test_one_chunk_at_a_time_is_held(tmp_path: Path) -> None:
+    """A piece's arrays go when the next is asked for, and a run's incomplete batch carried
+    into the next read does not keep the previous chunk alive while it is read."""
+    group, _ = mixed_cells_lmdb(tmp_path, [(7, True), (4, False), (8, True)])
+    ds = _Watched(DeepmdDataSetForLoader(group, TYPE_MAP))
+    (fids,) = [f for _, f in frames_by_set(ds.dataset, None)]
+    sizes = []
+    for piece_fids, arrays, _ in read_chunks(ds, fids, budget=2 * BATCH * NATOMS, align=BATCH):
+        coord = arrays["coord"]
+        ds.owners.append(weakref.ref(coord if coord.base is None else coord.base))
+        sizes.append(len(piece_fids))
+        del coord
+    assert sizes == [6, 1, 4, 6, 2]
 
 
 def test_an_error_in_a_later_chunk_names_its_frame_and_file(tmp_path: Path) -> None:
