@@ -33,7 +33,13 @@ import numpy as np
 import vesin
 
 from mdloader.errors import ConfigError
-from mdloader.stats.frames import FramePlace, file_of, frames_by_set, read_frames
+from mdloader.stats.frames import (
+    CHUNK_ATOM_FRAMES,
+    FramePlace,
+    frames_by_set,
+    place_of,
+    read_chunks,
+)
 from mdloader.stats.neighbours import check_frames
 
 #: ``StatItem.compute_std``'s default (no data) and protection (lower bound).
@@ -207,9 +213,10 @@ def frame_sums(nlist: Any, coord: np.ndarray, types: np.ndarray, cell: np.ndarra
 
 def frames_env_sums(coord: np.ndarray, atype: np.ndarray, box: np.ndarray | None,
                     settings: EnvMatSettings, *, place: FramePlace | None = None,
-                    threads: int = 1) -> EnvMatSums:
+                    threads: int = 1, start: EnvMatSums | None = None) -> EnvMatSums:
     """The statistics of frames ``coord`` ``(nf, natoms, 3)``, ``atype`` ``(nf, natoms)``,
-    ``box`` ``(nf, 9)`` or ``None``, added frame after frame."""
+    ``box`` ``(nf, 9)`` or ``None``, added frame after frame (to ``start``, the sums of the
+    frames before them, when given)."""
     place = place or FramePlace(system="<arrays>")
     coord = np.asarray(coord, dtype=np.float64)
     nf = coord.shape[0]
@@ -219,7 +226,7 @@ def frames_env_sums(coord: np.ndarray, atype: np.ndarray, box: np.ndarray | None
     check_frames(coord, cells, place)
     nlist = vesin.NeighborList(cutoff=settings.rcut * (1 + 1e-9), full_list=True,
                                n_threads=threads)
-    sums = EnvMatSums.zeros(settings.ntypes)
+    sums = EnvMatSums.zeros(settings.ntypes) if start is None else start
     for k in range(nf):
         sums = sums.merge(frame_sums(nlist, coord[k], atype[k],
                                      None if cells is None else cells[k], settings))
@@ -227,18 +234,24 @@ def frames_env_sums(coord: np.ndarray, atype: np.ndarray, box: np.ndarray | None
 
 
 def system_env_sums(dataset: Any, settings: EnvMatSettings, *,
-                    frames: Sequence[int] | None = None, threads: int = 1) -> EnvMatSums:
+                    frames: Sequence[int] | None = None, threads: int = 1,
+                    chunk_atom_frames: int | None = CHUNK_ATOM_FRAMES) -> EnvMatSums:
     """The statistics of one system's frames (all, or ``frames``), read through a
-    :class:`~mdloader.data.dataset.DeepmdDataSetForLoader`."""
+    :class:`~mdloader.data.dataset.DeepmdDataSetForLoader`, ``chunk_atom_frames`` atom-frames
+    at a time (``None``: a set at once).
+
+    Each run of frames (of a set, with or without a box) is summed frame after frame across the
+    chunks, and the runs are then added in order, so the sums do not depend on the chunks.
+    """
     sums = EnvMatSums.zeros(settings.ntypes)
-    for set_name, set_fids in frames_by_set(dataset, frames):
-        for fids, arrays in read_frames(dataset, set_fids):
-            place = FramePlace(dataset.meta.address,
-                               file_of(dataset, set_name, "coord.npy", fids[0]),
-                               file_of(dataset, set_name, "box.npy", fids[0]), fids)
-            sums = sums.merge(frames_env_sums(arrays["coord"], arrays["atype"], arrays["box"],
-                                              settings, place=place, threads=threads))
-    return sums
+    run = None
+    for _set_name, set_fids in frames_by_set(dataset, frames):
+        for fids, arrays, starts_run in read_chunks(dataset, set_fids, budget=chunk_atom_frames):
+            if starts_run and run is not None:
+                sums, run = sums.merge(run), None
+            run = frames_env_sums(arrays["coord"], arrays["atype"], arrays["box"], settings,
+                                  place=place_of(dataset, fids), threads=threads, start=run)
+    return sums if run is None else sums.merge(run)
 
 
 def davg_dstd(sums: EnvMatSums, settings: EnvMatSettings, *,

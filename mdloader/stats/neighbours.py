@@ -32,11 +32,12 @@ import vesin
 
 from mdloader.errors import ConfigError, DataError, NonFiniteError
 from mdloader.stats.frames import (
+    CHUNK_ATOM_FRAMES,
     FramePlace,
     atom_file_order,
-    file_of,
     frames_by_set,
-    read_frames,
+    place_of,
+    read_chunks,
 )
 
 #: DeePMD-kit's neighbour statistics start from this squared distance (``min_nbor_dist = 100``).
@@ -186,7 +187,7 @@ def check_frames(coord: np.ndarray, cells: np.ndarray | None, place: FramePlace)
     if bad.any():
         k = int(np.argmax(bad))
         raise NonFiniteError(f"coordinates of frame {place.frame(k)} are not finite",
-                             system=place.system, file=place.coord_file,
+                             system=place.system, file=place.file("coord", k),
                              expected="finite coordinates", found="NaN or infinity")
     if cells is None:
         return
@@ -194,7 +195,7 @@ def check_frames(coord: np.ndarray, cells: np.ndarray | None, place: FramePlace)
     if bad.any():
         k = int(np.argmax(bad))
         raise NonFiniteError(f"the box of frame {place.frame(k)} is not finite",
-                             system=place.system, file=place.box_file,
+                             system=place.system, file=place.file("box", k),
                              expected="a finite box", found=cells[k].reshape(-1).tolist())
     volume = np.linalg.det(cells)
     bad = ~(volume > 0)
@@ -205,7 +206,7 @@ def check_frames(coord: np.ndarray, cells: np.ndarray | None, place: FramePlace)
                 "has no volume (add an empty 'nopbc' file to the system if it is not periodic)")
         raise DegenerateBoxError(
             f"the box of frame {place.frame(k)} {what}", system=place.system,
-            file=place.box_file, expected="box vectors (rows) with a positive determinant",
+            file=place.file("box", k), expected="box vectors (rows) with a positive determinant",
             found=f"volume {float(volume[k])!r}, box {cells[k].reshape(-1).tolist()}")
 
 
@@ -278,6 +279,43 @@ def frames_neighbour_stats(
         vesin's threads.
     """
     place = place or FramePlace(system="<arrays>")
+    stats, isolated = _scan(coord, atype, box, rcut, ntypes, mixed_type, batch_frames, place,
+                            threads)
+    return _with_finding(stats, isolated, len(coord))
+
+
+@dataclass(frozen=True)
+class _Isolated:
+    """Frames with atoms without a neighbour: how many, and where the first one is."""
+
+    frames: int
+    system: str
+    file: str | None
+    frame: int
+    atoms: int
+    atom: int
+
+    def then(self, later: _Isolated | None) -> _Isolated:
+        """These frames followed by the ``later`` ones."""
+        return self if later is None else replace(self, frames=self.frames + later.frames)
+
+
+def _with_finding(stats: NeighbourStats, isolated: _Isolated | None, nf: int) -> NeighbourStats:
+    """``stats`` with the finding of the ``isolated`` frames among ``nf`` frames."""
+    if isolated is None:
+        return stats
+    return replace(stats, findings=(Finding(
+        isolated.system, isolated.file, isolated.frame,
+        f"{isolated.atoms} atom(s) have no neighbour within rcut {stats.rcut} (first: atom "
+        f"{isolated.atom}); {isolated.frames} frame(s) of {nf} are affected, this is the "
+        "first"),))
+
+
+def _scan(coord: np.ndarray, atype: np.ndarray, box: np.ndarray | None, rcut: float,
+          ntypes: int, mixed_type: bool, batch_frames: int | None, place: FramePlace,
+          threads: int) -> tuple[NeighbourStats, _Isolated | None]:
+    """:func:`frames_neighbour_stats` without the finding: the statistics and the frames with
+    isolated atoms."""
     coord = np.asarray(coord, dtype=np.float64)
     nf = coord.shape[0]
     coord = coord.reshape(nf, -1, 3)
@@ -287,7 +325,7 @@ def frames_neighbour_stats(
     rcut = float(rcut)
     stats = NeighbourStats.empty(rcut, ntypes, mixed_type)
     if nf == 0:
-        return stats
+        return stats, None
     nlist = vesin.NeighborList(cutoff=rcut * (1 + _SEARCH_MARGIN), full_list=True,
                                n_threads=threads)
     step = nf if not batch_frames else max(int(batch_frames), 1)
@@ -303,15 +341,13 @@ def frames_neighbour_stats(
             min2 = min(min2, frame_min2)
             if lonely is not None:
                 isolated.append((k, lonely))
-    findings = ()
+    first = None
     if isolated:
         k, (count, atom) = isolated[0]
-        findings = (Finding(place.system, place.coord_file, place.frame(k),
-                            f"{count} atom(s) have no neighbour within rcut {rcut} (first: atom "
-                            f"{place.atom(atom)}); {len(isolated)} frame(s) of {nf} are "
-                            "affected, this is the first"),)
-    return replace(stats, max_neighbours=tuple(int(c) for c in counts), min_distance2=min2,
-                   findings=findings)
+        first = _Isolated(len(isolated), place.system, place.file("coord", k), place.frame(k),
+                          count, place.atom(atom))
+    return replace(stats, max_neighbours=tuple(int(c) for c in counts),
+                   min_distance2=min2), first
 
 
 def _one_frame(nlist: Any, coord: np.ndarray, types: np.ndarray, cell: np.ndarray | None,
@@ -345,7 +381,7 @@ def _one_frame(nlist: Any, coord: np.ndarray, types: np.ndarray, cell: np.ndarra
         raise OverlappingAtomsError(
             f"atoms {place.atom(a)} and {place.atom(b)}{image} of frame {place.frame(k)} "
             "overlap; remove duplicated atoms from the data", system=place.system,
-            file=place.coord_file, expected="distinct atom positions", found="distance 0")
+            file=place.file("coord", k), expected="distinct atom positions", found="distance 0")
     totals = np.bincount(ci, minlength=n)
     lonely = None
     if (totals == 0).any():
@@ -358,7 +394,7 @@ def _one_frame(nlist: Any, coord: np.ndarray, types: np.ndarray, cell: np.ndarra
 def system_neighbour_stats(
     dataset: Any, rcut: float, ntypes: int | None = None, *, mixed_type: bool = False,
     frames: Sequence[int] | None = None, batch_atoms: int | None = DEEPMD_BATCH_ATOMS,
-    threads: int = 1,
+    threads: int = 1, chunk_atom_frames: int | None = CHUNK_ATOM_FRAMES,
 ) -> NeighbourStats:
     """Neighbour statistics of one system, read through a
     :class:`~mdloader.data.dataset.DeepmdDataSetForLoader`.
@@ -367,19 +403,28 @@ def system_neighbour_stats(
     ``max(len(type_map), data ntypes)``); ``frames`` restricts to some system frames.
     ``batch_atoms`` is DeePMD-kit's batch (frames of ``batch_atoms // natoms`` per batch within a
     set, which decides the images searched for unwrapped coordinates in boxes that change);
-    ``None`` searches the images of a whole set at once.
+    ``None`` searches the images of a whole set at once, and so reads it at once.
+    Frames are read ``chunk_atom_frames`` atom-frames at a time (whole DeePMD-kit batches;
+    ``None``: a set at once); the result does not depend on it.
     """
     meta = dataset.meta
     ntypes = meta.ntypes if ntypes is None else int(ntypes)
     stats = NeighbourStats.empty(rcut, ntypes, mixed_type)
     atom_ids = atom_file_order(dataset)
     batch = None if not batch_atoms else max(int(batch_atoms) // max(meta.natoms, 1), 1)
+    budget = chunk_atom_frames if batch else None
     parts = [stats]
-    for set_name, set_fids in frames_by_set(dataset, frames):
-        for fids, arrays in read_frames(dataset, set_fids):
-            place = FramePlace(meta.address, file_of(dataset, set_name, "coord.npy", fids[0]),
-                               file_of(dataset, set_name, "box.npy", fids[0]), fids, atom_ids)
-            parts.append(frames_neighbour_stats(
-                arrays["coord"], arrays["atype"], arrays["box"], rcut, ntypes,
-                mixed_type=mixed_type, batch_frames=batch, place=place, threads=threads))
+    run: tuple[_Isolated | None, int] = (None, 0)  # a run's isolated frames and frame count
+    for _set_name, set_fids in frames_by_set(dataset, frames):
+        for fids, arrays, starts_run in read_chunks(dataset, set_fids, budget=budget,
+                                                    align=batch or 1):
+            if starts_run:  # a finding per run of frames, whatever the chunks
+                parts.append(_with_finding(stats, *run))
+                run = (None, 0)
+            part, isolated = _scan(arrays["coord"], arrays["atype"], arrays["box"], rcut,
+                                   ntypes, mixed_type, batch, place_of(dataset, fids, atom_ids),
+                                   threads)
+            parts.append(part)
+            run = (isolated if run[0] is None else run[0].then(isolated), run[1] + len(fids))
+    parts.append(_with_finding(stats, *run))
     return merge_all(parts)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from mdloader.errors import ConfigError, NonFiniteError
-from mdloader.stats.frames import frames_by_set
+from mdloader.stats.frames import CHUNK_ATOM_FRAMES, chunk_frames, file_of, frames_by_set
 
 
 @dataclass(frozen=True)
@@ -63,36 +63,58 @@ def merge_all(parts: Iterable[OutputSamples]) -> OutputSamples:
 
 
 def system_samples(dataset: Any, position: int, *, key: str = "energy", ndim: int = 1,
-                   frames: Sequence[int] | None = None) -> OutputSamples:
+                   frames: Sequence[int] | None = None,
+                   chunk_atom_frames: int | None = CHUNK_ATOM_FRAMES) -> OutputSamples:
     """Type counts and labels of a system's frames that carry ``key`` (``find_<key>`` set).
 
     ``dataset`` is a :class:`~mdloader.data.dataset.DeepmdDataSetForLoader` that already
     requires ``key`` (``add_data_requirement``); ``position`` is the system's place in the
     training systems. Mixed-type frames count their real atom types (``real_natoms_vec``).
+    Frames are read ``chunk_atom_frames`` atom-frames at a time (``None``: a set at once).
     """
     counts, labels, fids = [], [], []
     ntypes = dataset.meta.ntypes
+    step = chunk_frames(dataset.meta.natoms, chunk_atom_frames)
     for _set_name, set_fids in frames_by_set(dataset, frames):
-        for fid, frame in zip(set_fids.tolist(), dataset.get_frames(set_fids.tolist())):
-            if key not in frame:
-                raise ConfigError(f"the dataset of {dataset.meta.address} does not require "
-                                  f"{key!r}: add it with add_data_requirement")
-            if not float(frame["find_" + key]) > 0:
-                continue
-            vec = frame.get("real_natoms_vec", frame["natoms"])
-            counts.append(np.asarray(vec, dtype=np.int64)[2:2 + ntypes])
-            labels.append(np.asarray(frame[key], dtype=np.float64).reshape(-1))
-            fids.append(fid)
+        size = step or len(set_fids)
+        for lo in range(0, len(set_fids), size):
+            chunk = _chunk_samples(dataset, set_fids[lo:lo + size], key, ntypes)
+            if chunk is not None:
+                counts.append(chunk[0])
+                labels.append(chunk[1])
+                fids.append(chunk[2])
     if not fids:
         return OutputSamples.empty(key, ntypes, ndim)
-    out = OutputSamples(key, np.stack(counts), np.stack(labels),
-                        np.stack([np.full(len(fids), position), fids], axis=1))
-    bad = ~np.isfinite(out.labels).all(axis=1)
+    return OutputSamples(key, np.concatenate(counts), np.concatenate(labels),
+                         np.stack([np.full(sum(map(len, fids)), position),
+                                   np.concatenate(fids)], axis=1))
+
+
+def _chunk_samples(dataset: Any, chunk: np.ndarray, key: str, ntypes: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Type counts, labels and frame ids of the frames of ``chunk`` that carry ``key``."""
+    counts, labels, fids = [], [], []
+    for fid, frame in zip(chunk.tolist(), dataset.get_frames(chunk.tolist())):
+        if key not in frame:
+            raise ConfigError(f"the dataset of {dataset.meta.address} does not require "
+                              f"{key!r}: add it with add_data_requirement")
+        if not float(frame["find_" + key]) > 0:
+            continue
+        vec = frame.get("real_natoms_vec", frame["natoms"])
+        counts.append(np.asarray(vec, dtype=np.int64)[2:2 + ntypes])
+        labels.append(np.asarray(frame[key], dtype=np.float64).reshape(-1))
+        fids.append(fid)
+    if not fids:
+        return None
+    labels = np.stack(labels)
+    bad = ~np.isfinite(labels).all(axis=1)
     if bad.any():
-        raise NonFiniteError(f"{key} of frame {fids[int(np.argmax(bad))]} is not finite",
-                             system=dataset.meta.address, expected="finite labels",
-                             found=out.labels[int(np.argmax(bad))].tolist())
-    return out
+        k = int(np.argmax(bad))
+        raise NonFiniteError(f"{key} of frame {fids[k]} is not finite",
+                             system=dataset.meta.address,
+                             file=file_of(dataset, key, fids[k]),
+                             expected="finite labels", found=labels[k].tolist())
+    return np.stack(counts), labels, np.asarray(fids, dtype=np.int64)
 
 
 def output_bias(samples: OutputSamples, *, rcond: float | None = None,
