@@ -536,10 +536,12 @@ def env_settings(block: Any) -> Any:
 
 def output_sampled(samples: Sequence[Any]) -> list[dict[str, Any]]:
     """DeePMD-kit's sampled systems, reduced to what its output statistics and observed types
-    read: ``energy``, ``find_energy``, ``natoms`` and ``atype`` (virtual atoms ``-1``)."""
+    read: ``energy``, ``find_energy``, ``natoms`` and ``atype`` (virtual atoms ``-1``), on the
+    CPU as ``make_stat_input`` packs them, whatever the default device."""
     import numpy as np
     import torch
 
+    cpu = torch.device("cpu")
     out = []
     for s in samples:
         counts = np.asarray(s.counts, dtype=np.int64)
@@ -550,10 +552,11 @@ def output_sampled(samples: Sequence[Any]) -> list[dict[str, Any]]:
             types = np.repeat(np.arange(row.size), row)
             atype[f, :types.size] = types
         out.append({
-            "energy": torch.as_tensor(np.asarray(s.labels, dtype=np.float64)),
+            "energy": torch.as_tensor(np.asarray(s.labels, dtype=np.float64), device=cpu),
             "find_energy": np.float32(1.0),
-            "natoms": torch.as_tensor(np.concatenate([natoms, natoms, counts], axis=1)),
-            "atype": torch.as_tensor(atype),
+            "natoms": torch.as_tensor(np.concatenate([natoms, natoms, counts], axis=1),
+                                      device=cpu),
+            "atype": torch.as_tensor(atype, device=cpu),
         })
     return out
 
