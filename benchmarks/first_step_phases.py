@@ -20,7 +20,8 @@ MARKERS: tuple[tuple[str, re.Pattern[str]], ...] = (
     # DeePMD-kit's last neighbour-statistics line; what follows is the process group and the build
     ("build", re.compile(r"Neighbou?r statistics: training data with maximum neighbou?r size")),
     # DeePMD-kit's make_stat_input, or mdloader's sharded input statistics under ``dp``
-    ("input statistics", re.compile(r"Packing data for statistics|input statistics: all frames")),
+    ("input statistics", re.compile(r"Packing data for statistics|"
+                                    r"input statistics: (all|\d+ of \d+) frames")),
     # the model, DDP and the data summary are done: the first batch and step follow
     ("first step", re.compile(r"Start to train \d+ steps")),
 )

@@ -1,13 +1,14 @@
 """DeePMD-kit-like water systems for the time-to-first-step benchmark, made once and reused.
 
-``nsys`` systems of 192 atoms (64 O, 128 H) with 8 frames each, drawn from the frames of the
-repository's ``examples/water/data`` (DeePMD-kit's water example): every frame is a real frame
-moved rigidly (a random translation, wrapped into the cubic box, and one of the 48 symmetries of
-the cube applied to coordinates and forces) plus a small jitter, so neighbour lists and
-statistics see physical distances (the smallest O-H distance stays above 0.8 Å; checked).
+``nsys`` systems of 192 atoms (64 O, 128 H) with 8 frames each (or ``nframes``), drawn from the
+frames of the repository's ``examples/water/data`` (DeePMD-kit's water example): every frame is a
+real frame moved rigidly (a random translation, wrapped into the cubic box, and one of the 48
+symmetries of the cube applied to coordinates and forces) plus a small jitter, so neighbour lists
+and statistics see physical distances (the smallest O-H distance stays above 0.8 Å; checked).
 
-A dataset lives in ``<base>/water192_n<N>_seed<S>/`` (systems ``sys.<i>``, one ``set.000``); a
-manifest beside it marks it complete, as :mod:`benchmarks.generate` does.
+A dataset lives in ``<base>/water192_n<N>_seed<S>/`` (``water192_n<N>_f<F>_seed<S>`` with another
+number of frames; systems ``sys.<i>``, one ``set.000``); a manifest beside it marks it complete,
+as :mod:`benchmarks.generate` does.
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ def min_distance(coord: np.ndarray, box_length: float) -> float:
 
 
 def make_system(pool: dict[str, np.ndarray], rng: np.random.Generator,
-                mats: list[np.ndarray]) -> dict[str, np.ndarray]:
-    """Eight frames of one system: real frames moved rigidly, with jitter."""
-    idx = rng.choice(len(pool["energy"]), NFRAMES, replace=False)
+                mats: list[np.ndarray], nframes: int = NFRAMES) -> dict[str, np.ndarray]:
+    """The frames of one system: distinct real frames moved rigidly, with jitter."""
+    idx = rng.choice(len(pool["energy"]), nframes, replace=False)
     coords, forces = [], []
     for i in idx:
         length = float(pool["box"][i, 0])
@@ -81,13 +82,15 @@ def make_system(pool: dict[str, np.ndarray], rng: np.random.Generator,
             "box": pool["box"][idx], "energy": pool["energy"][idx]}
 
 
-def dataset_path(base: str, nsys: int, seed: int) -> str:
-    return os.path.join(base, f"water192_n{nsys}_seed{seed}")
+def dataset_path(base: str, nsys: int, seed: int, nframes: int = NFRAMES) -> str:
+    frames = "" if nframes == NFRAMES else f"_f{nframes}"
+    return os.path.join(base, f"water192_n{nsys}{frames}_seed{seed}")
 
 
-def ensure_water(nsys: int, *, base: str = DEFAULT_BASE, seed: int = 0) -> str:
+def ensure_water(nsys: int, *, base: str = DEFAULT_BASE, seed: int = 0,
+                 nframes: int = NFRAMES) -> str:
     """The root of the dataset, generated first when its manifest is missing."""
-    root = dataset_path(base, nsys, seed)
+    root = dataset_path(base, nsys, seed, nframes)
     manifest = root + ".json"
     if os.path.isfile(manifest) and os.path.isdir(root):
         return root
@@ -104,10 +107,10 @@ def ensure_water(nsys: int, *, base: str = DEFAULT_BASE, seed: int = 0) -> str:
         np.savetxt(os.path.join(sys_dir, "type.raw"), pool["type"], fmt="%d")
         with open(os.path.join(sys_dir, "type_map.raw"), "w") as fh:
             fh.write("O\nH\n")
-        for key, arr in make_system(pool, rng, mats).items():
+        for key, arr in make_system(pool, rng, mats, nframes).items():
             np.save(os.path.join(sys_dir, "set.000", f"{key}.npy"), arr)
     os.rename(partial, root)
-    info = {"nsys": nsys, "seed": seed, "natoms": NATOMS, "nframes": NFRAMES,
+    info = {"nsys": nsys, "seed": seed, "natoms": NATOMS, "nframes": nframes,
             "source": "examples/water/data", "jitter_A": JITTER, "min_dist_A": MIN_DIST,
             "generated_s": round(time.monotonic() - t0, 2)}
     with open(manifest, "w") as fh:

@@ -142,3 +142,21 @@ def test_water_systems_are_physical(tmp_path: Path) -> None:
     assert (np.loadtxt(systems[1] / "type.raw") == 0).sum() == 64
     for frame, cell in zip(coord, box):
         assert 0.8 < min_distance(frame.reshape(-1, 3).astype(float), float(cell[0])) < 1.2
+
+
+def test_sharded_input_statistics_lines_start_the_phase() -> None:
+    """mdloader's sharded pass starts the input-statistics phase, on every frame or a subset."""
+    for line in ("input statistics: all frames of 4 systems, in shares on 2 ranks",
+                 "input statistics: 8 of 32 frames of 4 systems (data_stat_nbatch=2, the frames "
+                 "of a one-rank job), in shares on 2 ranks"):
+        found = fsp.find_markers([(1.0, PREFIX + line)])
+        assert found["input statistics"][0] == 1.0
+    assert "input statistics" not in fsp.find_markers(
+        [(1.0, PREFIX + "input statistics: DeePMD-kit's own (training.stat_file is set)")])
+
+
+def test_water_systems_with_more_frames(tmp_path: Path) -> None:
+    root = Path(ensure_water(2, base=str(tmp_path), nframes=12))
+    assert root.name == "water192_n2_f12_seed0"
+    assert np.load(root / "sys.1" / "set.000" / "coord.npy").shape == (12, NATOMS * 3)
+    assert Path(ensure_water(2, base=str(tmp_path))).name == "water192_n2_seed0"

@@ -43,12 +43,15 @@ the systems, every rank takes a share and one all-gather merges them. The values
 DeePMD-kit's exactly; DeePMD-kit's own pass over all data on every rank does not run.
 
 Input statistics (``davg``/``dstd``, energy bias): ``Trainer._run_stat_on_chief`` is wrapped.
-When ``data_stat_nbatch`` covers every frame (and nothing mdloader does not compute is needed,
-:func:`_unsupported`), every rank first computes its share of the environment sums and energy
-samples and one all-gather per block merges them (:class:`InputStatPlan`); rank 0 then runs
-DeePMD-kit's own ``compute_or_load_stat`` with ``EnvMatStatSe`` handed the merged ``StatItem``s
-and a sampled function holding only energies and type counts, so DeePMD-kit's code derives the
-values, equal to its one-rank run at any world size. Otherwise DeePMD-kit's action runs as is.
+Unless something mdloader does not compute is needed (:func:`_unsupported`), every rank first
+computes its share of the environment sums and energy samples and one all-gather per block
+merges them (:class:`InputStatPlan`); rank 0 then runs DeePMD-kit's own ``compute_or_load_stat``
+with ``EnvMatStatSe`` handed the merged ``StatItem``s and a sampled function holding only
+energies and type counts, so DeePMD-kit's code derives the values. The frames of each system are
+those a one-rank job's ``make_stat_input`` reads (its first ``data_stat_nbatch`` batches of pass
+0, :func:`mdloader.sampling.order.statistics_frames`; all frames when they cover the system), so
+the values equal DeePMD-kit's one-rank run over mdloader's ``DpLoaderSet`` at any world size.
+Otherwise DeePMD-kit's action runs as is.
 
 Not covered: data modifiers (``model.modifier``) are rejected.
 
@@ -70,6 +73,7 @@ from mdloader.errors import ConfigError
 from mdloader.loading.build import build_systems
 from mdloader.loading.loader import DpLoaderSet, get_sampler_from_params, get_weighted_sampler
 from mdloader.loading.statistics import input_statistics, neighbour_statistics
+from mdloader.sampling.order import statistics_frames
 
 log = logging.getLogger(__name__)
 
@@ -398,9 +402,10 @@ class InputStatPlan:
     """
 
     def __init__(self, model: Any, data: DpLoaderSet, get_sample: Callable[[], Any],
-                 preset_observed_type: Any, blocks: list[Any]) -> None:
+                 preset_observed_type: Any, blocks: list[Any], nbatch: int) -> None:
         self.model = model
         self.data = data
+        self.nbatch = int(nbatch)
         self.get_sample = get_sample
         self.preset_observed_type = preset_observed_type
         self.blocks = blocks
@@ -409,7 +414,7 @@ class InputStatPlan:
     @classmethod
     def of(cls, action: Callable[[], None]) -> InputStatPlan | None:
         """The plan for DeePMD-kit's ``action``, or ``None`` (then DeePMD-kit computes it:
-        a stat file is set, frames are drawn, fparam/aparam or exclusions are used)."""
+        a stat file is set, fparam/aparam, exclusions or ``min_pair_dist`` are used)."""
         import inspect
 
         outer = inspect.getclosurevars(action).nonlocals
@@ -427,22 +432,50 @@ class InputStatPlan:
         blocks = _env_blocks(model)
         if not blocks:
             return None
-        return cls(model, data, get_sample, outer.get("preset_observed_type"), blocks)
+        return cls(model, data, get_sample, outer.get("preset_observed_type"), blocks,
+                   int(nbatch))
+
+    def frame_counts(self) -> Any:
+        """How many frames of each system enter: ``min(data_stat_nbatch, batches) x batch
+        size``, at most the system's frames (:func:`statistics_frames` has no repeats)."""
+        import numpy as np
+
+        nframes = np.asarray(self.data.nframes, dtype=np.int64)
+        sizes = np.asarray(self.data.batch_sizes, dtype=np.int64)
+        return np.minimum(np.minimum(-(-nframes // sizes), self.nbatch) * sizes, nframes)
+
+    def frames(self, position: int) -> Any:
+        """The frames system ``position`` gives the statistics, ``None`` when all do (then the
+        all-frames cache entries are shared with every other ``data_stat_nbatch``)."""
+        data = self.data
+        nframes, size = int(data.nframes[position]), int(data.batch_sizes[position])
+        if -(-nframes // size) <= self.nbatch:
+            return None
+        return statistics_frames(data.plan.seed, position, nframes, size, self.nbatch,
+                                 data.shuffle)
 
     def compute(self) -> tuple[list[Any], list[Any]]:
         """The merged environment sums of each block and every system's output samples
         (collective: every rank calls it)."""
         type_map = getattr(self.data, "type_map", None)
-        if current_world().is_main:
+        counts = self.frame_counts()
+        total = int(sum(int(n) for n in self.data.nframes))
+        world = current_world()
+        if world.is_main and int(counts.sum()) == total:
             log.info("input statistics: all frames of %d systems, in shares on %d ranks",
-                     len(self.data.systems), current_world().world_size)
-        return input_statistics(self.data.systems, self.settings, type_map=type_map)
+                     len(self.data.systems), world.world_size)
+        elif world.is_main:
+            log.info("input statistics: %d of %d frames of %d systems (data_stat_nbatch=%d, "
+                     "the frames of a one-rank job), in shares on %d ranks", int(counts.sum()),
+                     total, len(self.data.systems), self.nbatch, world.world_size)
+        return input_statistics(self.data.systems, self.settings, type_map=type_map,
+                                frames=self.frames)
 
     def action(self, merged: tuple[list[Any], list[Any]]) -> Callable[[], None] | None:
-        """Rank 0's statistics action on the merged results (``None``: some system has frames
-        without energy, DeePMD-kit's own sampling decides)."""
+        """Rank 0's statistics action on the merged results (``None``: some chosen frame has no
+        energy, DeePMD-kit's own sampling decides)."""
         sums, samples = merged
-        if any(len(s.counts) != len(d) for s, d in zip(samples, self.data.systems)):
+        if any(len(s.counts) != int(n) for s, n in zip(samples, self.frame_counts())):
             return None
         sampled = output_sampled(samples)
         by_settings = dict(zip(self.settings, sums))
@@ -471,9 +504,8 @@ def _unsupported(model: Any, data: Any, nbatch: Any, spec: Any, min_pair_dist: A
         return "fparam/aparam statistics"
     if getattr(atomic, "pair_exclude_types", None) or getattr(atomic, "atom_exclude_types", None):
         return "model-level exclude types"
-    sizes = [int(n) for n in data.batch_sizes]
-    if any(-(-len(s) // b) > int(nbatch) for s, b in zip(data.systems, sizes)):
-        return f"data_stat_nbatch={nbatch} draws a subset of the frames"
+    if isinstance(nbatch, bool) or not isinstance(nbatch, int) or nbatch < 1:
+        return f"data_stat_nbatch={nbatch!r} is not a positive integer"
     return ""
 
 
@@ -504,10 +536,12 @@ def env_settings(block: Any) -> Any:
 
 def output_sampled(samples: Sequence[Any]) -> list[dict[str, Any]]:
     """DeePMD-kit's sampled systems, reduced to what its output statistics and observed types
-    read: ``energy``, ``find_energy``, ``natoms`` and ``atype`` (virtual atoms ``-1``)."""
+    read: ``energy``, ``find_energy``, ``natoms`` and ``atype`` (virtual atoms ``-1``), on the
+    CPU as ``make_stat_input`` packs them, whatever the default device."""
     import numpy as np
     import torch
 
+    cpu = torch.device("cpu")
     out = []
     for s in samples:
         counts = np.asarray(s.counts, dtype=np.int64)
@@ -518,10 +552,11 @@ def output_sampled(samples: Sequence[Any]) -> list[dict[str, Any]]:
             types = np.repeat(np.arange(row.size), row)
             atype[f, :types.size] = types
         out.append({
-            "energy": torch.as_tensor(np.asarray(s.labels, dtype=np.float64)),
+            "energy": torch.as_tensor(np.asarray(s.labels, dtype=np.float64), device=cpu),
             "find_energy": np.float32(1.0),
-            "natoms": torch.as_tensor(np.concatenate([natoms, natoms, counts], axis=1)),
-            "atype": torch.as_tensor(atype),
+            "natoms": torch.as_tensor(np.concatenate([natoms, natoms, counts], axis=1),
+                                      device=cpu),
+            "atype": torch.as_tensor(atype, device=cpu),
         })
     return out
 

@@ -181,26 +181,29 @@ def input_statistics(datasets: Sequence[Any], blocks: Sequence[EnvMatSettings], 
                      type_map: Sequence[str] | None, key: str = "energy",
                      mode: str | None = None, folder: str | None = None,
                      progress: bool | None = None,
+                     frames: Callable[[int], Sequence[int] | None] | None = None,
                      ) -> tuple[list[EnvMatSums], list[OutputSamples]]:
-    """The input statistics of all frames of ``datasets``, sharded over the ranks.
+    """The input statistics of the frames of ``datasets``, sharded over the ranks.
 
     Returns, on every rank, the merged environment-matrix sums of each descriptor block in
     ``blocks`` and each system's output samples of ``key`` (system order), from which
     DeePMD-kit's ``davg``/``dstd`` and output bias follow. The datasets must require ``key``.
+    ``frames(position)`` names the frames of a system that enter (``None``: all of them, the
+    default for every system), so a subset drawn from the job's seed is computed in shares too.
     """
     sums = []
     for block in blocks:
         parts, report = sharded_pass(
             datasets, "environment", dataclasses.asdict(block), type_map,
-            lambda ds, block=block: system_env_sums(ds, block),
-            mode=mode, folder=folder, progress=progress)
+            lambda ds, chosen=None, block=block: system_env_sums(ds, block, frames=chosen),
+            mode=mode, folder=folder, progress=progress, frames=frames)
         sums.append(env_mat.merge_all([EnvMatSums.zeros(block.ntypes), *parts]))
         if current_world().is_main:
             log.info(report_line("environment", report))
     parts, report = sharded_pass(
         datasets, "output", {"key": key}, type_map,
-        lambda ds: system_samples(ds, 0, key=key),
-        mode=mode, folder=folder, progress=progress)
+        lambda ds, chosen=None: system_samples(ds, 0, key=key, frames=chosen),
+        mode=mode, folder=folder, progress=progress, frames=frames)
     if current_world().is_main:
         log.info(report_line("output", report))
     # a cached entry may come from another job, where the system had another position

@@ -24,11 +24,12 @@ from mdloader.errors import ConfigError
 from mdloader.integrations.deepmd import (
     DeepmdDpLoaderSet,
     DeferredSystems,
+    InputStatPlan,
     _TrainerDist,
     cpu_fallback_backend,
     defer_discovery,
 )
-from mdloader.testing import make_dataset
+from mdloader.testing import make_dataset, make_system
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -88,6 +89,30 @@ def test_loader_set_with_deepmd_signature(tmp_path: Path) -> None:
     assert len(ls) == 4 and ls.seed == 11
     only_top = DeepmdDpLoaderSet([str(tmp_path / "d" / "other")], 2, ["O", "H"], seed=5)
     assert len(only_top) == 1
+
+
+def test_statistics_frames_are_a_one_rank_jobs_first_batches(tmp_path: Path) -> None:
+    """The frames each system gives the input statistics: what DeePMD-kit's ``make_stat_input``
+    reads through the per-system loaders of a one-rank job (its first ``data_stat_nbatch``
+    batches of pass 0), ``None`` where they cover the system."""
+    systems = [make_system(tmp_path, f"s{i}", natoms=n, nframes=f, seed=i)
+               for i, (n, f) in enumerate([(4, 6), (6, 13), (8, 20), (3, 9)])]
+    data = DeepmdDpLoaderSet(systems, "auto:12", ["O", "H"], seed=[0, 11])  # sizes 3, 2, 2, 4
+    plan = InputStatPlan(None, data, lambda: None, None, [], nbatch=3)
+    counts = plan.frame_counts()
+    for sid, loader in enumerate(data.dataloaders):
+        first = [f for j, _ in zip(range(3), range(len(loader)))
+                 for f in data.frame_order.fids(sid, j)]
+        assert counts[sid] == len(first) == len(set(first))
+        chosen = plan.frames(sid)
+        if chosen is None:
+            assert sorted(first) == list(range(len(data.systems[sid])))
+        else:
+            assert chosen.tolist() == first and len(first) < len(data.systems[sid])
+    assert [plan.frames(i) is None for i in range(4)] == [True, False, False, True]
+    other = InputStatPlan(None, DeepmdDpLoaderSet(systems, "auto:12", ["O", "H"], seed=[0, 12]),
+                          lambda: None, None, [], nbatch=3)
+    assert plan.frames(2).tolist() != other.frames(2).tolist()  # the job's seed draws them
 
 
 def test_cpu_fallback_backend() -> None:

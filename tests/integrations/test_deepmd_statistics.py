@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -79,6 +80,41 @@ CASES = {
     "se_e2_a-lmdb": (_lmdb_data, SE_E2_A, ["O", "H"]),
     "dpa2-mixed-type": (_mixed_data, DPA2, ["O", "H"]),  # two blocks: repinit, repformer
 }
+
+
+def _subset_data(root: Path, mixed: bool) -> list[str]:
+    """12 systems of 10-30 frames and 5-11 atoms (auto:24 gives batch sizes 3-5), so
+    ``data_stat_nbatch`` of 2 or 3 batches draws a subset of all but the first; some split in two
+    sets, one non-periodic (se_e2_a's data), mixed-type for se_atten."""
+    return [make_system(root / "data", f"s{i:02d}", natoms=5 + i % 7, nframes=10 + (20 * i) // 11,
+                        nsets=1 + i % 2, pbc=mixed or i != 3, mixed_type=mixed, seed=40 + i,
+                        keys=("energy", "force"))
+            for i in range(12)]
+
+
+SUBSET_CASES = {
+    "se_e2_a-nbatch2": (False, SE_E2_A, 2),
+    "se_atten-mixed-type-nbatch3": (True, DPA1, 3),
+}
+
+# DeePMD-kit's own input statistics over mdloader's DpLoaderSet (make_stat_input reads each
+# system's per-rank batches): today's path where mdloader does not compute them in shares
+DEEPMD_STATISTICS = """import sys
+import mdloader.integrations.deepmd as md
+md.InputStatPlan.of = classmethod(lambda cls, action: None)
+sys.exit(md.run_dp(sys.argv[1:]))
+"""
+
+
+def _subset_job(root: Path, name: str, systems: list[str], descriptor: dict,
+                nbatch: int) -> Path:
+    job = _job(root, name, systems, descriptor, ["O", "H"])
+    config = json.loads((job / "input.json").read_text())
+    config["model"]["data_stat_nbatch"] = nbatch
+    config["training"]["training_data"]["batch_size"] = "auto:24"
+    (job / "input.json").write_text(json.dumps(config))
+    (job / "deepmd_statistics.py").write_text(DEEPMD_STATISTICS)
+    return job
 
 
 def _run(cmd: list[str], cwd: Path, **env: str) -> str:
@@ -156,3 +192,50 @@ def test_two_ranks_shard_and_equal_deepmd_kits_own(peer: str, tmp_path: Path, ca
     again = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                   "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     assert f"cached {len(systems)}, computed 0" in again
+
+
+def _subset_reference(peer: str, root: Path, case: str) -> tuple[list[str], Path, Path]:
+    """The systems, DeePMD-kit's own statistics run at W = 1 and an mdloader job, both done."""
+    mixed, descriptor, nbatch = SUBSET_CASES[case]
+    systems = _subset_data(root, mixed)
+    theirs = _subset_job(root, "deepmd", systems, descriptor, nbatch)
+    ours = _subset_job(root, "mdloader", systems, descriptor, nbatch)
+    log = _run([peer, "deepmd_statistics.py", "--pt", "train", "input.json"], theirs)
+    assert "input statistics:" not in log and "environment statistics:" not in log
+    return systems, theirs, ours
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", list(SUBSET_CASES))
+def test_subset_statistics_in_shares_equal_deepmd_kits_path(peer: str, tmp_path: Path,
+                                                            case: str) -> None:
+    """``data_stat_nbatch`` draws a subset: mdloader computes the statistics of the frames a
+    one-rank job draws, in shares, and the saved model equals DeePMD-kit's own statistics path
+    over the same loader; a second run takes every system from the cache."""
+    systems, theirs, ours = _subset_reference(peer, tmp_path, case)
+    log = _run([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
+    nbatch = SUBSET_CASES[case][2]
+    assert re.search(rf"input statistics: \d+ of \d+ frames of 12 systems \(data_stat_nbatch="
+                     rf"{nbatch}, the frames of a one-rank job\), in shares on 1 ranks", log)
+    assert re.search(r"environment statistics: 12 systems .*\(cached 0, computed 12", log)
+    _compare(peer, theirs, ours)
+    before = _model(peer, ours)
+    again = _run([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
+    assert re.search(r"environment statistics: 12 systems .*\(cached 12, computed 0", again)
+    assert re.search(r"output statistics: 12 systems .*\(cached 12, computed 0", again)
+    assert _model(peer, ours) == before
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_subset_statistics_on_two_ranks_equal_one_rank(peer: str, tmp_path: Path) -> None:
+    """At W = 2 the statistics are the one-rank job's (DeePMD-kit's own path at W = 2 reads
+    rank 0's shard only, other frames)."""
+    systems, theirs, ours = _subset_reference(peer, tmp_path, "se_e2_a-nbatch2")
+    log = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
+    _compare(peer, theirs, ours)
+    assert "in shares on 2 ranks" in log
+    assert re.search(r"environment statistics: 12 systems .*\(cached 0, computed 12 on 2", log)

@@ -12,8 +12,11 @@ import pytest
 from distributed_utils import RankError, run_ranks, values
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
+from mdloader.data.schema import DataRequirementItem
 from mdloader.loading.build import build_systems
-from mdloader.loading.statistics import neighbour_statistics
+from mdloader.loading.statistics import input_statistics, neighbour_statistics
+from mdloader.stats import env_mat
+from mdloader.stats.env_mat import EnvMatSettings, system_env_sums
 from mdloader.stats.neighbours import OverlappingAtomsError, merge_all, system_neighbour_stats
 from mdloader.testing import make_system
 
@@ -169,3 +172,48 @@ def test_lmdb_frames_without_a_box_are_non_periodic(tmp_path: Path) -> None:
     from_lmdb = neighbour_statistics([DeepmdDataSetForLoader(g, TYPE_MAP) for g in groups], 3.0,
                                      type_map=TYPE_MAP, mixed_type=False, mode="off")
     assert from_lmdb == _one_by_one(free, 3.0, False)
+
+
+def test_input_statistics_of_chosen_frames_share_the_all_frames_cache(tmp_path: Path) -> None:
+    """``frames`` chooses each system's frames (``None``: all); a system whose choice is all
+    frames uses the same cache entries as a run over all frames, a chosen subset its own."""
+    systems = _systems(tmp_path / "d")
+    cache = str(tmp_path / "cache")
+    block = EnvMatSettings(3.0, 0.5, (8, 16), 2)
+    chosen = {0: [3, 1], 4: [2, 0]}  # frames of a set each, and of two sets (p0: 2 sets of 2)
+
+    def datasets() -> list[DeepmdDataSetForLoader]:
+        out = [DeepmdDataSetForLoader(s, TYPE_MAP) for s in systems]
+        for ds in out:
+            ds.add_data_requirement([DataRequirementItem("energy", 1, atomic=False,
+                                                         must=False, high_prec=True)])
+        return out
+
+    import mdloader.loading.statistics as st
+
+    computed: list[tuple[str, object]] = []
+    real = st.system_env_sums
+
+    def spy(ds, settings, *, frames=None):
+        computed.append((ds.meta.address, None if frames is None else sorted(frames)))
+        return real(ds, settings, frames=frames)
+
+    st.system_env_sums = spy
+    try:
+        sums, samples = input_statistics(datasets(), [block], type_map=TYPE_MAP, folder=cache,
+                                         mode="check", frames=chosen.get)
+        assert sorted(computed, key=str) == sorted(
+            [(s, sorted(chosen[i]) if i in chosen else None) for i, s in enumerate(systems)],
+            key=str)
+        expected = env_mat.merge_all(system_env_sums(ds, block, frames=chosen.get(i))
+                                     for i, ds in enumerate(datasets()))
+        np.testing.assert_allclose(sums[0].total, expected.total, rtol=1e-14)
+        np.testing.assert_array_equal(sums[0].number, expected.number)
+        for i, (part, ds) in enumerate(zip(samples, datasets())):
+            assert part.positions[:, 0].tolist() == [i] * len(part.positions)
+            assert part.positions[:, 1].tolist() == sorted(chosen.get(i, range(len(ds))))
+        computed.clear()
+        input_statistics(datasets(), [block], type_map=TYPE_MAP, folder=cache, mode="check")
+        assert sorted(computed) == sorted((systems[i], None) for i in chosen)  # the rest: cached
+    finally:
+        st.system_env_sums = real

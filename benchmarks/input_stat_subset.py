@@ -1,0 +1,164 @@
+"""Input statistics on a subset of the frames: DeePMD-kit's path against mdloader's shares.
+
+One command (defaults: 200 water systems of 40 frames, ``data_stat_nbatch`` 10, W = 1 and 2)::
+
+    python -m benchmarks.input_stat_subset [--systems 200] [--frames 40] [--stat-nbatch 10]
+                                           [--world 1 2] [--timeout S]
+
+``mdloader dp --pt train`` takes one step on :mod:`benchmarks.water_data` systems with the water
+example's ``input.json`` (batch size 1 at 192 atoms, so ``data_stat_nbatch`` batches are a
+subset of each system's frames), in fresh ``torchrun --standalone`` jobs (gloo, CPU, one OpenMP
+thread per rank), twice per W: along **DeePMD-kit's path** (its ``make_stat_input`` and
+``compute_or_load_stat`` on rank 0 over mdloader's per-system loaders, what ``mdloader dp`` ran
+for a subset before; ``python -m benchmarks.input_stat_subset dp ...`` forces it) and along
+**mdloader's shares** (every rank a share of the systems on a one-rank job's frames, one
+all-gather). The neighbour statistics are computed once beforehand (``mdloader stat``) and their
+cache copied into every job, so each launch computes only the input statistics. Printed side by
+side: the input-statistics phase (its first line to "Start to train",
+:mod:`benchmarks.first_step_phases`), each rank's CPU seconds in it and the time to the first
+step, with the ratio of the two paths; records are appended to
+``benchmarks/results/input_stat_subset/input_stat_subset.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from benchmarks.first_step import job_input, launch, record
+from benchmarks.generate import DEFAULT_BASE
+from benchmarks.water_data import ensure_water
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(REPO, "benchmarks", "results", "input_stat_subset", "input_stat_subset.jsonl")
+ENTRY = {"deepmd path": ["-m", "benchmarks.input_stat_subset", "dp"],
+         "mdloader shares": ["-m", "mdloader", "dp"]}
+PASS_LINE = re.compile(r"(environment|output) statistics: \d+ systems in ([\d.]+) s")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--systems", type=int, default=200)
+    p.add_argument("--frames", type=int, default=40, help="frames per system")
+    p.add_argument("--stat-nbatch", type=int, default=10, help="model.data_stat_nbatch")
+    p.add_argument("--world", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
+    p.add_argument("--python", default=os.environ.get("MDLOADER_DEEPMD_PYTHON")
+                   or os.path.join(REPO, ".venv-deepmd", "bin", "python"),
+                   help="the interpreter with DeePMD-kit 3.2 (scripts/deepmd-env.sh)")
+    p.add_argument("--data-base", default=DEFAULT_BASE)
+    p.add_argument("--out", default=OUT)
+    return p.parse_args(argv)
+
+
+def dp_with_deepmd_statistics(argv: list[str]) -> int:
+    """``mdloader dp`` whose input statistics take DeePMD-kit's own path (its fall-back)."""
+    import mdloader.integrations.deepmd as md
+
+    md.InputStatPlan.of = classmethod(lambda cls, action: None)  # type: ignore[assignment]
+    return md.run_dp(argv)
+
+
+def _env(cache: str) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MDLOADER_CACHE_DIR=cache)
+
+
+def neighbour_cache(python: str, config: dict[str, Any], timeout: float) -> str:
+    """A cache folder holding the neighbour statistics (and system index) of the job's data."""
+    folder = tempfile.mkdtemp(prefix="mdl-input-stat-template-")
+    with open(os.path.join(folder, "input.json"), "w") as out:
+        json.dump(config, out, indent=1)
+    subprocess.run([python, "-m", "mdloader", "stat", "input.json"], cwd=folder, check=True,
+                   env=_env(os.path.join(folder, "cache")), timeout=timeout,
+                   capture_output=True)
+    return folder
+
+
+def run_one(python: str, path: str, world: int, config: dict[str, Any], template: str,
+            timeout: float) -> dict[str, Any]:
+    job = tempfile.mkdtemp(prefix="mdl-input-stat-")
+    try:
+        shutil.copytree(os.path.join(template, "cache"), os.path.join(job, "cache"))
+        with open(os.path.join(job, "input.json"), "w") as out:
+            json.dump(config, out, indent=1)
+        load = os.getloadavg()[0]
+        cmd = [python, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={world}", *ENTRY[path], "--pt", "train", "input.json"]
+        run = launch(cmd, job, _env(os.path.join(job, "cache")), timeout)
+        rec = record(run, world)
+        passes = {m.group(1): float(m.group(2)) for _t, line in run["lines"]
+                  for m in [PASS_LINE.search(line)] if m}
+        return {**rec, "passes_s": passes, "loadavg_1min": round(load, 2)}
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
+
+
+def _cell(value: Any) -> str:
+    return "–" if value is None else f"{value:.3g}"
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    """The two paths side by side per W, with the ratio DeePMD-kit's path ÷ mdloader's."""
+    lines = ["| W | path | input statistics s | CPU s per rank | first step done s | load |",
+             "|---:|---|---:|---|---:|---:|"]
+    by = {(r["world"], r["path"]): r for r in rows}
+    for world in sorted({r["world"] for r in rows}):
+        for path in ENTRY:
+            r = by.get((world, path))
+            if r is None:
+                continue
+            cpu = " / ".join(_cell(c) for c in r.get("cpu_s", {}).get("input statistics", []))
+            lines.append(f"| {world} | {path} | {_cell(r['phases'].get('input statistics'))} | "
+                         f"{cpu or '–'} | {_cell(r.get('ready_s'))} | {r['loadavg_1min']:.1f} |")
+        old, new = by.get((world, "deepmd path")), by.get((world, "mdloader shares"))
+        if old and new:
+            a = old["phases"].get("input statistics")
+            b = new["phases"].get("input statistics")
+            if a and b:
+                lines.append(f"| {world} | ratio | {a / b:.1f}× | | | |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["dp"]:
+        return dp_with_deepmd_statistics(argv[1:])
+    args = parse(argv)
+    root = ensure_water(args.systems, base=args.data_base, nframes=args.frames)
+    config = job_input(root, 1, args.stat_nbatch)
+    template = neighbour_cache(args.python, config, args.timeout)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    run_id = time.strftime("%Y-%m-%d %H:%M:%S")
+    rows = []
+    try:
+        with open(args.out, "a") as fh:
+            for i, world in enumerate(args.world):
+                for path in (list(ENTRY) if i % 2 == 0 else list(ENTRY)[::-1]):
+                    rec = run_one(args.python, path, world, config, template, args.timeout)
+                    row = {"kind": "input_stat_subset", "run": run_id, "path": path,
+                           "world": world, "nsys": args.systems, "frames": args.frames,
+                           "stat_nbatch": args.stat_nbatch, "cpus": os.cpu_count(), **rec}
+                    rows.append(row)
+                    fh.write(json.dumps(row) + "\n")
+                    fh.flush()
+                    print(f"  {path:15s} W={world} status {rec['status']}: input statistics "
+                          f"{_cell(rec['phases'].get('input statistics'))} s, passes "
+                          f"{rec['passes_s']}", flush=True)
+    finally:
+        shutil.rmtree(template, ignore_errors=True)
+    print(f"{args.systems} systems x {args.frames} frames, data_stat_nbatch {args.stat_nbatch}")
+    print("\n".join(table(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
