@@ -193,9 +193,8 @@ def test_nan_in_the_frames_of_the_statistics_is_named_before_training(tmp_path: 
     energies = np.load(path)
     energies[1] = np.inf
     np.save(path, energies)
-    with pytest.raises(NonFiniteError, match=r"^the statistics cannot use these frames: energy "
-                       rf"holds NaN/inf in frames \[1\] of the batch; system: .*/sys0; file: "
-                       rf"{path}; found: batch frames \[0, 1, 2, 3, 4, 5\]$"):
+    with pytest.raises(NonFiniteError, match=r"^energy of frame 1 is not finite; system: .*/sys0; "
+                       rf"file: {path}; expected: finite labels; found: \[inf\]$"):
         train(cfg, output=str(tmp_path / "o"), num_workers=0, options=SMALL)
 
 
