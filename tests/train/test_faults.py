@@ -279,9 +279,12 @@ def test_a_killed_dataloader_worker_on_rank_1(tmp_path: Path, dataset: Path) -> 
 
     job = _job([str(path), "--rcut", "2.5", "--num-workers", "1", "-o", "out"], tmp_path,
                ready=_lcurve_lines(curve, 3), fault=kill_worker)
-    _check_one_line(job, "killed DataLoader worker of rank 1", 1, "rank 1 failed (training step ",
-                    f"WorkerLostError: DataLoader worker (pid {job.extra['fault']}) is killed by "
-                    "signal: Killed", "out of memory")
+    line = _check_one_line(job, "killed DataLoader worker of rank 1", 1,
+                           "rank 1 failed (training step ", "WorkerLostError: DataLoader worker",
+                           str(job.extra["fault"]), "out of memory")
+    # torch says which, when its SIGCHLD handler sees the worker's status first, or only that it
+    # "exited unexpectedly" when the worker's queue closes first: either is the same loss
+    assert "is killed by signal: Killed" in line or "exited unexpectedly" in line, line
 
 
 @pytest.mark.timeout(300)
