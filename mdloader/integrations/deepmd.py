@@ -73,7 +73,6 @@ from mdloader.errors import ConfigError
 from mdloader.loading.build import build_systems
 from mdloader.loading.loader import DpLoaderSet, get_sampler_from_params, get_weighted_sampler
 from mdloader.loading.statistics import input_statistics, neighbour_statistics
-from mdloader.sampling.order import statistics_frames
 
 log = logging.getLogger(__name__)
 
@@ -437,7 +436,8 @@ class InputStatPlan:
 
     def frame_counts(self) -> Any:
         """How many frames of each system enter: ``min(data_stat_nbatch, batches) x batch
-        size``, at most the system's frames (:func:`statistics_frames` has no repeats)."""
+        size``, at most the system's frames (:meth:`LoaderPlan.statistics_frames` has no
+        repeats)."""
         import numpy as np
 
         nframes = np.asarray(self.data.nframes, dtype=np.int64)
@@ -451,8 +451,7 @@ class InputStatPlan:
         nframes, size = int(data.nframes[position]), int(data.batch_sizes[position])
         if -(-nframes // size) <= self.nbatch:
             return None
-        return statistics_frames(data.plan.seed, position, nframes, size, self.nbatch,
-                                 data.shuffle)
+        return data.plan.statistics_frames(position, self.nbatch)
 
     def compute(self) -> tuple[list[Any], list[Any]]:
         """The merged environment sums of each block and every system's output samples

@@ -24,7 +24,13 @@ import numpy as np
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.sampling.balance import batch_costs, check_window
 from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
-from mdloader.sampling.order import SEED_MOD, Continuation, FrameOrder, weights_to_cdf
+from mdloader.sampling.order import (
+    SEED_MOD,
+    Continuation,
+    FrameOrder,
+    statistics_frames,
+    weights_to_cdf,
+)
 from mdloader.sampling.probability import (
     ProbabilityRule,
     StyleRule,
@@ -285,6 +291,15 @@ class LoaderPlan:
         return FrameOrder(self.nframes, self.batch_sizes, seed=self.seed, rank=rank,
                           world_size=self.world_size, shuffle=self.shuffle,
                           continuation=continuation)
+
+    def statistics_frames(self, sid: int, nbatch: int) -> np.ndarray:
+        """The frames system ``sid`` gives the statistics before training under this plan's seed
+        (:func:`~mdloader.sampling.order.statistics_frames`: the same at every world size)."""
+        if self.seed is None:
+            raise ConfigError("this loader plan has no seed: it gives batch counts and "
+                              "probabilities, not frames")
+        return statistics_frames(self.seed, sid, int(self.nframes[sid]),
+                                 int(self.batch_sizes[sid]), nbatch, self.shuffle)
 
     # -- resume --------------------------------------------------------------------------------
     def adopt_seed(self, saved: Any, kind: str = "loader") -> LoaderPlan:

@@ -31,7 +31,6 @@ from mdloader.distributed.group import current_world
 from mdloader.errors import DataError
 from mdloader.loading.loader import DpLoaderSet
 from mdloader.loading.statistics import report_line, sharded_pass
-from mdloader.sampling.order import statistics_frames
 from mdloader.stats.moments import FeatureMoments, merge_all
 from mdloader.stats.output import OutputSamples, output_bias, system_samples
 from mdloader.train.guards import nonfinite_data, small_box_in_batch
@@ -53,12 +52,7 @@ CHUNK_BYTES = 1 << 26
 def frames_of(data: DpLoaderSet, nbatch: int) -> Callable[[int], np.ndarray]:
     """The statistics frames of each system position of ``data`` (its plan's seed and sizes)."""
     plan = data.plan
-
-    def frames(position: int) -> np.ndarray:
-        return statistics_frames(int(plan.seed), position, int(plan.nframes[position]),
-                                 int(plan.batch_sizes[position]), nbatch, plan.shuffle)
-
-    return frames
+    return lambda position: plan.statistics_frames(position, nbatch)
 
 
 def feature_settings(model: RadialPotential) -> dict[str, Any]:
