@@ -39,7 +39,8 @@ from mdloader.loading.system_list import SystemDatasets, kept_systems, natoms_of
 from mdloader.sampling.order import FrameOrder, normalize_seed
 from mdloader.sampling.plan import LoaderPlan, PlanOwner
 from mdloader.sampling.probability import StyleRule, select_prob_source
-from mdloader.sampling.samplers import BatchKey, WeightedSystemSampler
+from mdloader.sampling.samplers import WeightedSystemSampler
+from mdloader.sampling.streams import BatchKey
 from mdloader.sampling.validation import ShardedValidationSampler
 from mdloader.settings import resolve
 from mdloader.state import check_keys, check_same
@@ -134,54 +135,43 @@ class DpLoaderSet(Dataset):
         """Holds the plan in force: the seed's one owner, shared with the samplers of this set."""
         plan = self.plan
         self.systems: Sequence[DeepmdDataSetForLoader] = kept_systems(built, plan.kept)
+        # DeePMD-kit's names: batches of every system on this rank, their sum, batch sizes.
         self.index: list[int] = plan.nbatches.tolist()
         self.total_batch = plan.total_batches
+        self.batch_sizes: np.ndarray = plan.batch_sizes
+        """Batch size of every system (read-only), DeePMD-kit's ``batch_sizes``."""
         self._order: FrameOrder | None = None
         self._cursor = np.zeros(len(self.systems), dtype=np.int64)
         self.dataloaders = LazySystemBatches(self)
         self.sampler: WeightedSystemSampler | None = None
         self._warned_worker = False
+        self.plan_owner.subscribe(self._plan_changed)
 
     # -- the plan: sizes, batch counts and the seed, read from one place ----------------------
     @property
     def plan(self) -> LoaderPlan:
-        """The loader plan in force (:mod:`mdloader.sampling.plan`)."""
+        """The loader plan in force (:mod:`mdloader.sampling.plan`): read its values there."""
         return self.plan_owner.plan
 
     @property
     def seed(self) -> int:
-        """The job seed; a loaded state's seed once adopted (``seed=None``)."""
+        """The job seed (DeePMD-kit's ``seed`` argument); a loaded state's once adopted."""
         return self.plan.seed  # type: ignore[return-value]
 
     @property
-    def seed_given(self) -> bool:
-        """The user chose the seed: a state with another one is refused."""
-        return self.plan.seed_given
-
-    @property
-    def shuffle(self) -> bool:
-        return self.plan.shuffle
-
-    @property
-    def same_system_across_ranks(self) -> bool:
-        return self.plan.same_system_across_ranks
-
-    @property
-    def batch_sizes(self) -> np.ndarray:
-        """Batch size of every system (read-only)."""
-        return self.plan.batch_sizes
-
-    @property
     def nframes(self) -> np.ndarray:
-        """Frames of every system (read-only)."""
+        """Frames of every system (read-only), beside DeePMD-kit's ``batch_sizes``."""
         return self.plan.nframes
+
+    def _plan_changed(self, plan: LoaderPlan) -> None:
+        """A loaded state brought another seed: the ``ls[int]`` frames follow it."""
+        self._order = None
 
     @property
     def frame_order(self) -> FrameOrder:
         """Which frames the n-th batch of each system holds on this rank, under the plan's
-        current seed (followed when a loaded state brought another one)."""
-        seed = self.plan.seed
-        if self._order is None or self._order.seed != seed:
+        current seed."""
+        if self._order is None:
             self._order = self.plan.frame_order(self.world.rank)
         return self._order
 
@@ -190,6 +180,10 @@ class DpLoaderSet(Dataset):
         state = self.__dict__.copy()
         state["sampler"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.plan_owner.subscribe(self._plan_changed)   # subscriptions do not travel
 
     # -- DeePMD-kit's Dataset protocol -----------------------------------------------------
     def __len__(self) -> int:

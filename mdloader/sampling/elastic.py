@@ -63,38 +63,11 @@ class Generation:
         return not any(self.steps)
 
 
-@dataclass(frozen=True)
-class JobSampling:
-    """What every generation of a job shares: its loader plan (sizes, seed, flags, probability
-    rule), read here, never recomputed."""
-
-    plan: LoaderPlan
-
-    @property
-    def nframes(self) -> np.ndarray:
-        return self.plan.nframes
-
-    @property
-    def batch_sizes(self) -> np.ndarray:
-        return self.plan.batch_sizes
-
-    @property
-    def seed(self) -> int:
-        if self.plan.seed is None:
-            raise StateDictError("an elastic resume needs the job seed; this plan has none")
-        return self.plan.seed
-
-    @property
-    def shuffle(self) -> bool:
-        return self.plan.shuffle
-
-    @property
-    def same_system_across_ranks(self) -> bool:
-        return self.plan.same_system_across_ranks
-
-    def cdf(self, world_size: int) -> np.ndarray:
-        """The stream's cumulative probabilities on ``world_size`` ranks."""
-        return self.plan.cdf_on(world_size)
+def job_seed(plan: LoaderPlan) -> int:
+    """The job seed every replay of ``plan`` draws from (an elastic resume needs one)."""
+    if plan.seed is None:
+        raise StateDictError("an elastic resume needs the job seed; this plan has none")
+    return plan.seed
 
 
 def empty_continuation(nsys: int) -> Continuation:
@@ -119,44 +92,44 @@ def share_of(full: Continuation, rank: int, world_size: int) -> Continuation:
                         full.frames[keep], full.base_pass)
 
 
-def replay_counts(job: JobSampling, index: int, gen: Generation) -> np.ndarray:
+def replay_counts(plan: LoaderPlan, index: int, gen: Generation) -> np.ndarray:
     """Batches each rank of generation ``index`` took from each system: ``[nsys, W]``."""
-    cdf = job.cdf(gen.world_size)
+    cdf = plan.cdf_on(gen.world_size)
     dtype = np.int32 if max(gen.steps, default=0) < 2**31 else np.int64
     counts = np.empty((len(cdf), gen.world_size), dtype=dtype)
     done: dict[int, np.ndarray] = {}   # shared stream: ranks with equal steps share a replay
     for rank, steps in enumerate(gen.steps):
-        if job.same_system_across_ranks and steps in done:
+        if plan.same_system_across_ranks and steps in done:
             counts[:, rank] = done[steps]
             continue
-        column = stream_counts(job.seed, rank, 0, steps, cdf, job.same_system_across_ranks,
+        column = stream_counts(job_seed(plan), rank, 0, steps, cdf, plan.same_system_across_ranks,
                                generation=index)
         counts[:, rank] = column
         done[steps] = column
     return counts
 
 
-def generation_counts(job: JobSampling, index: int, gen: Generation) -> np.ndarray:
+def generation_counts(plan: LoaderPlan, index: int, gen: Generation) -> np.ndarray:
     """Batches of each ``(sid, drawer)`` generation ``index`` served: ``[nsys, W]``.
 
     Each rank's own draws (:func:`replay_counts`), or, in balanced steps, the slots of the
     balanced windows up to the common step (:func:`mdloader.sampling.balance.served_counts`):
     a balanced batch reads the frames of the stream that drew it, whichever rank trained it.
     """
-    if not job.plan.balance_window:
-        return replay_counts(job, index, gen)
-    return served_counts(job.seed, job.plan.balance_window, gen.steps, job.cdf(gen.world_size),
-                         job.plan.balance_costs, generation=index)
+    if not plan.balance_window:
+        return replay_counts(plan, index, gen)
+    return served_counts(job_seed(plan), plan.balance_window, gen.steps,
+                         plan.cdf_on(gen.world_size), plan.balance_costs, generation=index)
 
 
-def advance(job: JobSampling, full: Continuation, gen: Generation,
+def advance(plan: LoaderPlan, full: Continuation, gen: Generation,
             counts: np.ndarray) -> Continuation:
     """The whole job's continuation after generation ``gen`` took ``counts`` batches."""
-    nsys = len(job.nframes)
+    nsys = plan.nsys
     lengths, frames, base = [], [], []
     for lo in range(0, nsys, SYSTEM_BLOCK):
         hi = min(nsys, lo + SYSTEM_BLOCK)
-        n, f, b = _advance_block(job, full, gen.world_size, counts[lo:hi].astype(np.int64), lo)
+        n, f, b = _advance_block(plan, full, gen.world_size, counts[lo:hi].astype(np.int64), lo)
         lengths.append(n)
         frames.append(f)
         base.append(b)
@@ -173,16 +146,16 @@ class _Positions(NamedTuple):
     base: np.ndarray           # ``[systems]``: the next generation's first fresh pass
 
 
-def _positions(job: JobSampling, full: Continuation, world: int, counts: np.ndarray,
+def _positions(plan: LoaderPlan, full: Continuation, world: int, counts: np.ndarray,
                lo: int) -> _Positions:
     """Split each old rank's batches of each system into leftover batches and passes."""
     hi = lo + len(counts)
-    size = job.batch_sizes[lo:hi, None]
+    size = plan.batch_sizes[lo:hi, None]
     lens = np.diff(full.offsets[lo:hi + 1])
     share_len = np.maximum(0, -(-(lens[:, None] - np.arange(world)) // world))
     from_share = np.minimum(counts, -(-share_len // size))
     fresh = counts - from_share
-    nb = batches_per_rank(job.nframes[lo:hi], job.batch_sizes[lo:hi], world)[:, None]
+    nb = batches_per_rank(plan.nframes[lo:hi], plan.batch_sizes[lo:hi], world)[:, None]
     pass_ = full.base_pass[lo:hi, None] + fresh // nb
     into = fresh % nb
     started = np.where(fresh > 0, pass_ - (into == 0), -1).max(axis=1)
@@ -190,20 +163,20 @@ def _positions(job: JobSampling, full: Continuation, world: int, counts: np.ndar
                       np.maximum(full.base_pass[lo:hi], started + 1))
 
 
-def _advance_block(job: JobSampling, full: Continuation, world: int, counts: np.ndarray,
+def _advance_block(plan: LoaderPlan, full: Continuation, world: int, counts: np.ndarray,
                    lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`advance` for systems ``[lo, lo + len(counts))``: lengths, frames, base passes.
 
     Each system's new leftover is the unserved part of its old leftover, then the rests of its
     interrupted units.
     """
-    at = _positions(job, full, world, counts, lo)
+    at = _positions(plan, full, world, counts, lo)
     lens = np.diff(full.offsets[lo:lo + len(counts) + 1])
     segment, index = _segments(lens)
     block = full.frames[full.offsets[lo]:full.offsets[lo + len(counts)]]
     keep = index // world >= at.served_share[segment, index % world]
     kept_len = np.bincount(segment[keep], minlength=len(counts))
-    rests = {s: _unit_rests(job, lo + s, world, at.pass_[s], at.into[s])
+    rests = {s: _unit_rests(plan, lo + s, world, at.pass_[s], at.into[s])
              for s in np.flatnonzero((at.into > 0).any(axis=1))}
     new_len = kept_len.copy()
     for s, rest in rests.items():
@@ -217,7 +190,7 @@ def _advance_block(job: JobSampling, full: Continuation, world: int, counts: np.
     return new_len, out, at.base
 
 
-def _unit_rests(job: JobSampling, sid: int, world: int, passes: np.ndarray,
+def _unit_rests(plan: LoaderPlan, sid: int, world: int, passes: np.ndarray,
                 into: np.ndarray) -> np.ndarray:
     """What the old ranks left of their current pass shards of ``sid``: by pass, then rank.
 
@@ -226,36 +199,36 @@ def _unit_rests(job: JobSampling, sid: int, world: int, passes: np.ndarray,
     permutation, which stops at the last frame and so leaves out the padding (always in the
     shard's last slot).
     """
-    nframes, size = int(job.nframes[sid]), int(job.batch_sizes[sid])
+    nframes, size = int(plan.nframes[sid]), int(plan.batch_sizes[sid])
     ranks = np.flatnonzero(into > 0)
     ranks = ranks[np.argsort(passes[ranks], kind="stable")]
     parts, perm, perm_pass = [], None, None
     for rank in ranks.tolist():
         p = int(passes[rank])
         if p != perm_pass:
-            perm, perm_pass = frame_permutation(job.seed, sid, p, nframes, job.shuffle), p
+            perm, perm_pass = frame_permutation(job_seed(plan), sid, p, nframes, plan.shuffle), p
         parts.append(perm[rank + world * int(into[rank]) * size:nframes:world])
     return np.concatenate(parts)
 
 
-def continuation(job: JobSampling, history: Sequence[Generation], rank: int,
+def continuation(plan: LoaderPlan, history: Sequence[Generation], rank: int,
                  world_size: int) -> Continuation | None:
     """Where rank ``rank`` of ``world_size`` continues after the finished generations ``history``.
 
     ``None`` without history: the job has never changed its number of ranks.
     """
-    full = full_continuation(job, history)
+    full = full_continuation(plan, history)
     return None if full is None else share_of(full, rank, world_size)
 
 
-def full_continuation(job: JobSampling, history: Sequence[Generation]) -> Continuation | None:
+def full_continuation(plan: LoaderPlan, history: Sequence[Generation]) -> Continuation | None:
     """The whole job's continuation after ``history`` (None without history); each rank's is
     :func:`share_of` it (a balanced sampler takes the share of every rank it reads for)."""
     if not history:
         return None
-    full = empty_continuation(len(job.nframes))
+    full = empty_continuation(plan.nsys)
     for index, gen in enumerate(history):
-        full = advance(job, full, gen, generation_counts(job, index, gen))
+        full = advance(plan, full, gen, generation_counts(plan, index, gen))
     return full
 
 
@@ -361,7 +334,7 @@ def merge_rank_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "generations": [*first["history"], [world, *steps]]}
 
 
-__all__ = ["Generation", "JobSampling", "empty_continuation", "share_of", "replay_counts",
+__all__ = ["Generation", "job_seed", "empty_continuation", "share_of", "replay_counts",
            "generation_counts", "advance", "continuation", "full_continuation",
            "IDENTITY", "BALANCE_IDENTITY", "RANK_KEYS", "JOB_KEYS", "parse_generations",
            "generation_rows", "resume_point", "merge_rank_states"]

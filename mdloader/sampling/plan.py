@@ -8,14 +8,15 @@ The plan is frozen and pure (numpy only: no I/O, no process group; the seed agre
 comes in as a value). A loaded state that brings another seed gives a *new* plan
 (:meth:`LoaderPlan.adopt_seed`, the one path by which the seed changes after the start; it
 refuses before anything changes). :class:`PlanOwner` holds the plan in force for one loader set
-and the samplers drawn from it: the seed has one owner, so a state loaded into either one is
-seen by both.
+and the samplers drawn from it: the seed has one owner, which pushes a new plan to its
+subscribers, so a state loaded into either one is seen by both.
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -323,23 +324,46 @@ class LoaderPlan:
 class PlanOwner:
     """The plan in force for one loader set and the samplers drawn from it: the seed's owner.
 
-    Readers hold the owner and follow :attr:`plan`; :meth:`adopt_seed` is the only way it
-    changes, so a seed adopted from a state loaded into the loader set or into a sampler is
-    the seed of both.
+    :meth:`adopt_seed` is the only way the plan changes; it pushes the new plan to every
+    subscriber (:meth:`subscribe`), so a seed adopted from a state loaded into the loader set or
+    into a sampler is the seed of all of them, and no reader has to check for a change.
     """
 
     def __init__(self, plan: LoaderPlan) -> None:
         self._plan = plan
+        self._subscribers: list[weakref.WeakMethod] = []
 
     @property
     def plan(self) -> LoaderPlan:
         return self._plan
 
+    def subscribe(self, on_change: Callable[[LoaderPlan], None]) -> None:
+        """Call the bound method ``on_change`` with every new plan; held weakly, so a sampler
+        that is dropped stops listening by itself."""
+        self._subscribers = [ref for ref in self._subscribers if ref() is not None]
+        self._subscribers.append(weakref.WeakMethod(on_change))
+
     def adopt_seed(self, saved: Any, kind: str = "loader") -> LoaderPlan:
-        """Put :meth:`LoaderPlan.adopt_seed` in force; call it once the state's other checks
-        passed (a refused seed raises here and changes nothing)."""
-        self._plan = self._plan.adopt_seed(saved, kind)
-        return self._plan
+        """Put :meth:`LoaderPlan.adopt_seed` in force and push the new plan to the subscribers;
+        call it once the state's other checks passed (a refused seed raises here and changes
+        nothing)."""
+        plan = self._plan.adopt_seed(saved, kind)
+        if plan is not self._plan:
+            self._plan = plan
+            for ref in list(self._subscribers):
+                on_change = ref()
+                if on_change is not None:
+                    on_change(plan)
+        return plan
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Subscribers stay in their process: a copy (a DataLoader worker's) starts with none,
+        # and an unpickled subscriber subscribes again.
+        return {"plan": self._plan}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._plan = state["plan"]
+        self._subscribers = []
 
 
 __all__ = ["LoaderPlan", "PlanOwner"]

@@ -21,46 +21,29 @@ import logging
 import time
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
 
 from mdloader.errors import ConfigError, StateDictError
-from mdloader.sampling.balance import (
-    Slots,
-    arrange,
-    chunk_draws,
-    label,
-    next_start_counts,
-    rank_slots,
-    window_draws,
-    window_start_counts,
-)
 from mdloader.sampling.elastic import (
     BALANCE_IDENTITY,
     IDENTITY,
     JOB_KEYS,
     RANK_KEYS,
     Generation,
-    JobSampling,
     full_continuation,
     generation_rows,
     parse_generations,
     resume_point,
     share_of,
 )
-from mdloader.sampling.order import (
-    STREAM_CHUNK,
-    Continuation,
-    FrameOrder,
-    sizes_digest,
-    stream_chunk,
-    stream_counts,
-)
+from mdloader.sampling.order import Continuation, FrameOrder, sizes_digest
 from mdloader.sampling.plan import LoaderPlan, PlanOwner
 from mdloader.sampling.probability import ProbabilityRule, as_rule
+from mdloader.sampling.streams import BatchKey, SystemStream, stream_type
 from mdloader.state import check_keys, check_same
 
 log = logging.getLogger(__name__)
@@ -71,17 +54,6 @@ STATE_VERSION = 2
 def type_map_digest(type_map: Sequence[str] | None) -> int:
     """A 32-bit CRC of the type map (0 without one): a state of another type map is refused."""
     return 0 if not type_map else zlib.crc32("\0".join(type_map).encode())
-
-
-class BatchKey(NamedTuple):
-    """One batch: frames ``fids`` of system ``sid``; ``step`` is its index in the rank's stream;
-    ``drawer`` is the rank whose system stream drew it (another rank's in balanced steps; -1:
-    no stream, a validation key)."""
-
-    sid: int
-    fids: tuple[int, ...]
-    step: int
-    drawer: int = -1
 
 
 class WeightedSystemSampler(Sampler[BatchKey]):
@@ -147,10 +119,8 @@ class WeightedSystemSampler(Sampler[BatchKey]):
     def _start(self, owner: PlanOwner, rule: ProbabilityRule, rank: int,
                num_samples: int | None, type_map: Sequence[str] | None) -> None:
         self._owner, self.rule, self.rank = owner, rule, int(rank)
-        self._base = owner.plan
-        self.plan = self._base.with_rule(rule)
+        self.plan = owner.plan.with_rule(rule)
         """The plan this sampler draws from: the owner's, with this sampler's probabilities."""
-        self.order = self.plan.frame_order(self.rank)
         self.weights = torch.tensor(self.plan.probabilities, dtype=torch.double, device="cpu")
         self.num_samples = self.plan.total_batches if num_samples is None else int(num_samples)
         if self.num_samples < 1:
@@ -162,75 +132,37 @@ class WeightedSystemSampler(Sampler[BatchKey]):
             "shuffle": int(self.plan.shuffle),
             "same_system_across_ranks": int(self.plan.same_system_across_ranks)}
         self._type_map = list(type_map) if type_map else None
-        self._history: tuple[Generation, ...] = ()
-        self._step = 0
-        self._counts = np.zeros(self.plan.nsys, dtype=np.int64)
-        self._chunk_id = -1
-        self._chunk = np.empty(0, dtype=np.int64)
-        self._full: Continuation | None = None
-        self._reset_balance()
+        self._stream_type = stream_type(self.plan)
+        self._restart()
+        owner.subscribe(self._plan_changed)
 
-    # -- balanced steps ------------------------------------------------------------------
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._owner.subscribe(self._plan_changed)   # subscriptions do not travel
+
+    def _restart(self, history: tuple[Generation, ...] = (),
+                 full: Continuation | None = None) -> None:
+        """Start generation ``len(history)`` at step 0 (``full``: the job's leftover)."""
+        cont = None if full is None else share_of(full, self.rank, self.plan.world_size)
+        self._history = history
+        self._stream: SystemStream = self._stream_type(
+            self.plan, self.plan.frame_order(self.rank, cont), len(history), full)
+
+    def _plan_changed(self, plan: LoaderPlan) -> None:
+        """The owner adopted a loaded state's seed (into the loader set or into this sampler):
+        the stream starts again under it."""
+        self.plan = plan.with_rule(self.rule)
+        self._restart()
+
+    @property
+    def order(self) -> FrameOrder:
+        """Which frames each batch of each system holds on this rank."""
+        return self._stream.order
+
     @property
     def balance_window(self) -> int:
         """Steps per balanced window (0: every rank trains its own draws)."""
         return self.plan.balance_window
-
-    @property
-    def _balance_identity(self) -> dict[str, int]:
-        """The balance keys of this job's state: none when balancing is off."""
-        if not self.plan.balance_window:
-            return {}
-        return {"balance_window": self.plan.balance_window,
-                "balance_cost_digest": sizes_digest(self.plan.balance_costs)}
-
-    def _reset_balance(self) -> None:
-        """Forget the current window (a new seed, generation or position)."""
-        self._window = -1
-        self._window_start: np.ndarray | None = None
-        self._window_draws = np.empty((0, 0), dtype=np.int64)
-        self._slots: Slots | None = None
-        self._drawer_orders: dict[int, FrameOrder] = {}
-        self._chunks: dict[int, np.ndarray] = {}
-
-    def _drawer_order(self, drawer: int) -> FrameOrder:
-        """The frame order of rank ``drawer``'s stream (its share of any leftover)."""
-        if drawer == self.rank:
-            return self.order
-        order = self._drawer_orders.get(drawer)
-        if order is None:
-            share = None if self._full is None else share_of(self._full, drawer,
-                                                             self.plan.world_size)
-            order = self._drawer_orders[drawer] = self.plan.frame_order(drawer, share)
-        return order
-
-    def _enter_window(self, window: int) -> None:
-        """Make window ``window``'s plan: the counters at its start, its draws, this rank's
-        slots. The next window advances the counters by the draws; any other replays them."""
-        seed, k, world = self.plan.seed, self.plan.balance_window, self.plan.world_size
-        cdf, generation = self.plan.cdf, self.generation
-        if self._window_start is not None and window == self._window + 1:
-            next_start_counts(self._window_start, self._window_draws, out=self._window_start)
-        else:
-            self._window_start = window_start_counts(seed, window, k, world, cdf, generation)
-        first, last = window * k // STREAM_CHUNK, ((window + 1) * k - 1) // STREAM_CHUNK
-        self._chunks = {c: d for c, d in self._chunks.items() if c >= first}
-        for c in range(first, last + 1):
-            if c not in self._chunks:
-                self._chunks[c] = chunk_draws(seed, c, world, cdf, generation)
-        draws = window_draws(seed, window, k, world, cdf, generation, self._chunks)
-        src = arrange(draws, self.plan.balance_costs, seed, window, generation)
-        self._slots = rank_slots(label(draws, src, self._window_start), self.rank)
-        self._window, self._window_draws = window, draws
-
-    def _balanced_key(self, step: int) -> BatchKey:
-        window, position = divmod(step, self.plan.balance_window)
-        if window != self._window:
-            self._enter_window(window)
-        slots = self._slots
-        drawer, sid = int(slots.drawer[position]), int(slots.sid[position])
-        occ = int(slots.occurrence[position])
-        return BatchKey(sid, self._drawer_order(drawer).fids(sid, occ), step, drawer)
 
     @property
     def same_system_across_ranks(self) -> bool:
@@ -244,60 +176,22 @@ class WeightedSystemSampler(Sampler[BatchKey]):
     @property
     def _identity(self) -> dict[str, int]:
         """What a state must share with this sampler to belong to the same job."""
-        self._follow()
         return {"seed": self.plan.seed, **self._job}
-
-    def _follow(self) -> None:
-        """Read the owner's plan again if a loaded state changed its seed (into the loader set
-        or into this sampler): the stream then starts again under that seed."""
-        base = self._owner.plan
-        if base is self._base:
-            return
-        reseeded = base.seed != self._base.seed
-        self._base, self.plan = base, base.with_rule(self.rule)
-        if reseeded:
-            self.order = self.plan.frame_order(self.rank)
-            self._history, self._full = (), None
-            self._step, self._chunk_id = 0, -1
-            self._counts[:] = 0
-            self._reset_balance()
 
     # -- the stream ----------------------------------------------------------------------
     @property
     def position(self) -> int:
         """Keys handed out so far in this generation (the step of the next key)."""
-        self._follow()
-        return self._step
+        return self._stream.step
 
     @property
     def generation(self) -> int:
         """How many times the job changed its number of ranks (0: never)."""
         return len(self._history)
 
-    def _stream_args(self) -> tuple[int, int]:
-        return self.order.seed, self.order.rank
-
-    def _draw(self, step: int) -> int:
-        c = step // STREAM_CHUNK
-        if c != self._chunk_id:
-            self._chunk = stream_chunk(*self._stream_args(), c, self.plan.cdf,
-                                       self.same_system_across_ranks, self.generation)
-            self._chunk_id = c
-        return int(self._chunk[step - c * STREAM_CHUNK])
-
     def next_key(self) -> BatchKey:
         """Hand out the next key and advance the stream."""
-        if self._owner.plan is not self._base:
-            self._follow()
-        step = self._step
-        if self.plan.balance_window:
-            self._step = step + 1
-            return self._balanced_key(step)
-        sid = self._draw(step)
-        occ = int(self._counts[sid])
-        self._counts[sid] = occ + 1
-        self._step = step + 1
-        return BatchKey(sid, self.order.fids(sid, occ), step, self.rank)
+        return self._stream.next_key()
 
     def __iter__(self) -> EpochIterator:
         """The rest of the current epoch: steps up to the next multiple of ``num_samples``.
@@ -309,8 +203,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
 
     def epoch_end(self) -> int:
         """The step at which the current epoch (one ``iter()``) ends."""
-        self._follow()
-        return (self._step // self.num_samples + 1) * self.num_samples
+        return (self._stream.step // self.num_samples + 1) * self.num_samples
 
     def __len__(self) -> int:
         return self.num_samples
@@ -320,27 +213,16 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         step = int(step)
         if step < 0:
             raise StateDictError(f"cannot seek to a negative step ({step})")
-        self._follow()
-        if self.plan.balance_window:   # the window's counters are replayed when it is entered
-            if step // self.plan.balance_window != self._window:
-                self._window, self._window_start = -1, None
-            self._step = step
-            return
-        lo, hi = sorted((self._step, step))
-        delta = stream_counts(*self._stream_args(), lo, hi, self.plan.cdf,
-                              self.same_system_across_ranks, self.generation)
-        self._counts += delta if step >= self._step else -delta
-        self._step = step
+        self._stream.seek(step)
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """This rank's state (:mod:`mdloader.sampling.elastic`); ``consumed`` overrides the
         position (see the module doc)."""
-        self._follow()
-        steps = self._step if consumed is None else int(consumed)
+        steps = self._stream.step if consumed is None else int(consumed)
         if steps < 0:
             raise StateDictError(f"consumed must be >= 0, got {steps}")
-        return {"version": STATE_VERSION, **self._identity, **self._balance_identity,
+        return {"version": STATE_VERSION, **self._identity, **self._stream.identity(),
                 "history": generation_rows(self._history), "rank": self.order.rank,
                 "world_size": self.order.world_size, "steps": steps}
 
@@ -359,10 +241,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         for key, words in IDENTITY.items():
             mine = seed if key == "seed" else self._identity[key]
             check_same("sampler", words, int(state[key]), mine, self._hint(key))
-        mine_balance = self._balance_identity
-        for key, words in BALANCE_IDENTITY.items():
-            check_same("sampler", words, state.get(key, 0), mine_balance.get(key, 0),
-                       " (training_data.balance_window, balance_cost)")
+        self._stream.check_identity(state)
         rank, world = self.order.rank, self.order.world_size
         if merged:
             history, steps = resume_point(parse_generations(state["generations"]), rank, world)
@@ -372,15 +251,8 @@ class WeightedSystemSampler(Sampler[BatchKey]):
                        "merged with mdloader.merge_rank_states")
             check_same("sampler", "rank", int(state["rank"]), rank)
             history, steps = parse_generations(state["history"]), int(state["steps"])
-        if balanced:
-            uneven = [g.steps for g in history if len(set(g.steps)) > 1]
-            if uneven:
-                raise StateDictError(f"cannot resume the sampler on {world} rank(s): a balanced "
-                                     f"job changes its number of ranks only from a state where "
-                                     f"every rank took the same number of steps, got steps "
-                                     f"{list(uneven[0])}")
-        self._owner.adopt_seed(state["seed"], "sampler")  # the loader set's seed too
-        self._follow()
+        self._stream.check_generations(history)
+        self._owner.adopt_seed(state["seed"], "sampler")  # pushed to the loader set's too
         self._set_history(history)
         self.seek(steps)
 
@@ -397,19 +269,12 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         if history == self._history:
             return
         started = time.perf_counter()
-        world = self.plan.world_size
-        full = full_continuation(JobSampling(self.plan), history)
-        cont = None if full is None else share_of(full, self.rank, world)
-        # only balanced steps read other ranks' shares; otherwise keep this rank's 1/W alone
-        self._full = full if self.plan.balance_window else None
-        self.order = self.plan.frame_order(self.rank, continuation=cont)
-        self._history = history
-        self._step, self._chunk_id = 0, -1
-        self._counts[:] = 0
-        self._reset_balance()
+        full = full_continuation(self.plan, history)
+        self._restart(history, full)
+        cont = self.order.continuation
         if cont is not None:
             log.info("sampler: generation %d on %d rank(s) after %s; this rank first serves %d "
-                     "leftover frame(s) (computed in %.2f s)", len(history), world,
+                     "leftover frame(s) (computed in %.2f s)", len(history), self.plan.world_size,
                      " -> ".join(f"{g.world_size} rank(s)" for g in history), len(cont.frames),
                      time.perf_counter() - started)
 
@@ -442,3 +307,7 @@ class EpochIterator(Iterator[BatchKey]):
                    keys=("sampler", "stop"))
         self.sampler.load_state_dict(state["sampler"])
         self.stop = int(state["stop"])
+
+
+__all__ = ["BatchKey", "WeightedSystemSampler", "EpochIterator", "STATE_VERSION",
+           "type_map_digest"]

@@ -20,7 +20,7 @@ from torch.utils.data import Sampler
 
 from mdloader.errors import ConfigError
 from mdloader.sampling.plan import LoaderPlan
-from mdloader.sampling.samplers import BatchKey
+from mdloader.sampling.streams import BatchKey
 
 
 def validation_frames(nframes: int, first: int, rank: int, world_size: int) -> np.ndarray:

@@ -12,8 +12,8 @@ from mdloader.errors import ConfigError, StateDictError
 from mdloader.loading.loader import DpLoaderSet, get_validation_sampler, get_weighted_sampler
 from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
 from mdloader.sampling.elastic import (
-    JobSampling,
     continuation,
+    job_seed,
     merge_rank_states,
     parse_generations,
 )
@@ -126,7 +126,7 @@ def test_plan_errors():
          ConfigError, "this loader plan has no seed"),
         (lambda: LoaderPlan.of_sizes([3, 4], [1, 1], seed=0, world_size=2).frame_order(2),
          ConfigError, r"rank must be in \[0, world_size\), got rank 2 of 2"),
-        (lambda: JobSampling(LoaderPlan.of_sizes([3], [1], seed=None)).seed,
+        (lambda: job_seed(LoaderPlan.of_sizes([3], [1], seed=None)),
          StateDictError, "an elastic resume needs the job seed"),
     ]
     for make, error, match in cases:
@@ -140,7 +140,7 @@ def test_the_loader_set_and_its_samplers_read_one_plan(paths):
     plan = ls.plan
     assert ls.index == plan.nbatches.tolist() and ls.total_batch == plan.total_batches
     assert ls.batch_sizes is plan.batch_sizes and ls.nframes is plan.nframes
-    assert ls.seed == plan.seed == 3 and ls.seed_given
+    assert ls.seed == plan.seed == 3 and ls.plan.seed_given
     sampler = get_weighted_sampler(ls, "prob_sys_size", num_samples=10)
     expected = plan.with_probabilities("prob_sys_size")
     assert sampler.weights.tolist() == expected.probabilities.tolist()
@@ -165,7 +165,7 @@ def test_a_saved_seed_is_adopted_once_and_both_see_it(paths):
     assert b.seed != a.seed
     sb.load_state_dict(sampler_state)                         # only the sampler loads a state
     assert b.seed == sb.plan.seed == sb.order.seed == a.seed
-    assert b.plan is b.plan_owner.plan and not b.seed_given
+    assert b.plan is b.plan_owner.plan and not b.plan.seed_given
     assert [x["fid"] for x in b.dataloaders[0]] == [x["fid"] for x in a.dataloaders[0]]
     assert [sb.next_key() for _ in range(5)] == [sa.next_key() for _ in range(5)]
 
@@ -225,15 +225,13 @@ def test_checks_table_is_the_plan(paths):
     assert loader.probabilities("prob_sys_size").tolist() == plan.probabilities.tolist()
 
 
-def test_elastic_job_sampling_reads_the_plan():
+def test_the_elastic_resume_reads_the_plan():
     nframes, sizes = [12, 7, 30, 1, 8], [2, 3, 4, 1, 1]
     rule = StyleRule.of("prob_sys_size")
     plan = LoaderPlan.of_sizes(nframes, sizes, seed=5, probabilities=rule)
-    job = JobSampling(plan)
-    assert job.nframes is plan.nframes and job.batch_sizes is plan.batch_sizes
-    assert (job.seed, job.shuffle, job.same_system_across_ranks) == (5, True, False)
+    assert job_seed(plan) == 5
     for world in (1, 2, 4):
-        assert np.array_equal(job.cdf(world), plan.on_world(world).cdf)
+        assert np.array_equal(plan.cdf_on(world), plan.on_world(world).cdf)
     old = [WeightedSystemSampler(nframes, sizes, rule, seed=5, rank=r, world_size=2)
            for r in range(2)]
     for sampler, steps in zip(old, (9, 14)):
@@ -242,7 +240,7 @@ def test_elastic_job_sampling_reads_the_plan():
     new = WeightedSystemSampler(nframes, sizes, rule, seed=5, rank=1, world_size=3)
     new.load_state_dict(state)
     history = parse_generations(state["generations"])
-    expected = continuation(JobSampling(new.plan), history, 1, 3)
+    expected = continuation(new.plan, history, 1, 3)
     assert new.plan.world_size == 3 and new.order.seed == new.plan.seed == 5
     assert np.array_equal(new.order.continuation.frames, expected.frames)
     assert np.array_equal(new.order.continuation.base_pass, expected.base_pass)
