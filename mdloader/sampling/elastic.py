@@ -21,12 +21,10 @@ lost. A pass that a lagging old rank had not started is not carried over: the fr
 its place. Generation 0 has no leftover and starts at pass 0, which is the job as it runs before
 any elastic resume.
 
-A sampler's saved state: one rank's or the whole job's (every rank merged), and where to resume.
-
-A **rank state** (``WeightedSystemSampler.state_dict()``) holds what identifies the job (seed,
-system sizes, probability rule, type map, flags), the finished generations of the job
-(``history``: one row ``[W, k_0, ..., k_{W-1}]`` per generation, see
-:mod:`mdloader.sampling.elastic`) and this rank's place in the current one (``rank``,
+The sampler's saved state is one rank's or the whole job's. A **rank state**
+(``WeightedSystemSampler.state_dict()``) holds what identifies the job (seed, system sizes,
+probability rule, type map, flags), the finished generations of the job (``history``: one row
+``[W, k_0, ..., k_{W-1}]`` per generation) and this rank's place in the current one (``rank``,
 ``world_size``, ``steps``). A **job state** (:func:`merge_rank_states`) holds the same identity
 and ``generations``: the history plus the current generation's row. Either grows by ``W + 1``
 integers per elastic resume, never with the number of steps or of systems.

@@ -4,7 +4,10 @@ The sampler yields :class:`BatchKey` ``(sid, fids, step)``. ``DataLoader(loader_
 sampler=sampler, batch_size=None, num_workers=K, ...)`` hands each key to a worker that only
 *reads* those frames, so the union of what the workers yield is exactly this rank's stream: no
 batch twice, no frame skipped (DeePMD-kit's workers each advance a forked copy of per-system
-iterators and repeat batches).
+iterators and repeat batches). The keys come from a system stream
+(:mod:`mdloader.sampling.streams`: independent or balanced, chosen once from the plan); the
+sampler holds what identifies the job and its generations, and makes a new stream when the job
+enters another generation or its plan owner pushes another seed.
 
 Resume state is a few integers; the per-system cursors are recomputed by replaying the system
 stream (:func:`mdloader.sampling.order.stream_counts`). The state of every rank merged

@@ -1,0 +1,132 @@
+"""The two system streams behind the weighted sampler, and the plan owner that pushes a new seed.
+
+A stream made from a plan serves exactly the sampler's keys, and seeks to any step as a fresh
+one stepped there would stand; the strategy follows the plan's balance window. The plan owner
+tells every subscriber of an adopted seed once, keeps no sampler alive, and a copied sampler
+(pickled, as a worker or a checkpoint copy would) still hears of it.
+"""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import weakref
+
+import pytest
+
+from mdloader.errors import StateDictError
+from mdloader.loading.loader import DpLoaderSet, get_weighted_sampler
+from mdloader.sampling.plan import LoaderPlan, PlanOwner
+from mdloader.sampling.probability import StyleRule
+from mdloader.sampling.samplers import WeightedSystemSampler
+from mdloader.sampling.streams import BalancedStream, IndependentStream, stream_type
+from mdloader.testing import make_system
+
+NFRAMES = [12, 7, 30, 1, 8]
+BSIZES = [2, 3, 4, 1, 1]
+NATOMS = [3, 50, 9, 120, 7]
+RULE = StyleRule.of("prob_sys_size")
+
+
+def plan_of(world: int, window: int = 0, **kw) -> LoaderPlan:
+    return LoaderPlan.of_sizes(NFRAMES, BSIZES, seed=5, world_size=world, natoms=NATOMS,
+                               balance_window=window, probabilities=RULE, **kw)
+
+
+@pytest.mark.parametrize(("window", "kind"), [(0, IndependentStream), (4, BalancedStream)])
+def test_a_stream_serves_the_samplers_keys_and_seeks_anywhere(window, kind):
+    world = 3
+    for rank in range(world):
+        plan = plan_of(world, window)
+        assert stream_type(plan) is kind
+        stream = kind(plan, plan.frame_order(rank), 0)
+        sampler = WeightedSystemSampler(NFRAMES, BSIZES, RULE, seed=5, rank=rank,
+                                        world_size=world, natoms=NATOMS, balance_window=window)
+        keys = [stream.next_key() for _ in range(40)]
+        assert keys == [sampler.next_key() for _ in range(40)]
+        assert stream.step == sampler.position == 40
+        if not window:
+            assert all(k.drawer == rank for k in keys)
+        for step in (17, 3, 33, 0, 39):
+            stream.seek(step)
+            assert [stream.next_key() for _ in range(40 - step)] == keys[step:]
+        state = sampler.state_dict()
+        assert set(stream.identity()) == ({"balance_window", "balance_cost_digest"} if window
+                                          else set())
+        assert all(state[key] == value for key, value in stream.identity().items())
+
+
+def test_each_stream_refuses_the_other_strategys_state():
+    plain = WeightedSystemSampler(NFRAMES, BSIZES, RULE, seed=5, natoms=NATOMS)
+    balanced = WeightedSystemSampler(NFRAMES, BSIZES, RULE, seed=5, natoms=NATOMS,
+                                     balance_window=4)
+    with pytest.raises(StateDictError, match="the saved state has balance window 4 but this "
+                       r"loader has 0 \(training_data.balance_window, balance_cost\)"):
+        plain.load_state_dict(balanced.state_dict())
+    with pytest.raises(StateDictError, match="the saved state has balance window 0 but this "
+                       "loader has 4"):
+        balanced.load_state_dict(plain.state_dict())
+
+
+def test_the_owner_pushes_an_adopted_seed_once_to_each_subscriber():
+    owner = PlanOwner(plan_of(1, seed_given=False))
+    seen: list[int] = []
+
+    class Listener:
+        def heard(self, plan: LoaderPlan) -> None:
+            seen.append(plan.seed)
+
+    listener = Listener()
+    owner.subscribe(listener.heard)
+    assert owner.adopt_seed(5) is owner.plan and seen == []       # the same seed: no news
+    assert owner.adopt_seed(9).seed == 9 and seen == [9]
+    given = PlanOwner(plan_of(1))
+    given.subscribe(listener.heard)
+    with pytest.raises(StateDictError, match="seed 8 but this loader has 5"):
+        given.adopt_seed(8)
+    assert seen == [9] and given.plan.seed == 5                    # a refusal pushes nothing
+    del listener
+    gc.collect()
+    owner.adopt_seed(11)                                           # held weakly: nobody left
+    assert seen == [9] and owner.plan.seed == 11
+
+
+def test_a_dropped_sampler_is_not_kept_alive_by_its_owner():
+    owner = PlanOwner(plan_of(1, seed_given=False))
+    sampler = WeightedSystemSampler.of_plan(owner, RULE)
+    ref = weakref.ref(sampler)
+    del sampler
+    gc.collect()
+    assert ref() is None
+    assert owner.adopt_seed(12).seed == 12
+
+
+def test_a_copied_sampler_still_hears_an_adopted_seed():
+    sampler = WeightedSystemSampler(NFRAMES, BSIZES, RULE, seed=5, adopt_seed=True)
+    [sampler.next_key() for _ in range(6)]
+    other = WeightedSystemSampler(NFRAMES, BSIZES, RULE, seed=77, adopt_seed=True)
+    [other.next_key() for _ in range(4)]
+    copy = pickle.loads(pickle.dumps(sampler))
+    assert copy.next_key() == sampler.next_key()
+    copy.load_state_dict(other.state_dict())
+    assert copy.order.seed == copy.plan.seed == 77 and copy.position == 4
+    assert copy.next_key() == other.next_key()
+    assert sampler.plan.seed == 5                                  # the original is its own
+
+
+def test_a_seed_loaded_into_the_loader_set_reaches_every_sampler_and_the_set(tmp_path):
+    paths = [make_system(tmp_path, f"sys_{i}", natoms=3 + i, nframes=5 + i) for i in range(3)]
+    a = DpLoaderSet(paths, 2, ["O", "H"], seed=21)
+    first = get_weighted_sampler(a, "prob_uniform", num_samples=10)
+    b = DpLoaderSet(paths, 2, ["O", "H"])                          # a drawn seed
+    samplers = [get_weighted_sampler(b, "prob_uniform", num_samples=10) for _ in range(2)]
+    assert b.frame_order.seed == b.seed != 21
+    b.load_state_dict(a.state_dict())
+    assert b.seed == 21 and all(s.order.seed == 21 for s in samplers)
+    assert [x["fid"] for x in b.dataloaders[0]] == [x["fid"] for x in a.dataloaders[0]]
+    expected = [first.next_key() for _ in range(5)]
+    assert all([s.next_key() for _ in range(5)] == expected for s in samplers)
+    again = pickle.loads(pickle.dumps(b))                          # a worker's copy of the set
+    assert again.sampler is None and again.frame_order.seed == 21
+    again.load_state_dict(DpLoaderSet(paths, 2, ["O", "H"], seed=33).state_dict())
+    assert again.frame_order.seed == again.seed == 33 and b.seed == 21
