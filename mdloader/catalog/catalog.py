@@ -39,10 +39,6 @@ from mdloader.settings import resolve
 
 log = logging.getLogger(__name__)
 
-#: Where a catalog came from: surveyed now, or an index (as saved, brought up to date, or
-#: trusted without a check).
-SOURCES = ("built", "index", "index (updated)", "index (trusted)")
-
 
 @dataclass(frozen=True)
 class Catalog:
@@ -53,7 +49,7 @@ class Catalog:
     """
 
     saved: SavedIndex
-    source: str = "built"
+    source: str = "built"  # or "index", "index (updated)", "index (trusted)"
     request: index.IndexRequest | None = None
     save_needed: bool = False
     discovery_seconds: float = 0.0
