@@ -33,9 +33,9 @@ def child(systems: list[str], batch: int, steps: int, rounds: int) -> None:
     import torch
 
     from mdloader.config.input_json import DataConfig, LossConfig
-    from mdloader.config.loaders import configured_loader
     from mdloader.distributed.collectives import any_rank, gather_to_main
     from mdloader.distributed.group import process_group
+    from mdloader.loading.assembly import configured_loader
     from mdloader.train.job import LABELS
     from mdloader.train.model import RadialPotential
     from mdloader.train.objective import EnergyForceLoss

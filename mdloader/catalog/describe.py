@@ -1,6 +1,8 @@
 """Describe many systems on rank 0: in a loop, a thread pool, or spawned processes.
 
-Describing a system is a little Python and a few small reads. On a warm local disk a loop is
+:func:`fan_out` is the one way mdloader runs a per-system job over many systems (the build's
+descriptions, ``mdloader check``'s inspections, ``mdloader pack``'s). Describing a system is a
+little Python and a few small reads. On a warm local disk a loop is
 fastest; where every ``open`` waits on the disk (a shared file system, a cold cache) threads
 overlap the waits -- decided by timing the calls themselves (:mod:`mdloader.fs_calls`); a
 very large CPU-bound build runs in spawned processes, one per core (never forked: rank 0 holds
@@ -16,10 +18,12 @@ import os
 import pickle
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Generic, TypeVar
 
 from mdloader.data.formats import Listing
 from mdloader.data.system import SystemMeta, build_system_meta
@@ -31,6 +35,10 @@ log = logging.getLogger(__name__)
 CHUNK = 512  # systems per pool task
 PROCESS_MIN = 20_000  # CPU-bound builds at least this large use processes (all cores)
 PROCESS_CPU = 50e-6  # ... unless a system takes less CPU than this (LMDB groups, from memory)
+
+T = TypeVar("T")
+#: A per-system job: ``work(address, listing)``, ``listing`` being discovery's listing or None.
+Work = Callable[[str, "Listing | None"], T]
 
 
 class SystemFailed(Exception):
@@ -52,17 +60,40 @@ def describe_systems(addresses: list[str], type_map: Sequence[str] | None, worke
                      listings: Mapping[str, Listing] | None = None) -> Iterator[SystemMeta]:
     """Descriptions in input order; the first failing system (in order) stops the build.
 
-    The first :data:`~mdloader.fs_calls.PROBE` systems are described in this thread; the
-    rest go to a pool of threads only if more than half of that time was spent waiting inside
-    file-system calls (as many threads as keep this core busy, at most ``workers``), else they
-    are described here too (or in processes, for a very large build). The pool gets the
-    addresses in chunks: one future per system cost more than the work. ``listings`` are the
-    system folders' listings made by discovery.
+    ``listings`` are the system folders' listings made by discovery (see :func:`fan_out`).
+    """
+    return fan_out(addresses, partial(describe_one, type_map=type_map), workers, listings)
+
+
+def describe_one(address: str, listing: Listing | None = None, *,
+                 type_map: Sequence[str] | None = None) -> SystemMeta:
+    """One system's description, from the listing discovery made when there is one."""
+    if listing:
+        return build_system_meta(address, type_map, listing=listing)
+    return build_system_meta(address, type_map)
+
+
+def fan_out(addresses: list[str], work: Work[T], workers: int,
+            listings: Mapping[str, Listing] | None = None) -> Iterator[T]:
+    """``work`` of every address, in input order; the first failing system (in order) stops.
+
+    The first :data:`~mdloader.fs_calls.PROBE` systems run in this thread; the rest go to a
+    pool of threads only if more than half of that time was spent waiting inside file-system
+    calls (as many threads as keep this core busy, at most ``workers``), else they run here too
+    (or in spawned processes, for a very large CPU-bound job: ``work`` must then pickle). The
+    pool gets the addresses in chunks: one future per system cost more than the work.
+
+    Raises
+    ------
+    DataError
+        As the failing system raised it (it names its system and file).
+    SystemFailed
+        Any other failure; ``__cause__`` is the error.
     """
     stop, listings = _Stop(), listings or {}
     cpu = time.thread_time()
     with measuring() as probe_time:
-        probe = _build_chunk(0, addresses[:PROBE], type_map, stop, listings)
+        probe = _run_chunk(0, addresses[:PROBE], work, stop, listings)
     cpu = time.thread_time() - cpu
     yield from _in_order(iter([probe]))
     rest = addresses[PROBE:]
@@ -73,26 +104,26 @@ def describe_systems(addresses: list[str], type_map: Sequence[str] | None, worke
     size = _chunk_size(len(rest), threads)
     chunks = [rest[i:i + size] for i in range(0, len(rest), size)]
     processes = min(workers, os.cpu_count() or 1)
-    heavy = cpu > PROCESS_CPU * max(1, len(probe.metas))  # spawning costs seconds
+    heavy = cpu > PROCESS_CPU * max(1, len(probe.results))  # spawning costs seconds
     if threads == 1 and len(rest) >= PROCESS_MIN and processes > 1 and heavy:
-        yield from _in_processes(rest, type_map, processes, stop, listings)
+        yield from _in_processes(rest, work, processes, stop, listings)
         return
     if threads == 1:
-        yield from _in_order(_build_chunk(0, c, type_map, stop, listings) for c in chunks)
+        yield from _in_order(_run_chunk(0, c, work, stop, listings) for c in chunks)
         return
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mdloader-build") as pool:
-        futures = [pool.submit(_build_chunk, i, c, type_map, stop, listings)
+        futures = [pool.submit(_run_chunk, i, c, work, stop, listings)
                    for i, c in enumerate(chunks)]
         try:
             yield from _in_order(f.result() for f in futures)
-        finally:  # a failure, or the consumer stopped: do not build what nobody will read
+        finally:  # a failure, or the consumer stopped: do not run what nobody will read
             stop.after(-1)
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _in_processes(addresses: list[str], type_map: Sequence[str] | None, processes: int,
-                  stop: _Stop, listings: Mapping[str, Listing]) -> Iterator[SystemMeta]:
-    """A large CPU-bound build on every core: spawned processes, chunks in order.
+def _in_processes(addresses: list[str], work: Work[T], processes: int, stop: _Stop,
+                  listings: Mapping[str, Listing]) -> Iterator[T]:
+    """A large CPU-bound job on every core: spawned processes, chunks in order.
 
     If the pool itself breaks (e.g. an unguarded ``__main__`` that cannot be re-imported), the
     build falls back to this process.
@@ -102,19 +133,19 @@ def _in_processes(addresses: list[str], type_map: Sequence[str] | None, processe
     try:
         with ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn")) as pool:
             parts = [{a: listings[a] for a in c if a in listings} for c in chunks]
-            for chunk in pool.map(_process_chunk, chunks, [type_map] * len(chunks), parts):
+            for chunk in pool.map(_process_chunk, chunks, [work] * len(chunks), parts):
                 yield from _in_order(iter([chunk]))
                 done += 1
         return
     except BrokenProcessPool as exc:
         log.warning("the build's process pool failed (%s); building in this process", exc)
-    yield from _in_order(_build_chunk(0, c, type_map, stop, listings) for c in chunks[done:])
+    yield from _in_order(_run_chunk(0, c, work, stop, listings) for c in chunks[done:])
 
 
-def _process_chunk(addresses: list[str], type_map: Sequence[str] | None,
+def _process_chunk(addresses: list[str], work: Work[Any],
                    listings: Mapping[str, Listing]) -> _Chunk:
     """Runs in a pool process: a chunk whose failure, if any, can travel back by pickle."""
-    chunk = _build_chunk(0, addresses, type_map, _Stop(), listings)
+    chunk = _run_chunk(0, addresses, work, _Stop(), listings)
     if chunk.failed is not None:
         address, exc = chunk.failed
         try:
@@ -143,31 +174,30 @@ class _Stop:
 
 
 @dataclass
-class _Chunk:
-    metas: list[SystemMeta]
+class _Chunk(Generic[T]):
+    results: list[T] = field(default_factory=list)
     failed: tuple[str, BaseException] | None = None  # the system and its error
 
 
-def _build_chunk(index: int, addresses: list[str], type_map: Sequence[str] | None,
-                 stop: _Stop, listings: Mapping[str, Listing]) -> _Chunk:
-    """Describe ``addresses`` in order up to the first failure."""
-    metas = []
+def _run_chunk(index: int, addresses: list[str], work: Work[T], stop: _Stop,
+               listings: Mapping[str, Listing]) -> _Chunk[T]:
+    """``work`` of ``addresses`` in order, up to the first failure."""
+    chunk: _Chunk[T] = _Chunk()
     for address in addresses:
         if stop.stopped(index):
             break
         try:
-            listing = listings.get(address)
-            metas.append(build_system_meta(address, type_map, listing=listing) if listing
-                         else build_system_meta(address, type_map))
+            chunk.results.append(work(address, listings.get(address)))
         except Exception as exc:  # noqa: BLE001 - raised again, in order, by _in_order
             stop.after(index)
-            return _Chunk(metas, (address, exc))
-    return _Chunk(metas)
+            chunk.failed = (address, exc)
+            break
+    return chunk
 
 
-def _in_order(chunks: Iterator[_Chunk]) -> Iterator[SystemMeta]:
+def _in_order(chunks: Iterator[_Chunk[T]]) -> Iterator[T]:
     for chunk in chunks:
-        yield from chunk.metas
+        yield from chunk.results
         if chunk.failed is not None:
             address, exc = chunk.failed
             if isinstance(exc, DataError):

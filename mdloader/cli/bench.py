@@ -60,7 +60,7 @@ def run_bench(config: Config, *, batches: int = 200, num_workers: int | None = N
 def bench_rank(config: Config, world: World, *, batches: int, num_workers: int | None
                ) -> dict[str, Any]:
     """One rank's measurements (see the module docstring)."""
-    from mdloader.config.loaders import configured_loader
+    from mdloader.loading.assembly import configured_loader
     from mdloader.loading.loader import default_num_workers
     from mdloader.threads import set_torch_threads
 

@@ -15,10 +15,11 @@ import argparse
 import json
 import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
+from mdloader.catalog.describe import SystemFailed, fan_out
 from mdloader.catalog.discover import discover_systems
 from mdloader.config.input_json import Config, DataConfig, parse_config
 from mdloader.data.formats import backend_of
@@ -174,8 +175,11 @@ def _build_all(data: DataConfig, type_map: tuple[str, ...] | None, section: Sect
         problems.append(Problem(section.name, str(exc), config=isinstance(exc, ConfigError)))
         return None
     unique = list(dict.fromkeys(addresses))
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        inspected = dict(zip(unique, pool.map(lambda a: _inspect(a, type_map), unique)))
+    try:
+        inspected = dict(zip(unique, fan_out(unique, partial(_inspect, type_map=type_map),
+                                             max(1, threads))))
+    except SystemFailed as failed:  # not a problem of the data: a bug, or the machine
+        raise failed.original() from None
     for address, (meta, found) in inspected.items():
         problems.extend(Problem(section.name, str(exc), address, isinstance(exc, ConfigError))
                         for exc in found)
@@ -184,7 +188,7 @@ def _build_all(data: DataConfig, type_map: tuple[str, ...] | None, section: Sect
     return [inspected[a][0] for a in addresses if inspected[a][0] is not None]
 
 
-def _inspect(address: str, type_map: tuple[str, ...] | None
+def _inspect(address: str, listing: object = None, *, type_map: tuple[str, ...] | None = None
              ) -> tuple[SystemMeta | None, list[MdloaderError]]:
     try:
         return inspect_system(address, type_map)  # type: ignore[return-value]

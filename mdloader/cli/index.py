@@ -17,8 +17,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mdloader.catalog.catalog import catalog_for
 from mdloader.catalog.freshness import check_saved
-from mdloader.catalog.index import describe, index_request, inspect, load
+from mdloader.catalog.index import index_request, inspect, load
 from mdloader.catalog.index_file import MAGIC, IndexFileError, open_index, read_index
 from mdloader.config.input_json import Config, DataConfig, load_config
 from mdloader.data.formats import backend_of
@@ -66,18 +67,19 @@ def build_indexes(config: Config, *, refresh: bool = False,
     out = []
     for data in _sections(config):
         start = time.monotonic()
-        done = describe(list(data.systems), config.type_map, data.rglob_patterns,
-                        workers=int(resolve("build_workers")), progress=progress,
-                        index_file=data.index_file, mode="refresh" if refresh else "check",
-                        key=f"{data.json_path}.systems")
-        done.save()
-        table = done.survey.saved.table
-        state = {"built": "built", "index": "unchanged"}.get(done.source, "updated")
+        catalog = catalog_for(list(data.systems), config.type_map, data.rglob_patterns,
+                              workers=int(resolve("build_workers")), progress=progress,
+                              index_file=data.index_file,
+                              mode="refresh" if refresh else "check",
+                              key=f"{data.json_path}.systems")
+        catalog.save()
+        table = catalog.saved.table
+        state = {"built": "built", "index": "unchanged"}.get(catalog.source, "updated")
         unindexed = sum(not backend_of(a).indexable for a in set(table.addresses()))
-        out.append(IndexSummary(data.json_path, done.request.path if done.request else "",
-                                state, len(table), int(table.nframes().sum()),
-                                described=max(0, done.survey.described - unindexed),
-                                reused=done.survey.reused, seconds=time.monotonic() - start,
+        out.append(IndexSummary(data.json_path, catalog.index_file or "", state, len(table),
+                                int(table.nframes().sum()),
+                                described=max(0, catalog.described - unindexed),
+                                reused=catalog.reused, seconds=time.monotonic() - start,
                                 unindexed=unindexed))
     return out
 

@@ -1,2 +1,2 @@
 """The input.json of DeePMD-kit as mdloader reads it: the dargs schema, the frozen
-configuration, and the loaders a data section describes."""
+configuration, and what it refuses."""

@@ -1,14 +1,16 @@
 """Build the datasets of a job: rank 0 reads the data tree, every rank gets the same list.
 
-1. Rank 0 alone obtains the descriptions: from its system index when that is still true
-   (:mod:`mdloader.catalog.index`), else by discovering the systems and describing them from headers
-   only (no frames), in a loop, in threads when the file system makes it wait, or in spawned
-   processes for very large CPU-bound builds (never forked: rank 0 holds a process group).
+1. Rank 0 alone obtains the catalog (:func:`mdloader.catalog.catalog.catalog_for`): from its
+   system index when that is still true, else by discovering the systems and describing them
+   from headers only (no frames), in a loop, in threads when the file system makes it wait, or
+   in spawned processes for very large CPU-bound builds (never forked: rank 0 holds a process
+   group).
 2. It pickles them as one :class:`~mdloader.catalog.table.SystemTable` -- or its failure -- into
    one packet *before* any collective, so every rank either gets the table or raises the same
    :class:`~mdloader.errors.RemoteError` naming the system and the file.
 3. Every rank checks the type and count and that its payload digest equals rank 0's; the
-   datasets are made from the table when first used (no I/O). Rank 0 then saves the index.
+   datasets are made from the table when first used (no I/O). Rank 0 then saves the catalog
+   as its index.
 
 Other ranks never touch the data tree, nor the index, during the build. ``docs/benchmarks.md``
 gives the measurements behind the choice of loop, threads or processes.
@@ -25,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mdloader.catalog.catalog import Catalog, catalog_for
 from mdloader.catalog.describe import SystemFailed
-from mdloader.catalog.index import Described, describe
 from mdloader.catalog.table import SystemTable
 from mdloader.distributed.channel import world_channel
 from mdloader.distributed.group import current_world
@@ -39,24 +41,45 @@ log = logging.getLogger(__name__)
 CONTEXT = "discovering and building the systems"
 
 
+class _FromCatalog:
+    """A report field read from rank 0's catalog; ``default`` on the ranks that received it."""
+
+    def __init__(self, default: Any, attribute: str | None = None) -> None:
+        self.default, self.attribute = default, attribute
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attribute = self.attribute or name
+
+    def __get__(self, report: BuildReport | None, owner: type | None = None) -> Any:
+        if report is None:
+            return self
+        return self.default if report.catalog is None else getattr(report.catalog, self.attribute)
+
+
 @dataclass(frozen=True)
 class BuildReport:
-    """What the build did and how long each phase took (seconds as seen by this rank)."""
+    """What the build did and how long each phase took (seconds as seen by this rank).
+
+    The catalog's fields (discovery, description, index) are read from rank 0's
+    :class:`~mdloader.catalog.catalog.Catalog`; other ranks report their defaults.
+    """
 
     nsys: int
     nframes: int
-    discovery_seconds: float
-    build_seconds: float
     broadcast_seconds: float  # on other ranks: includes the wait for rank 0
     verify_seconds: float  # unpickle, check every entry, wrap, compare digests
     payload_bytes: int
     num_workers: int  # the most threads the build may use (it runs serially on a fast disk)
     world_size: int
-    source: str = "built"  # or "index", "index (updated)", "index (trusted)"
-    index_file: str | None = None  # the index file read or written (rank 0)
-    index_seconds: float = 0.0  # loading and checking the index
-    described: int = 0  # systems whose headers rank 0 read
-    reused: int = 0  # systems taken from the index
+    catalog: Catalog | None = None  # rank 0's catalog
+
+    discovery_seconds = _FromCatalog(0.0)
+    build_seconds = _FromCatalog(0.0)
+    source = _FromCatalog("received")  # "built", "index", "index (updated)", "index (trusted)"
+    index_file = _FromCatalog(None)  # the index file read or written (rank 0)
+    index_seconds = _FromCatalog(0.0, "check_seconds")  # loading and checking the index
+    described = _FromCatalog(0)  # systems whose headers rank 0 read
+    reused = _FromCatalog(0)  # systems taken from the index
 
     def summary(self) -> str:
         verb = "built" if self.source == "built" else "loaded"
@@ -108,7 +131,7 @@ def build_systems_with_report(
     index_file, index_mode
         The system index file (default: one in ``$MDLOADER_CACHE_DIR`` named after the
         request) and what to do with it: ``check``, ``refresh``, ``trust`` or ``off``
-        (``$MDLOADER_INDEX``, default ``check``); see :mod:`mdloader.catalog.index`.
+        (``$MDLOADER_INDEX``, default ``check``); see :mod:`mdloader.catalog.catalog`.
     key
         The JSON path of ``systems``, named by the error for an entry that does not exist.
 
@@ -132,29 +155,32 @@ def build_systems_with_report(
                "mode": index_mode, "key": key}
     if not world.distributed:
         try:
-            described = describe(systems, type_map, rglob_patterns, **options)
+            catalog = catalog_for(systems, type_map, rglob_patterns, **options)
         except SystemFailed as failed:
             raise failed.original() from None
-        table = _table(described)
-        described.save()
-        report = _report(table, described, (0.0, 0.0), 0, 1, options["workers"])
+        catalog.save()
+        table = catalog.table
+        report = BuildReport(len(table), int(table.nframes().sum()), broadcast_seconds=0.0,
+                             verify_seconds=0.0, payload_bytes=0,
+                             num_workers=options["workers"], world_size=1, catalog=catalog)
         log.info(report.summary())
         return SystemDatasets(table), report
     channel = world_channel(timeout=timeout, setting="build_timeout", activity=CONTEXT)
-    described, packet = None, None
+    catalog, packet = None, None
     if world.is_main:
-        described, packet = _packet_on_rank0(systems, type_map, rglob_patterns, options)
+        catalog, packet = _packet_on_rank0(systems, type_map, rglob_patterns, options)
     start = time.monotonic()
     packet = channel.broadcast(packet)
     received = time.monotonic()
     table = open_packet(packet, rank=world.rank)  # raises rank 0's failure on every rank
     datasets, problem = _verify(table, packet.count)
     channel.agree(digest(packet.payload), problem)
-    if described is not None:
-        described.save()
-    report = _report(table, described, (received - start, time.monotonic() - received),
-                     len(packet.payload), world.world_size,
-                     options["workers"] if described is not None else 0)
+    if catalog is not None:
+        catalog.save()
+    report = BuildReport(len(table), int(table.nframes().sum()), received - start,
+                         time.monotonic() - received, len(packet.payload),
+                         options["workers"] if catalog is not None else 0, world.world_size,
+                         catalog)
     if world.is_main:
         log.info(report.summary())
     return datasets, report
@@ -165,21 +191,13 @@ def resolve_workers(num_workers: int | None = None) -> int:
     return int(resolve("build_workers", num_workers, argument="num_workers"))
 
 
-def _table(described: Described) -> SystemTable:
-    """The descriptions, saying where they come from (an index, or this start)."""
-    table = described.survey.saved.table
-    origin = described.request.path if described.request and described.source != "built" \
-        else None
-    return table.with_origin(origin)
-
-
 def _packet_on_rank0(systems: Any, type_map: Sequence[str] | None,
                      rglob_patterns: Sequence[str] | None,
-                     options: dict[str, Any]) -> tuple[Described | None, Packet]:
-    """Rank 0's outcome as one packet: the table of descriptions, or the first failure."""
+                     options: dict[str, Any]) -> tuple[Catalog | None, Packet]:
+    """Rank 0's outcome as one packet: the catalog's table, or the first failure."""
     try:
-        described = describe(systems, type_map, rglob_patterns, **options)
-        table = _table(described)
+        catalog = catalog_for(systems, type_map, rglob_patterns, **options)
+        table = catalog.table
     except SystemFailed as failed:
         return None, error_packet(failed.__cause__, rank=0, context=CONTEXT,
                                   system=failed.address)
@@ -188,7 +206,7 @@ def _packet_on_rank0(systems: Any, type_map: Sequence[str] | None,
     packet = data_packet(table, rank=0, count=len(table),
                          context="serializing the system descriptions",
                          describe=lambda exc: {"system": _unpicklable(table)})
-    return described, packet
+    return catalog, packet
 
 
 def _unpicklable(metas: SystemTable) -> str | None:
@@ -210,17 +228,3 @@ def _verify(received: Any, count: int) -> tuple[SystemDatasets, str | None]:
         return SystemDatasets(received), (f"received {len(received)} system descriptions, rank "
                                           f"0 sent {count}")
     return SystemDatasets(received), None
-
-
-def _report(table: SystemTable, described: Described | None, times: tuple[float, float],
-            nbytes: int, world_size: int, workers: int) -> BuildReport:
-    """``times``: broadcast (with the wait for rank 0) and verification."""
-    done = described.survey if described is not None else None
-    return BuildReport(
-        len(table), int(table.nframes().sum()),
-        done.discovery_seconds if done else 0.0, done.build_seconds if done else 0.0,
-        *times, payload_bytes=nbytes, num_workers=workers,
-        world_size=world_size, source=described.source if described else "received",
-        index_file=described.request.path if described and described.request else None,
-        index_seconds=done.check_seconds if done else 0.0,
-        described=done.described if done else 0, reused=done.reused if done else 0)

@@ -34,7 +34,6 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from mdloader.config.input_json import Config
-from mdloader.config.loaders import configured_loader
 from mdloader.data.formats import release_handles
 from mdloader.data.schema import DataRequirementItem
 from mdloader.distributed.collectives import (
@@ -46,6 +45,7 @@ from mdloader.distributed.collectives import (
 from mdloader.distributed.failure import Activity
 from mdloader.distributed.group import device_of, process_group
 from mdloader.errors import ConfigError, StateDictError, WriteError
+from mdloader.loading.assembly import configured_loader
 from mdloader.loading.loader import default_num_workers
 from mdloader.loading.stateful_loader import lost_worker
 from mdloader.threads import set_torch_threads

@@ -23,8 +23,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from mdloader.config.input_json import DataConfig
-from mdloader.config.loaders import configured_loader
 from mdloader.distributed.collectives import reduce_sums
+from mdloader.loading.assembly import configured_loader
 from mdloader.loading.loader import get_validation_sampler
 from mdloader.train.objective import rmse_columns
 from mdloader.transport import identity

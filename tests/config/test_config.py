@@ -266,7 +266,7 @@ def test_schema_markdown_covers_every_key() -> None:
 
 def test_balance_keys_reach_the_sampler(tmp_path: Path) -> None:
     """training_data.balance_window/balance_cost: checked, and the configured sampler balances."""
-    from mdloader.config.loaders import configured_loader
+    from mdloader.loading.assembly import configured_loader
     from mdloader.testing import make_dataset
     from mdloader.world import World
 

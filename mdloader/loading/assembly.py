@@ -1,22 +1,40 @@
-"""The loader an ``input.json`` data section describes, assembled once for ``train`` and ``bench``.
+"""The loader a data section describes, assembled once for ``train`` and ``bench``.
 
 Build (rank 0 reads, every rank receives), batch sizes, the requested labels, the sampler from
 ``sys_probs``/``auto_prob``, and the stateful outer ``DataLoader``: the same steps in the same
-order for every application, so what ``bench`` measures is what ``train`` runs.
+order for every application, so what ``bench`` measures is what ``train`` runs. The data
+section is anything shaped like ``mdloader.config.input_json.DataConfig`` (:class:`DataSection`),
+so that loading needs nothing of the configuration layer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from mdloader.config.input_json import DataConfig
 from mdloader.loading.build import BuildReport, build_systems_with_report
 from mdloader.loading.loader import DpLoaderSet, get_sampler_from_params
 from mdloader.loading.stateful_loader import StatefulLoader
 from mdloader.sampling.samplers import WeightedSystemSampler
 from mdloader.world import World
+
+
+class DataSection(Protocol):
+    """What the assembly reads of a data section of ``input.json``."""
+
+    systems: Sequence[str]
+    rglob_patterns: Sequence[str] | None
+    index_file: str | None
+    json_path: str
+    balance_window: int
+    balance_cost: str
+
+    def batch_size_value(self) -> int | list[int] | str:
+        """The section's ``batch_size``."""
+
+    def sampler_params(self) -> dict[str, Any]:
+        """The section's ``sys_probs`` and ``auto_prob``."""
 
 
 @dataclass
@@ -29,7 +47,7 @@ class ConfiguredLoader:
     report: BuildReport
 
 
-def configured_loader(data: DataConfig, *, type_map: Sequence[str] | None, seed: int | None,
+def configured_loader(data: DataSection, *, type_map: Sequence[str] | None, seed: int | None,
                       world: World, labels: Sequence[Any], num_workers: int,
                       **dataloader_kwargs: Any) -> ConfiguredLoader:
     """Build the systems of ``data`` and the stateful loader over them (a collective)."""
