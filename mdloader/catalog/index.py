@@ -8,7 +8,7 @@ the build's broadcast, as always.
 
 Where: the file named by ``index_file=`` (``index_file`` in a data section of ``input.json``),
 else
-``$MDLOADER_CACHE_DIR/<name>-<key>.mdlidx``, where the key is a hash of the resolved system
+``$MDLOADER_CACHE_DIR/index/<name>-<key>.mdlidx``, where the key is a hash of the resolved system
 entries, the ``rglob`` patterns, the model ``type_map`` and the index format. Modes
 (``index_mode=`` or ``$MDLOADER_INDEX``): ``check`` (default), ``refresh`` (describe everything
 again), ``trust`` (no check: read-only archives), ``off``. A missing index is built; an index
@@ -52,7 +52,7 @@ from mdloader.catalog.table import TableBuilder
 from mdloader.data.formats import backend_of, parse_address
 from mdloader.data.system import SystemMeta
 from mdloader.fs_calls import Overlap
-from mdloader.settings import resolve
+from mdloader.settings import cache_folder, resolve
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,7 @@ def index_request(systems: object, rglob_patterns: Sequence[str] | None,
     if index_file is not None:
         path = os.path.abspath(os.fspath(index_file))
     else:
-        folder = str(resolve("cache_dir", cache_dir, argument="cache_dir"))
-        path = os.path.join(os.path.abspath(os.path.expanduser(folder)),
+        path = os.path.join(cache_folder("index", cache_dir),
                             f"{_slug(entries)}-{key[:20]}{SUFFIX}")
     return IndexRequest(entries, patterns, tmap, key, path)
 

@@ -8,12 +8,13 @@ into each entry's key with everything else the statistics depend on
 (:func:`mdloader.stats.cache.cache_key`), so a stale entry is never found: it is simply another
 key, and the statistics are computed again.
 
-Entries are files ``<folder>/<key[:2]>/<key>.mdlstat`` (``$MDLOADER_CACHE_DIR/statistics`` by
-default) written atomically (:func:`mdloader.persist.write_atomic`), so ranks writing their own
-shares on a shared file system never see a partial entry; reading one marks it used
-(:func:`mdloader.persist.mark_used`), for ``mdloader cache prune --older-than``. An entry removed
-meanwhile (by ``mdloader cache prune``) is simply computed again. The store holds bytes; what
-they mean is :mod:`mdloader.stats.cache`'s.
+Entries are files ``<folder>/<stamp[:2]>/<stamp>/<key>.mdlstat``
+(``$MDLOADER_CACHE_DIR/statistics`` by default) written atomically
+(:func:`mdloader.persist.write_atomic`), so ranks writing their own shares on a shared file
+system never see a partial entry; reading one marks it used (:func:`mdloader.persist.mark_used`),
+for ``mdloader cache prune --older-than``. An entry removed meanwhile (by ``mdloader cache
+prune``) is simply computed again. The store holds bytes; what they mean is
+:mod:`mdloader.stats.cache`'s.
 """
 
 from __future__ import annotations
@@ -59,35 +60,42 @@ def system_stamp(address: str, layout: tuple[bool, tuple[str, ...]] | None = Non
 
 
 class StatsStore:
-    """Entries of per-system statistics in ``folder``; ``None`` as folder keeps nothing."""
+    """Entries of per-system statistics in ``folder``; ``None`` as folder keeps nothing.
+
+    An entry is ``<folder>/<stamp[:2]>/<stamp>/<key>.mdlstat``: the entries of one system, as
+    its files were, share a folder, so ``mdloader cache prune --unmatched`` tells the entries of
+    systems that changed or went away from the stamps of the systems still used.
+    """
 
     def __init__(self, folder: str | None) -> None:
         self.folder = folder
 
-    def path(self, key: str) -> str:
-        return os.path.join(str(self.folder), key[:2], key + SUFFIX)
+    def path(self, stamp: str, key: str) -> str:
+        """Where the entry ``key`` of the system stamped ``stamp`` is kept."""
+        return os.path.join(str(self.folder), stamp[:2], stamp, key + SUFFIX)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, stamp: str, key: str) -> bytes | None:
         """The entry's bytes, or ``None`` when there is none (or it cannot be read)."""
         if self.folder is None:
             return None
+        path = self.path(stamp, key)
         try:
-            with open(self.path(key), "rb") as fh:
+            with open(path, "rb") as fh:
                 payload = fh.read()
         except FileNotFoundError:
             return None
         except OSError as exc:
             log.warning("statistics cache entry %s cannot be read (%s): computing it again",
-                        self.path(key), exc)
+                        path, exc)
             return None
-        mark_used(self.path(key))
+        mark_used(path)
         return payload
 
-    def put(self, key: str, payload: bytes) -> None:
+    def put(self, stamp: str, key: str, payload: bytes) -> None:
         """Write an entry atomically; a failure costs one warning (the statistics stand)."""
         if self.folder is None:
             return
-        target = self.path(key)
+        target = self.path(stamp, key)
         try:
             write_atomic(target, payload)
         except OSError as exc:
