@@ -264,3 +264,12 @@ def mark_used(path: str) -> None:
     access times are not kept on ``noatime`` mounts; read-only files are left alone."""
     with contextlib.suppress(OSError):
         os.utime(path)
+
+
+def last_used(path: str) -> float | None:
+    """When ``path`` was last written or :func:`mark_used` (seconds since the epoch; ``None``:
+    gone)."""
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None
