@@ -54,9 +54,13 @@ class FileStamp(NamedTuple):
         return max(self.mtime_ns, self.ctime_ns) >= since_ns
 
     def describe(self) -> str:
-        """The stamp in words, for error messages."""
-        return (f"inode {self.ino}, {self.size} bytes, mtime {self.mtime_ns} ns, "
-                f"ctime {self.ctime_ns} ns")
+        """The stamp in words, for error messages (the status change time only where it alone
+        differs from ``other``'s: a copy put back with its old modification time)."""
+        return f"inode {self.ino}, {self.size} bytes, mtime {self.mtime_ns} ns"
+
+    def only_ctime_differs(self, other: FileStamp) -> bool:
+        """Whether ``other`` is this stamp but for its status change time."""
+        return self[:3] == other[:3] and self.ctime_ns != other.ctime_ns
 
 
 def file_stamp(path: str) -> FileStamp | None:

@@ -107,6 +107,9 @@ def check_stamp(path: str, stamp: Stamp) -> None:
         what = ("replaced" if now.ino != stamp.ino else
                 "truncated" if now.size < stamp.size else "rewritten")
         found = now.describe()
+        if now.only_ctime_differs(stamp):
+            found += (f", but its status changed at {now.ctime_ns} ns (a copy put back with its "
+                      "old modification time: cp -p, rsync -a)")
     raise StaleDataError(
         f"the LMDB database was {what} after it was described: its frames are not the ones "
         "described", system=path, file=data_file, expected=stamp.describe(),
