@@ -9,8 +9,8 @@ through this module, so that all of them give the same guarantees:
 * :func:`publish_folder` does the same for a finished folder (an LMDB database);
 * :func:`remove_leftovers` is the one policy for what killed writers leave: a temporary name
   is ``.<target>.<pid>@<host>.<token>.tmp``; it is removed when its writer is a dead process
-  of this host, or, when that cannot be told (another host, a name without a pid), once
-  nothing in it changed for :data:`LEFTOVER_AGE` seconds;
+  of this host, and otherwise (another host's writer, a pid reused) once nothing in it changed
+  for :data:`LEFTOVER_AGE` seconds;
 * :class:`FileStamp` is what "this file changed" means: inode, size, modification and status
   change times. Nobody can set a status change time, so a file rewritten in place, or replaced
   by an older copy (``cp -p``, ``rsync -a``, ``tar``), changes the stamp.
@@ -104,8 +104,13 @@ def _writer_gone(rest: str, path: str, now: float) -> bool:
     """Whether the writer of the leftover ``path`` (``rest``: its name after the target's) is
     gone: a dead process of this host, or nothing changed for :data:`LEFTOVER_AGE`."""
     match = _OWNER.match(rest)
-    if match is not None and match.group(2) in (None, _host()):  # no host: an older local name
-        return not _alive(int(match.group(1)))
+    if match is None:  # another target's temporary (``a`` and ``a.b``): not this one's
+        return False
+    local = match.group(2) in (None, _host())  # no host: an older mdloader's local name
+    if local and not _alive(int(match.group(1))):
+        return True
+    # another host's writer, or a pid that may have been reused: a live writer keeps
+    # changing what it writes
     return now - _newest_change(path) > LEFTOVER_AGE
 
 

@@ -61,13 +61,15 @@ def test_leftovers_of_a_dead_writer_go_and_a_live_writers_stay(tmp_path: Path) -
     live = _temporary_of(target, os.getpid())
     elsewhere_new = _temporary_of(target, 1, host="another-host")
     elsewhere_old = target.with_name(f".{target.name}.2@another-host.feedbeef.tmp")
-    for path in (dead, live, elsewhere_new, elsewhere_old):
+    other_target = _temporary_of(tmp_path / "index.mdlidx.old", _dead_pid())
+    for path in (dead, live, elsewhere_new, elsewhere_old, other_target):
         path.write_bytes(b"partial")
     old = time.time() - 2 * persist.LEFTOVER_AGE
     os.utime(elsewhere_old, (old, old))
+    os.utime(other_target, (old, old))
     persist.write_atomic(str(target), b"done")  # every write sweeps first
     assert sorted(os.listdir(tmp_path)) == sorted(
-        [target.name, live.name, elsewhere_new.name])
+        [target.name, live.name, elsewhere_new.name, other_target.name])
 
 
 def test_a_dead_writers_partial_folder_goes(tmp_path: Path) -> None:
