@@ -249,7 +249,12 @@ def publish_folder(finished: str, target: str) -> None:
     if os.path.lexists(target):
         old = temporary_path(target)
         os.replace(target, old)
-    os.replace(finished, target)
+    try:
+        os.replace(finished, target)
+    except BaseException:
+        if old is not None:  # the old one back in place: nothing changed
+            os.replace(old, target)
+        raise
     fsync_folder(os.path.dirname(os.path.abspath(target)))
     if old is not None:
         discard(old)
