@@ -43,10 +43,10 @@ def _open_file_share() -> int:
     return 1024 if soft == resource.RLIM_INFINITY else max(16, min(1024, soft // 16))
 
 
-def _index_cache() -> str:
-    """``$XDG_CACHE_HOME/mdloader/index``, else ``~/.cache/mdloader/index``."""
+def _cache_root() -> str:
+    """``$XDG_CACHE_HOME/mdloader``, else ``~/.cache/mdloader``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "mdloader", "index")
+    return os.path.join(base, "mdloader")
 
 
 SETTINGS: dict[str, Setting] = {
@@ -78,12 +78,14 @@ SETTINGS: dict[str, Setting] = {
         "(check), rebuild it (refresh), use it unchecked (trust), or neither read nor write "
         "one (off).", choices=("check", "refresh", "trust", "off")),
     "cache_dir": Setting(
-        "MDLOADER_CACHE_DIR", _index_cache, str, None, "folder",
-        "Where system indexes are kept when input.json or the index_file= argument names none."),
+        "MDLOADER_CACHE_DIR", _cache_root, str, None, "folder",
+        "The cache folder: system indexes in its index/ (when input.json or the index_file= "
+        "argument names none), per-system statistics in its statistics/; `mdloader cache` "
+        "shows and prunes it."),
     "stats_mode": Setting(
         "MDLOADER_STATS", lambda: "check", str, None, "mode",
         "What the statistics before training do with their per-system cache "
-        "($MDLOADER_CACHE_DIR/stats): use entries whose data is unchanged (check), compute "
+        "($MDLOADER_CACHE_DIR/statistics): use entries whose data is unchanged (check), compute "
         "everything again and overwrite them (refresh), or neither read nor write (off).",
         choices=("check", "refresh", "off")),
     "index_settle": Setting(
@@ -147,3 +149,16 @@ def _cached(name: str, raw: str | None) -> float | str:
 def cached(name: str) -> float | str:
     """:func:`resolve` without an argument, re-read only when the variable changes (hot paths)."""
     return _cached(name, os.environ.get(SETTINGS[name].env))
+
+
+#: What the cache folder holds, one sub-folder each: system indexes, per-system statistics.
+CACHE_KINDS = ("index", "statistics")
+
+
+def cache_folder(kind: str, root: str | None = None) -> str:
+    """The folder of ``kind`` (one of :data:`CACHE_KINDS`) in the cache ``root`` (default:
+    ``$MDLOADER_CACHE_DIR``), absolute."""
+    if kind not in CACHE_KINDS:
+        raise ConfigError(f"no cache kind {kind!r}: expected one of {', '.join(CACHE_KINDS)}")
+    base = str(resolve("cache_dir", root, argument="cache_dir"))
+    return os.path.join(os.path.abspath(os.path.expanduser(base)), kind)

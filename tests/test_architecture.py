@@ -2,7 +2,8 @@
 
 * imports follow the layers (:func:`violations`);
 * no import cycle between mdloader modules (:func:`cycles`);
-* no reach-in to another module's private attributes (:func:`reach_ins`).
+* no reach-in to another module's private attributes (:func:`reach_ins`);
+* one atomic write and one file stamp, in ``mdloader/persist.py`` (:func:`persistence_outside`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ LAYERS = {
     "mdloader": "leaf", "mdloader.errors": "leaf", "mdloader.settings": "leaf",
     "mdloader.world": "leaf", "mdloader.logs": "leaf", "mdloader.transport": "leaf",
     "mdloader.state": "leaf", "mdloader.fs_calls": "leaf",
-    "mdloader.threads": "leaf", "mdloader.testing": "testing",
+    "mdloader.threads": "leaf", "mdloader.persist": "leaf", "mdloader.testing": "testing",
     "mdloader.data": "data", "mdloader.catalog": "catalog",
     "mdloader.distributed": "distributed", "mdloader.sampling": "sampling",
     "mdloader.stats": "stats", "mdloader.loading": "loading",
@@ -373,3 +374,73 @@ def test_the_reach_in_checker_names_each_one(tmp_path: Path) -> None:
         "mdloader/train/_probe.py:9: ds._ntypes reaches into a private attribute defined "
         "elsewhere: use (or add) a public one",
     ]
+
+
+# -- one persistence leaf -----------------------------------------------------------------------
+
+#: Calls that publish or flush a file, or make a temporary one: only ``mdloader/persist.py``.
+PERSIST_CALLS = {"os.replace", "os.rename", "os.fsync", "tempfile.mkstemp",
+                 "tempfile.NamedTemporaryFile", "mkstemp", "NamedTemporaryFile"}
+#: ``stat`` fields that say whether a file changed: only ``mdloader/persist.py`` reads them.
+STAMP_FIELDS = ("st_mtime", "st_ctime", "st_ino")
+#: Uses outside ``persist.py`` that are no persistence, as ``path: code``, each with the reason.
+PERSIST_ALLOWED: dict[str, str] = {}
+
+
+def persistence_outside(package: Path = PACKAGE,
+                        allowed: dict[str, str] = PERSIST_ALLOWED) -> list[str]:
+    """Every call of :data:`PERSIST_CALLS` and every read of a :data:`STAMP_FIELDS` field
+    outside ``mdloader/persist.py``: a second atomic write or file stamp, with other
+    guarantees than the one."""
+    problems = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent)
+        if rel.as_posix() == "mdloader/persist.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in sorted(ast.walk(tree), key=lambda n: getattr(n, "lineno", 0)):
+            if isinstance(node, ast.Call):
+                text = ast.unparse(node.func)
+                what = "an atomic write" if text in PERSIST_CALLS else None
+            elif isinstance(node, ast.Attribute) and node.attr.startswith(STAMP_FIELDS):
+                text, what = ast.unparse(node), "a file stamp"
+            else:
+                continue
+            if what is None or f"{rel}: {text}" in allowed:
+                continue
+            problems.append(f"{rel}:{node.lineno}: {text} is {what} of its own: use "
+                            "mdloader.persist")
+    return problems
+
+
+def test_one_atomic_write_and_one_file_stamp() -> None:
+    problems = persistence_outside()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_persistence_checker_names_each_one(tmp_path: Path) -> None:
+    probe = tmp_path / "mdloader" / "catalog" / "_probe.py"
+    probe.parent.mkdir(parents=True)
+    (tmp_path / "mdloader" / "persist.py").write_text("import os\nos.replace('a', 'b')\n",
+                                                       encoding="utf-8")  # the one place
+    probe.write_text(
+        "import os, tempfile\n"
+        "def save(path, data):\n"
+        "    fd, tmp = tempfile.mkstemp(dir='.')\n"
+        "    os.fsync(fd)\n"
+        "    os.replace(tmp, path)\n"
+        "def stamp(path):\n"
+        "    st = os.stat(path)\n"               # a stat alone: fine
+        "    return st.st_size, st.st_mtime_ns\n", encoding="utf-8")
+    assert persistence_outside(tmp_path / "mdloader", allowed={}) == [
+        "mdloader/catalog/_probe.py:3: tempfile.mkstemp is an atomic write of its own: use "
+        "mdloader.persist",
+        "mdloader/catalog/_probe.py:4: os.fsync is an atomic write of its own: use "
+        "mdloader.persist",
+        "mdloader/catalog/_probe.py:5: os.replace is an atomic write of its own: use "
+        "mdloader.persist",
+        "mdloader/catalog/_probe.py:8: st.st_mtime_ns is a file stamp of its own: use "
+        "mdloader.persist",
+    ]
+    allowed = {"mdloader/catalog/_probe.py: os.fsync": "a probe"}
+    assert len(persistence_outside(tmp_path / "mdloader", allowed=allowed)) == 3

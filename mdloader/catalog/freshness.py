@@ -1,9 +1,10 @@
 """Is a saved description still true? One ``stat`` per folder and per small text file.
 
-The rule: a path is unchanged when it still exists and neither its modification nor its status
-change time is later than the start of the build that described it (less a settling margin,
-because file times are coarse and clocks differ between machines). Nobody can set a status
-change time, so copying old files over new ones (``cp -p``, ``rsync -a``, ``tar``) is caught too.
+The rule: a path is unchanged when it still exists and its :class:`~mdloader.persist.FileStamp`
+did not change since the start of the build that described it
+(:meth:`~mdloader.persist.FileStamp.changed_since`, less a settling margin, because file times
+are coarse and clocks differ between machines). The status change time is part of the stamp, so
+copying old files over new ones (``cp -p``, ``rsync -a``, ``tar``) is caught too.
 
 Per npy system that is: its folder (a set, ``nopbc``, ``type_map.raw`` or a nested system added
 or removed changes it), ``type.raw`` and ``type_map.raw`` (rewritten in place, they would change
@@ -17,7 +18,6 @@ format that names none are always described again.
 from __future__ import annotations
 
 import glob
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +27,7 @@ from mdloader.catalog.index_file import SavedIndex
 from mdloader.catalog.table import SystemTable
 from mdloader.data.formats import backend_of
 from mdloader.fs_calls import Overlap, timed
+from mdloader.persist import file_stamp
 
 
 def changed(paths: Sequence[str], since_ns: int, overlap: Overlap) -> np.ndarray:
@@ -36,11 +37,8 @@ def changed(paths: Sequence[str], since_ns: int, overlap: Overlap) -> np.ndarray
 
 
 def _changed(path: str, since_ns: int) -> bool:
-    try:
-        st = timed(os.stat, path)
-    except OSError:
-        return True
-    return max(st.st_mtime_ns, st.st_ctime_ns) >= since_ns
+    stamp = timed(file_stamp, path)
+    return stamp is None or stamp.changed_since(since_ns)
 
 
 def system_paths(table: SystemTable) -> tuple[list[str], np.ndarray, list[int]]:

@@ -6,8 +6,8 @@ loads it and :mod:`mdloader.catalog.catalog` checks it. Other ranks never read a
 receive the catalog's table in the build's broadcast.
 
 Where: the file named by ``index_file=`` (``index_file`` in a data section of ``input.json``),
-else ``$MDLOADER_CACHE_DIR/<name>-<key>.mdlidx``, where the key is a hash of the resolved system
-entries, the ``rglob`` patterns, the model ``type_map`` and the index format. An index that
+else ``$MDLOADER_CACHE_DIR/index/<name>-<key>.mdlidx``, where the key is a hash of the resolved
+system entries, the ``rglob`` patterns, the model ``type_map`` and the index format. An index that
 cannot be used (corrupt, truncated, another format or mdloader version, another key,
 unreadable) costs one warning and a rebuild; an index that cannot be saved costs one warning.
 """
@@ -34,7 +34,7 @@ from mdloader.catalog.index_file import (
     read_index,
     write_index,
 )
-from mdloader.settings import resolve
+from mdloader.settings import cache_folder
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,7 @@ def index_request(systems: object, rglob_patterns: Sequence[str] | None,
     if index_file is not None:
         path = os.path.abspath(os.fspath(index_file))
     else:
-        folder = str(resolve("cache_dir", cache_dir, argument="cache_dir"))
-        path = os.path.join(os.path.abspath(os.path.expanduser(folder)),
+        path = os.path.join(cache_folder("index", cache_dir),
                             f"{_slug(entries)}-{key[:20]}{SUFFIX}")
     return IndexRequest(entries, patterns, tmap, key, path)
 

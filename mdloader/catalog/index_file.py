@@ -6,21 +6,19 @@ enough for ``mdloader index inspect``), a JSON body (the table's small lookup ta
 the freshness check needs) and the table's columns as raw little-endian arrays. Nothing is
 unpickled, so an index file from someone else cannot run code.
 
-A file is written to a temporary name in its own folder, flushed to disk, then renamed over the
-old one: a reader sees the old file or the new one, never a part of either, and a writer killed
-half-way leaves only a temporary file.
+A file is written atomically (:func:`mdloader.persist.write_atomic`): a reader sees the old file
+or the new one, never a part of either, and a writer killed half-way leaves only a temporary
+file, which the next writer removes. Reading an index marks it used
+(:func:`mdloader.persist.mark_used`), for ``mdloader cache``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import secrets
 import stat
 import struct
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,11 +27,11 @@ import numpy as np
 from mdloader.catalog.table import SystemTable, TableBuilder
 from mdloader.data.formats import backend_of
 from mdloader.data.system import SetMeta, restore_set
+from mdloader.persist import mark_used, write_atomic
 
 MAGIC = b"MDLINDEX"
 FORMAT = 2
 _HEAD = struct.Struct("<8sIIIQ32s")  # magic, format, header, body and blob lengths, sha256
-_STALE_TEMP = 3600.0  # seconds after which a temporary file is taken for a dead writer's
 
 
 class IndexFileError(Exception):
@@ -61,32 +59,11 @@ class SavedIndex:
 
 
 def write_index(path: str, saved: SavedIndex, header: dict[str, Any]) -> None:
-    """Write ``saved`` to ``path`` atomically (temporary file, fsync, rename)."""
+    """Write ``saved`` to ``path`` atomically (:func:`mdloader.persist.write_atomic`)."""
     head, body, blob = _encode(saved, header)
     digest = hashlib.sha256(head + body + blob).digest()
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    _remove_dead_temporaries(folder, os.path.basename(path))
-    temp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}."
-                                f"{secrets.token_hex(4)}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(_HEAD.pack(MAGIC, FORMAT, len(head), len(body), len(blob), digest))
-            fh.write(head + body + blob)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    fixed = _HEAD.pack(MAGIC, FORMAT, len(head), len(body), len(blob), digest)
+    write_atomic(path, fixed + head + body + blob)
 
 
 def open_index(path: str) -> Any:
@@ -118,6 +95,7 @@ def read_index(path: str) -> tuple[dict[str, Any], SavedIndex]:
     """
     with open_index(path) as fh:
         data = fh.read()
+    mark_used(path)
     fixed = data[:_HEAD.size]
     digest, head_len, body_len, blob_len = _check_fixed(fixed, path, len(data))
     rest = memoryview(data)[_HEAD.size:]
@@ -209,14 +187,3 @@ def _decode(body: dict[str, Any], blob: memoryview) -> SavedIndex:
     return SavedIndex(table, int(body["since_ns"]), dict(body["walked"]), list(body["files"]),
                       {k: list(v) for k, v in body["globs"].items()},
                       bool(body["partial"]))
-
-
-def _remove_dead_temporaries(folder: str, name: str) -> None:
-    """Temporary files of writers that died long ago (a killed job leaves one behind)."""
-    prefix, now = f".{name}.", time.time()
-    with contextlib.suppress(OSError), os.scandir(folder) as entries:
-        for entry in entries:
-            if entry.name.startswith(prefix) and entry.name.endswith(".tmp"):
-                with contextlib.suppress(OSError):
-                    if now - entry.stat().st_mtime > _STALE_TEMP:
-                        os.unlink(entry.path)

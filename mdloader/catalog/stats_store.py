@@ -1,16 +1,19 @@
 """Per-system statistics kept between jobs: a content stamp per system and a folder of entries.
 
-A system's *stamp* digests the size, modification and status-change times of every file its
-frames come from (an npy system: its folder, ``type.raw``, ``type_map.raw`` and every file of
-each ``set.*``; an HDF5 system: its file; an LMDB database: the files of its folder). Nobody can
-set a status-change time, so a file rewritten in place, or replaced by an older copy, changes
-the stamp. The caller folds the stamp into each entry's key with everything else the
-statistics depend on (:func:`mdloader.stats.cache.cache_key`), so a stale entry is never found:
-it is simply another key, and the statistics are computed again.
+A system's *stamp* digests the :class:`~mdloader.persist.FileStamp` of every file its frames
+come from (an npy system: its folder, ``type.raw``, ``type_map.raw`` and every file of each
+``set.*``; an HDF5 system: its file; an LMDB database: the files of its folder), so a file
+rewritten in place, or replaced by an older copy, changes the stamp. The caller folds the stamp
+into each entry's key with everything else the statistics depend on
+(:func:`mdloader.stats.cache.cache_key`), so a stale entry is never found: it is simply another
+key, and the statistics are computed again.
 
-Entries are files ``<folder>/<key[:2]>/<key>.mdlstat`` (``$MDLOADER_CACHE_DIR/stats`` by
-default) written atomically (temporary file, then rename), so ranks writing their own shares on a
-shared file system never see a partial entry. The store holds bytes; what they mean is
+Entries are files ``<folder>/<stamp[:2]>/<stamp>/<key>.mdlstat``
+(``$MDLOADER_CACHE_DIR/statistics`` by default) written atomically
+(:func:`mdloader.persist.write_atomic`), so ranks writing their own shares on a shared file
+system never see a partial entry; reading one marks it used (:func:`mdloader.persist.mark_used`),
+for ``mdloader cache prune --older-than``. An entry removed meanwhile (by ``mdloader cache
+prune``) is simply computed again. The store holds bytes; what they mean is
 :mod:`mdloader.stats.cache`'s.
 """
 
@@ -19,9 +22,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
 
 from mdloader.data.formats import backend_of, parse_address
+from mdloader.persist import file_stamp, mark_used, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +32,8 @@ SUFFIX = ".mdlstat"
 
 
 def _stat_line(path: str) -> str:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return f"{path}\0missing"
-    return f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+    stamp = file_stamp(path)
+    return f"{path}\0missing" if stamp is None else f"{path}\0" + "\0".join(map(str, stamp))
 
 
 def system_stamp(address: str, layout: tuple[bool, tuple[str, ...]] | None = None) -> str:
@@ -60,42 +60,43 @@ def system_stamp(address: str, layout: tuple[bool, tuple[str, ...]] | None = Non
 
 
 class StatsStore:
-    """Entries of per-system statistics in ``folder``; ``None`` as folder keeps nothing."""
+    """Entries of per-system statistics in ``folder``; ``None`` as folder keeps nothing.
+
+    An entry is ``<folder>/<stamp[:2]>/<stamp>/<key>.mdlstat``: the entries of one system, as
+    its files were, share a folder, so ``mdloader cache prune --unmatched`` tells the entries of
+    systems that changed or went away from the stamps of the systems still used.
+    """
 
     def __init__(self, folder: str | None) -> None:
         self.folder = folder
 
-    def path(self, key: str) -> str:
-        return os.path.join(str(self.folder), key[:2], key + SUFFIX)
+    def path(self, stamp: str, key: str) -> str:
+        """Where the entry ``key`` of the system stamped ``stamp`` is kept."""
+        return os.path.join(str(self.folder), stamp[:2], stamp, key + SUFFIX)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, stamp: str, key: str) -> bytes | None:
         """The entry's bytes, or ``None`` when there is none (or it cannot be read)."""
         if self.folder is None:
             return None
+        path = self.path(stamp, key)
         try:
-            with open(self.path(key), "rb") as fh:
-                return fh.read()
+            with open(path, "rb") as fh:
+                payload = fh.read()
         except FileNotFoundError:
             return None
         except OSError as exc:
             log.warning("statistics cache entry %s cannot be read (%s): computing it again",
-                        self.path(key), exc)
+                        path, exc)
             return None
+        mark_used(path)
+        return payload
 
-    def put(self, key: str, payload: bytes) -> None:
+    def put(self, stamp: str, key: str, payload: bytes) -> None:
         """Write an entry atomically; a failure costs one warning (the statistics stand)."""
         if self.folder is None:
             return
-        target = self.path(key)
+        target = self.path(stamp, key)
         try:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(payload)
-                os.replace(tmp, target)
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            write_atomic(target, payload)
         except OSError as exc:
             log.warning("statistics cache entry %s cannot be saved (%s)", target, exc)

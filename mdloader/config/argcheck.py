@@ -168,8 +168,8 @@ def _data_args(validation: bool) -> list[Argument]:
              check=_check_sys_probs, expect="a non-empty list of finite numbers"),
         _arg("index_file", [str, None], "mdloader: the system index file of these systems (their "
              "descriptions, saved by rank 0 after a build and reused at the next start; see "
-             "the HPC guide). Default: a file in `$MDLOADER_CACHE_DIR` named after the systems. "
-             "A relative path is taken from the folder of input.json.",
+             "the HPC guide). Default: a file in `$MDLOADER_CACHE_DIR/index` named after the "
+             "systems. A relative path is taken from the folder of input.json.",
              check=lambda v: v is None or bool(v.strip()), expect="a non-empty path or null"),
         _arg("set_prefix", str, "Deprecated by DeePMD-kit; only `set` is accepted.",
              default="set", check=lambda v: v == "set", expect="'set' (deprecated key)"),

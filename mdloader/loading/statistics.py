@@ -30,7 +30,7 @@ from mdloader.distributed.collectives import every_share
 from mdloader.distributed.group import current_world
 from mdloader.errors import CorruptFileError, MdloaderError
 from mdloader.loading.system_list import natoms_of, nframes_of
-from mdloader.settings import resolve
+from mdloader.settings import cache_folder, resolve
 from mdloader.stats import cache, env_mat
 from mdloader.stats.env_mat import EnvMatSettings, EnvMatSums, system_env_sums
 from mdloader.stats.neighbours import (
@@ -48,12 +48,12 @@ log = logging.getLogger(__name__)
 def stats_store(mode: str | None = None, folder: str | None = None) -> tuple[StatsStore, str]:
     """The cache store and mode (``check``, ``refresh`` or ``off``; ``$MDLOADER_STATS``).
 
-    ``folder`` defaults to ``$MDLOADER_CACHE_DIR/stats``.
+    ``folder`` defaults to ``$MDLOADER_CACHE_DIR/statistics``.
     """
     mode = str(resolve("stats_mode", mode, argument="stats_mode"))
     if mode == "off":
         return StatsStore(None), mode
-    folder = folder or os.path.join(str(resolve("cache_dir")), "stats")
+    folder = folder or cache_folder("statistics")
     return StatsStore(folder), mode
 
 
@@ -98,20 +98,21 @@ def sharded_pass(datasets: Sequence[Any], kind: str, settings: Mapping[str, Any]
         for position in _progress(mine, f"{kind} statistics", progress):
             dataset = datasets[position]
             chosen = None if frames is None else frames(position)
-            key = None
+            key = stamp = None
             if store.folder is not None:
                 stamp = system_stamp(dataset.meta.address, layout_of(dataset.meta))
                 key = cache.cache_key(stamp, kind, settings, type_map, chosen)
-            payload = store.get(key) if key is not None and mode == "check" else None
-            if payload is not None and not _readable(payload, store.path(key)):
+            payload = (store.get(stamp, key) if stamp is not None and key is not None
+                       and mode == "check" else None)
+            if payload is not None and not _readable(payload, store.path(stamp, key)):
                 payload = None
             if payload is not None:
                 cached += 1
             else:
                 payload = cache.dumps(compute(dataset) if chosen is None
                                       else compute(dataset, chosen))
-                if key is not None:
-                    store.put(key, payload)
+                if stamp is not None and key is not None:
+                    store.put(stamp, key, payload)
             parts.append((position, payload))
     except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
         if not isinstance(exc, MdloaderError) and dataset is not None:  # a bug: say where
@@ -229,7 +230,7 @@ def cached_systems(metas: Sequence[Any], rcut: float, *, type_map: Sequence[str]
                 "batch_atoms": DEEPMD_BATCH_ATOMS}
     found = 0
     for meta in metas:
-        key = cache.cache_key(system_stamp(meta.address, layout_of(meta)), "neighbour",
-                              settings, type_map)
-        found += os.path.isfile(store.path(key))
+        stamp = system_stamp(meta.address, layout_of(meta))
+        key = cache.cache_key(stamp, "neighbour", settings, type_map)
+        found += os.path.isfile(store.path(stamp, key))
     return found

@@ -31,6 +31,7 @@ import torch
 
 from mdloader.distributed.collectives import gather_to_main
 from mdloader.errors import ConfigError, StateDictError, WriteError
+from mdloader.persist import point_link, write_atomic
 from mdloader.sampling.elastic import merge_rank_states
 from mdloader.state import Stateful
 
@@ -185,9 +186,9 @@ def _feed(digest: Any, value: Any) -> None:
 
 
 def save_checkpoint(output: str, prefix: str, step: int, state: dict[str, Any]) -> str:
-    """Write atomically (tmp + rename) with its checksum, point ``<prefix>.pt`` at it, keep the
-    last few; a write error is a :class:`~mdloader.errors.WriteError` saying what was
-    kept."""
+    """Write atomically (:mod:`mdloader.persist`) with its checksum, point ``<prefix>.pt`` at
+    it, keep the last few; a write error is a :class:`~mdloader.errors.WriteError` saying what
+    was kept."""
     path = checkpoint_path(output, prefix, step)
     latest = os.path.join(output, f"{prefix}.pt")
     previous = os.path.join(output, os.readlink(latest)) if os.path.islink(latest) else None
@@ -199,44 +200,27 @@ def save_checkpoint(output: str, prefix: str, step: int, state: dict[str, Any]) 
     torch.save(content, buffer)
     _write_atomically(path, buffer.getbuffer(), f"no checkpoint of step {step} was written; "
                       + kept, error=WriteError)
-    link_tmp = latest + ".tmp"
     try:
-        if os.path.lexists(link_tmp):
-            os.remove(link_tmp)
-        os.symlink(os.path.basename(path), link_tmp)
-        os.replace(link_tmp, latest)
+        point_link(latest, os.path.basename(path))
         _write_atomically(os.path.join(output, "checkpoint"),
                           (os.path.basename(path) + "\n").encode(), "", error=WriteError)
     except OSError as exc:
-        _remove(link_tmp)
         raise WriteError(f"wrote checkpoint {path}, but could not point {latest} at it: "
-                              f"{exc.strerror or exc}; restart with --restart {path}") from None
+                         f"{exc.strerror or exc}; restart with --restart {path}") from None
     _prune(output, prefix)
     return path
 
 
 def _write_atomically(path: str, data: bytes | memoryview, kept: str,
                       error: type[Exception] = WriteError) -> None:
-    """``data`` into ``path`` through ``path.tmp`` and a rename; on an error the partial file is
-    removed and ``error`` names the file and says what was ``kept``."""
-    tmp = path + ".tmp"
+    """``data`` into ``path`` atomically (:func:`mdloader.persist.write_atomic`); on an error
+    nothing partial is left and ``error`` names the file and says what was ``kept``."""
     try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, data)
     except OSError as exc:
-        _remove(tmp)
-        raise error(f"cannot write {path}: {exc.strerror or exc}"
+        cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+        raise error(f"cannot write {path}: {cause.strerror or cause}"
                     + (f"; {kept}" if kept else "")) from None
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
 
 
 def _prune(output: str, prefix: str) -> None:

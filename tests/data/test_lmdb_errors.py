@@ -228,6 +228,29 @@ def test_a_database_replaced_while_open_is_an_error_naming_it(tmp_path: Path,
     assert fresh.get_batch([0, 1])["energy"].shape == (2, 1)
 
 
+def test_a_copy_put_back_with_its_old_times_is_an_error_naming_it(tmp_path: Path,
+                                                                  sources: list[str]) -> None:
+    """``cp -p``/``rsync -a`` keeps the inode, the size and the modification time: only the
+    status change time tells that the database was rewritten."""
+    import os
+    import shutil
+    import time
+
+    from mdloader.errors import StaleDataError
+
+    db = _db(tmp_path, sources)
+    ds = DeepmdDataSetForLoader(discover_systems(db)[0], ["O", "H"])
+    ds.get_batch([0, 1])
+    backup = tmp_path / "backup.mdb"
+    shutil.copy2(os.path.join(db, "data.mdb"), backup)
+    time.sleep(0.01)
+    shutil.copy2(backup, os.path.join(db, "data.mdb"))  # in place: same inode, size, mtime
+    with pytest.raises(StaleDataError, match=r"was rewritten after it was described.*"
+                                             r"but its status changed at \d+ ns \(a copy put "
+                                             r"back with its old modification time"):
+        ds.get_batch([0, 1])
+
+
 _TRUNCATE = """
 import os, sys
 from mdloader.catalog.discover import discover_systems

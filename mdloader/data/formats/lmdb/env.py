@@ -23,6 +23,7 @@ import numpy as np
 
 from mdloader.data.formats.handles import HandleCache
 from mdloader.errors import CorruptFileError, MissingDataError, StaleDataError
+from mdloader.persist import FileStamp, file_stamp
 from mdloader.settings import cached
 
 METADATA_KEY = b"__metadata__"
@@ -73,17 +74,13 @@ def _open(path: str, *, readahead: bool) -> Any:
                                file=data_file, found=str(exc)) from exc
 
 
-#: What identifies the content of a ``data.mdb``: (inode, size, mtime in ns).
-Stamp = tuple[int, int, int]
+#: What identifies the content of a ``data.mdb`` (:class:`mdloader.persist.FileStamp`).
+Stamp = FileStamp
 
 
 def data_stamp(path: str) -> Stamp | None:
     """The stamp of the database ``path``'s ``data.mdb`` now (``None`` when it is gone)."""
-    try:
-        st = os.stat(os.path.join(path, "data.mdb"))
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
+    return file_stamp(os.path.join(path, "data.mdb"))
 
 
 def serving_txn(path: str, stamp: Stamp | None = None) -> Any:
@@ -97,21 +94,25 @@ def serving_txn(path: str, stamp: Stamp | None = None) -> Any:
 
 def check_stamp(path: str, stamp: Stamp) -> None:
     """Raise a :class:`StaleDataError` naming the database when its ``data.mdb`` was replaced,
-    truncated or rewritten since it was described with ``stamp``."""
+    truncated or rewritten (or replaced by an older copy) since it was described with
+    ``stamp``."""
     now = data_stamp(path)
     if now == stamp:
         return
+    stamp = FileStamp(*stamp)
     data_file = os.path.join(path, "data.mdb")
     if now is None:
         what, found = "removed", "no data.mdb"
     else:
-        what = ("replaced" if now[0] != stamp[0] else
-                "truncated" if now[1] < stamp[1] else "rewritten")
-        found = f"inode {now[0]}, {now[1]} bytes, mtime {now[2]} ns"
+        what = ("replaced" if now.ino != stamp.ino else
+                "truncated" if now.size < stamp.size else "rewritten")
+        found = now.describe()
+        if now.only_ctime_differs(stamp):
+            found += (f", but its status changed at {now.ctime_ns} ns (a copy put back with its "
+                      "old modification time: cp -p, rsync -a)")
     raise StaleDataError(
         f"the LMDB database was {what} after it was described: its frames are not the ones "
-        "described", system=path, file=data_file,
-        expected=f"inode {stamp[0]}, {stamp[1]} bytes, mtime {stamp[2]} ns",
+        "described", system=path, file=data_file, expected=stamp.describe(),
         found=found).described_by(None)
 
 

@@ -104,7 +104,7 @@ def cached_groups(path: str) -> LmdbGroups:
 
 
 def _stamp(path: str) -> io.Stamp:
-    return io.data_stamp(path) or (-1, -1, -1)  # gone: _read_groups names the problem
+    return io.data_stamp(path) or (-1, -1, -1, -1)  # gone: _read_groups names the problem
 
 
 def _read_groups(path: str, stamp: io.Stamp) -> LmdbGroups:

@@ -9,18 +9,18 @@ its own system id, in the order given, so ``sys_probs`` and ``auto_prob`` blocks
 meaning.
 
 Memory stays bounded: records are committed every ``commit_bytes``, and only two integers per
-frame are kept until the end. The database is built in a hidden sibling folder
-(``.<name>.partial-<pid>-<n>``) whose ``__metadata__`` is written last; it is synced, reopened
-and checked, then renamed into place, so a crash never leaves something that looks complete.
+frame are kept until the end. The database is built in a hidden sibling folder (a temporary
+name of :mod:`mdloader.persist`) whose ``__metadata__`` is written last; it is reopened and
+checked, then published (:func:`mdloader.persist.publish_folder`: synced, renamed into place),
+so a crash never leaves something that looks complete, and the next writer removes what a dead
+one left (:func:`mdloader.persist.remove_leftovers`).
 """
 
 from __future__ import annotations
 
 import array
-import itertools
 import logging
 import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,10 +29,9 @@ import numpy as np
 
 from mdloader.data.formats.lmdb import env as io
 from mdloader.errors import ConfigError, DataError, TypeMapError
+from mdloader.persist import discard, publish_folder, remove_leftovers, temporary_path
 
 log = logging.getLogger(__name__)
-
-_SERIAL = itertools.count()
 
 
 @dataclass
@@ -79,10 +78,10 @@ class LmdbWriter:
         if os.path.exists(self.dest) and not overwrite:
             raise ConfigError(f"{self.dest} already exists (pass overwrite to replace it)",
                               path="dest")
-        parent, name = os.path.split(self.dest)
-        os.makedirs(parent, exist_ok=True)
-        _remove_stale_partials(parent, name)
-        self.partial = os.path.join(parent, f".{name}.partial-{os.getpid()}-{next(_SERIAL)}")
+        os.makedirs(os.path.dirname(self.dest), exist_ok=True)
+        for left in remove_leftovers(self.dest):
+            log.warning("removed %s, left by an interrupted writer", left)
+        self.partial = temporary_path(self.dest)
         self.type_map = list(type_map)
         self.frame_format, self.commit_bytes = frame_format, commit_bytes
         self.nlocs, self.system_ids = array.array("l"), array.array("l")
@@ -199,8 +198,7 @@ class LmdbWriter:
         self._env.sync(True)
         self._env.close()
         self._verify(nframes)
-        _fsync_tree(self.partial)
-        self._publish()
+        publish_folder(self.partial, self.dest)
         log.info("wrote %d frames of %d systems to %s", nframes, self._next_system, self.dest)
         return self.dest
 
@@ -218,22 +216,12 @@ class LmdbWriter:
             raise DataError("the written database does not hold every frame", file=self.partial,
                             expected=f"{nframes + 1} entries", found=f"{entries} entries")
 
-    def _publish(self) -> None:
-        old = None
-        if os.path.exists(self.dest):
-            old = self.partial.replace(".partial-", ".replaced-")
-            os.replace(self.dest, old)
-        os.replace(self.partial, self.dest)
-        _fsync_dir(os.path.dirname(self.dest))
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
     def abort(self) -> None:
         """Discard the partial database (after an error or an interruption)."""
         try:
             self._env.close()
         finally:
-            shutil.rmtree(self.partial, ignore_errors=True)
+            discard(self.partial)
 
 
 class _Column:
@@ -247,43 +235,3 @@ class _Column:
 
     def encoded(self, i: int) -> dict[str, Any]:
         return {**self.head, "data": self.data[i * self.size:(i + 1) * self.size]}
-
-
-def _fsync_tree(folder: str) -> None:
-    for name in os.listdir(folder):
-        fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_stale_partials(parent: str, name: str) -> None:
-    """Partial databases of ``name`` left by writers that died (their process is gone)."""
-    prefix = f".{name}.partial-"
-    for entry in os.listdir(parent):
-        if not entry.startswith(prefix):
-            continue
-        pid = entry[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            log.warning("removing %s, left by an interrupted writer", entry)
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
