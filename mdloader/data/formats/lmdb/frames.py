@@ -37,8 +37,9 @@ from typing import Any
 import numpy as np
 
 from mdloader.data.collate import batch_from_blocks
-from mdloader.data.formats.base import degenerate_boxes
-from mdloader.data.formats.lmdb import env as io
+from mdloader.data.formats.geometry import degenerate_boxes
+from mdloader.data.formats.lmdb import codec, environment
+from mdloader.data.formats.lmdb.environment import entry_of, frame_key
 from mdloader.data.schema import DataRequirementItem, float_precisions, output_dtype
 from mdloader.data.system import SystemMeta
 from mdloader.errors import (
@@ -127,7 +128,7 @@ class LmdbGroupReader:
         frame is decoded on its own and the frames are collated.
         """
         indices = self.keys(positions).tolist()
-        txn = io.serving_txn(self.path, self.stamp)
+        txn = environment.serving_txn(self.path, self.stamp)
         raws = [self.unpacked(index, txn) for index in indices]
         fast = stacked_batch(self, raws, indices)
         if fast is not None:
@@ -140,15 +141,15 @@ class LmdbGroupReader:
     # -- one frame ----------------------------------------------------------------------------
     def unpacked(self, index: int, txn: Any = None) -> dict[Any, Any]:
         """The msgpack map of frame ``index``, arrays still encoded."""
-        key = io.frame_key(index, self.fmt)
-        raw = (txn or io.serving_txn(self.path, self.stamp)).get(key)
+        key = frame_key(index, self.fmt)
+        raw = (txn or environment.serving_txn(self.path, self.stamp)).get(key)
         if raw is None:
             raise MissingDataError(f"frame {index} is missing from the database",
-                                   system=self.address, file=io.entry_of(self.path, key))
-        record = io.unpack(raw, f"frame {index}", self.address, key)
+                                   system=self.address, file=entry_of(self.path, key))
+        record = codec.unpack(raw, f"frame {index}", self.address, key)
         if not isinstance(record, dict):
             raise CorruptFileError(f"frame {index} is not a map", system=self.address,
-                                   file=io.entry_of(self.path, key), found=type(record).__name__)
+                                   file=entry_of(self.path, key), found=type(record).__name__)
         return record
 
     def record(self, index: int, *, copy: bool = False) -> dict[str, Any]:
@@ -157,17 +158,17 @@ class LmdbGroupReader:
         return self._decoded(self.unpacked(index), index, copy)
 
     def _decoded(self, record: dict[Any, Any], index: int, copy: bool) -> dict[str, Any]:
-        key = io.frame_key(index, self.fmt)
+        key = frame_key(index, self.fmt)
         out: dict[str, Any] = {}
         for name, value in record.items():
             try:
-                if io.is_encoded_array(value):
-                    value = _copied(io.decode_array(value), copy)
-                elif isinstance(value, list) and value and io.is_encoded_array(value[0]):
-                    value = [_copied(io.decode_array(v), copy) for v in value]
+                if codec.is_encoded_array(value):
+                    value = _copied(codec.decode_array(value), copy)
+                elif isinstance(value, list) and value and codec.is_encoded_array(value[0]):
+                    value = [_copied(codec.decode_array(v), copy) for v in value]
             except (TypeError, ValueError) as exc:
                 raise CorruptFileError(f"field {name!r} of frame {index} cannot be decoded",
-                                       system=self.address, file=io.entry_of(self.path, key),
+                                       system=self.address, file=entry_of(self.path, key),
                                        found=f"{type(exc).__name__}: {exc}") from exc
             out[canonical(name)] = value
         return out
@@ -223,7 +224,7 @@ class LmdbGroupReader:
 
     def bad_box(self, box: np.ndarray, index: int) -> DataError:
         """The error of frame ``index``'s cell ``box``, which holds NaN/inf or no volume
-        (:func:`~mdloader.data.formats.base.degenerate_boxes`): its heights are NaN."""
+        (:func:`~mdloader.data.formats.geometry.degenerate_boxes`): its heights are NaN."""
         if not np.isfinite(box).all():
             return NonFiniteError(f"the box of frame {index} holds NaN/inf", system=self.address,
                                   file=self._entry(index))
@@ -262,7 +263,7 @@ class LmdbGroupReader:
             frame[name] = repeated.astype(output_dtype(req), copy=False)
 
     def _entry(self, index: int) -> str:
-        return io.entry_of(self.path, io.frame_key(index, self.fmt))
+        return entry_of(self.path, frame_key(index, self.fmt))
 
     # -- a batch ------------------------------------------------------------------------------
     def _collate(self, frames: list[dict[str, Any]], indices: list[int]
