@@ -2,7 +2,7 @@
 databases, each a ``systems`` entry that expands into its groups of frames.
 
 A group is described from the database's metadata (:mod:`~mdloader.data.formats.lmdb.groups`)
-and read record by record (:mod:`~mdloader.data.formats.lmdb.frames`). Its records carry their
+and read record by record (:mod:`~mdloader.data.formats.lmdb.reader`). Its records carry their
 own box, so periodicity is known per frame, and its description is made again at every start
 (reading the metadata costs less than a saved index would save).
 """
@@ -17,8 +17,9 @@ from mdloader.data.formats.base import Backend, FrameReader, Listing, Location, 
 from mdloader.data.formats.lmdb.address import LMDB_GROUP, lmdb_group_of
 from mdloader.data.formats.lmdb.check import check_group
 from mdloader.data.formats.lmdb.environment import entry_of, frame_key
-from mdloader.data.formats.lmdb.frames import LmdbGroupReader, check_requirements
+from mdloader.data.formats.lmdb.fields import check_requirements
 from mdloader.data.formats.lmdb.groups import describe_group, group_addresses
+from mdloader.data.formats.lmdb.reader import LmdbGroupReader
 from mdloader.data.schema import DataRequirementItem
 from mdloader.data.system import SystemMeta
 from mdloader.errors import DataError
