@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
-from mdloader.data.formats.base import Backend, Listing, Location, backends
+from mdloader.data.formats.base import Backend, Listing, Location
+from mdloader.data.formats.registry import backends
 from mdloader.errors import UnknownFormatError
 
 if TYPE_CHECKING:

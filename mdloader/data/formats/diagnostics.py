@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mdloader.data.formats.base import backend_of
 from mdloader.data.formats.capabilities import Diagnostics
+from mdloader.data.formats.registry import backend_of
 from mdloader.errors import DataError
 
 if TYPE_CHECKING:
