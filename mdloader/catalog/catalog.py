@@ -33,6 +33,7 @@ from mdloader.catalog.freshness import check_saved
 from mdloader.catalog.index_file import SavedIndex
 from mdloader.catalog.table import SystemTable, TableBuilder
 from mdloader.data.formats import backend_of, parse_address
+from mdloader.data.formats.capabilities import walks_folders
 from mdloader.data.system import SystemMeta
 from mdloader.fs_calls import Overlap
 from mdloader.settings import resolve
@@ -141,7 +142,8 @@ def resurvey(saved: SavedIndex, systems: object, rglob_patterns: Sequence[str] |
         return Catalog(saved, "index", check_seconds=checked - start, reused=len(saved.table))
     stale, table = check.systems, saved.table
     addresses = table.addresses()
-    folders = {a: i for i, a in enumerate(addresses) if backend_of(a).walks}  # found walking
+    folders = {a: i for i, a in enumerate(addresses)
+               if walks_folders(backend_of(a))}  # found walking
     walked = {**saved.walked, **dict.fromkeys(folders, True)}
     unchanged = {p for p, s in zip(saved.walked, check.folders) if not s}
     unchanged.update(a for a, i in folders.items() if not stale[i])

@@ -16,7 +16,7 @@ Systems nested in a system's other subfolders are found.
 
 An entry that a storage format holds as a file or a database (an HDF5 file, an LMDB database:
 a path ending in ``.lmdb`` or a folder holding ``data.mdb``) is expanded by its format
-(:meth:`mdloader.data.formats.base.Backend.expand`): an HDF5 file into its groups holding
+(:func:`mdloader.data.formats.capabilities.systems_of_entry`): an HDF5 file into its groups holding
 ``type.raw``, a database into one address per group of frames, in the order of its system ids
 (``rglob_patterns`` do not apply to it).
 
@@ -42,7 +42,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mdloader.data.formats import Listing, address_sort_key, backend_of, locate_entry, parse_address
-from mdloader.data.formats.base import matches, walking_backend
+from mdloader.data.formats.capabilities import (
+    entry_container,
+    folder_walk,
+    systems_of_entry,
+    walks_folders,
+)
+from mdloader.data.formats.patterns import matches
 from mdloader.errors import ConfigError, NoSystemsFoundError
 from mdloader.fs_calls import Overlap
 from mdloader.settings import resolve
@@ -170,12 +176,13 @@ def _part(path: str, patterns: Sequence[str] | None, out: Discovery, roots: dict
         raise ConfigError(f"{path} does not exist", path=where)
     loc = locate_entry(path)
     backend = backend_of(loc)
-    if backend.walks:
+    if walks_folders(backend):
         return roots.setdefault(os.path.normpath(os.path.abspath(path)), len(roots))
-    file = backend.container(loc)
+    file = entry_container(backend, loc)
     if file is not None:
         out.files.append(file)
-    return backend.expand(loc, patterns, known_files.get(file) if file is not None else None)
+    return systems_of_entry(backend, loc, patterns,
+                        known_files.get(file) if file is not None else None)
 
 
 log = logging.getLogger(__name__)
@@ -246,7 +253,7 @@ def _entries(folder: str, listed: dict[str, Listing | None],
     listing = listed[folder]
     if listing is None:
         return None, []
-    is_system, subfolders = walking_backend().walk_step(listing)
+    is_system, subfolders = folder_walk().walk_step(listing)
     return is_system, [os.path.join(folder, d) for d in subfolders]
 
 
@@ -254,7 +261,7 @@ def _listing_or_none(folder: str) -> Listing | None:
     """The folder's listing; ``None`` when it cannot be listed (skipped, as ``os.walk`` and
     DeePMD-kit's ``rglob`` do, with a warning naming it: systems below it are not used)."""
     try:
-        return walking_backend().list_folder(folder)
+        return folder_walk().list_folder(folder)
     except OSError as exc:
         log.warning("cannot list the folder %s (%s): systems below it, if any, are not used",
                     folder, exc.strerror or exc)

@@ -11,7 +11,7 @@ or removed changes it), ``type.raw`` and ``type_map.raw`` (rewritten in place, t
 nothing else), and each ``set.*`` folder (an array added or removed). An array rewritten in
 place is checked when it is read: its frames, width and size must still match
 (:func:`mdloader.data.formats.npy.read_rows`). An HDF5 system is its file. Each format says which
-paths it depends on (:meth:`mdloader.data.formats.base.Backend.freshness_paths`); systems of a
+paths it depends on (:func:`mdloader.data.formats.capabilities.freshness_paths`); systems of a
 format that names none are always described again.
 """
 
@@ -26,6 +26,7 @@ import numpy as np
 from mdloader.catalog.index_file import SavedIndex
 from mdloader.catalog.table import SystemTable
 from mdloader.data.formats import backend_of
+from mdloader.data.formats.capabilities import freshness_paths
 from mdloader.fs_calls import Overlap, timed
 from mdloader.persist import file_stamp
 
@@ -43,13 +44,13 @@ def _changed(path: str, since_ns: int) -> bool:
 
 def system_paths(table: SystemTable) -> tuple[list[str], np.ndarray, list[int]]:
     """The paths checked for the systems of ``table`` (each format's
-    :meth:`~mdloader.data.formats.base.Backend.freshness_paths`), the row of each path, and the
+    :func:`~mdloader.data.formats.capabilities.freshness_paths`), the row of each path, and the
     rows of systems that cannot be checked (described again at every start)."""
     paths: list[str] = []
     rows: list[int] = []
     uncheckable: list[int] = []
     for row, (address, layout) in enumerate(zip(table.addresses(), table.layouts())):
-        found = backend_of(address).freshness_paths(address, layout)
+        found = freshness_paths(backend_of(address), address, layout)
         if found is None:
             uncheckable.append(row)
             continue

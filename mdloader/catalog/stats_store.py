@@ -24,6 +24,7 @@ import logging
 import os
 
 from mdloader.data.formats import backend_of, parse_address
+from mdloader.data.formats.capabilities import freshness_paths
 from mdloader.persist import file_stamp, mark_used, write_atomic
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def system_stamp(address: str, layout: tuple[bool, tuple[str, ...]] | None = Non
     listing; without it (or for formats that name no paths) the system's path is used.
     """
     location = parse_address(address)
-    paths = None if layout is None else backend_of(address).freshness_paths(address, layout)
+    paths = None if layout is None else freshness_paths(backend_of(address), address, layout)
     if paths is None:
         paths = [location.path]
     lines = [address]

@@ -22,7 +22,7 @@ from typing import Any
 from mdloader.catalog.describe import SystemFailed, fan_out
 from mdloader.catalog.discover import discover_systems
 from mdloader.config.input_json import Config, DataConfig, parse_config
-from mdloader.data.formats import backend_of
+from mdloader.data.formats import backend_of, diagnostics
 from mdloader.data.system import SystemMeta, inspect_system
 from mdloader.errors import ConfigError, MdloaderError
 from mdloader.sampling.plan import LoaderPlan
@@ -199,7 +199,7 @@ def _inspect(address: str, listing: object = None, *, type_map: tuple[str, ...] 
 def flat_notes(meta: SystemMeta) -> list[str]:
     """One line per array read reshaped (stored flat, as DeePMD-kit's whole-set reader reads it),
     from the system's format."""
-    return backend_of(meta.location).notes(meta)
+    return diagnostics.layout_notes(meta)
 
 
 def _plan(data: DataConfig, metas: list[SystemMeta], section: SectionReport,
@@ -222,8 +222,8 @@ def _plan(data: DataConfig, metas: list[SystemMeta], section: SectionReport,
 
 def deep_check(meta: SystemMeta) -> list[str]:
     """Every problem found by reading every frame of the system: NaN/inf frames, unreadable or
-    short data (:meth:`mdloader.data.formats.base.Backend.deep_check`)."""
-    return backend_of(meta.location).deep_check(meta)
+    short data (:func:`mdloader.data.formats.diagnostics.deep_check`)."""
+    return diagnostics.deep_check(meta)
 
 
 #: Rows of a section's table shown by default; ``--all`` (or ``--json``) lists every system.

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from mdloader.data.formats.base import FrameReader, backend_of
+from mdloader.data.formats.base import FrameReader
+from mdloader.data.formats.registry import backend_of
 from mdloader.data.schema import DataRequirementItem, merge_requirements
 from mdloader.data.system import SystemMeta, build_system_meta
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.data.formats.base import Listing, Location, backend_of, parse_address
+from mdloader.data.formats.base import Listing, Location
+from mdloader.data.formats.registry import backend_of, parse_address
 from mdloader.errors import DataError
 
 _SHARED: dict[Any, Any] = {}

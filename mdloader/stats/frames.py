@@ -67,11 +67,10 @@ def set_spans(dataset: Any) -> list[tuple[str, int, int]]:
 def file_of(dataset: Any, name: str, fid: int = 0) -> str:
     """The file (or database entry) a message should name for ``name`` of system frame ``fid``
     of the dataset's system, as its format says."""
-    from mdloader.data.formats import backend_of
+    from mdloader.data.formats.diagnostics import position_file
 
     meta = dataset.meta
-    return backend_of(meta.location).frame_file(meta, name.removesuffix(".npy"), fid) \
-        or meta.address
+    return position_file(meta, name.removesuffix(".npy"), fid) or meta.address
 
 
 def read_frames(dataset: Any, fids: np.ndarray) -> list[tuple[np.ndarray, dict[str, Any]]]:

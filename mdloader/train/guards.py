@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
-from mdloader.data.formats import backend_of
-from mdloader.data.formats.base import degenerate_boxes
+from mdloader.data.formats import backend_of, diagnostics
+from mdloader.data.formats.geometry import degenerate_boxes
 from mdloader.distributed.collectives import fail_together
 from mdloader.errors import DataError, NonFiniteError
 from mdloader.train.model import box_heights, box_too_small
@@ -34,7 +34,7 @@ CHECKED_KEYS = ("coord", "box", "energy", "force")
 def frame_file(system: DeepmdDataSetForLoader, key: str, fid: int) -> str | None:
     """The file that holds ``key`` for frame ``fid`` of ``system`` (``None`` when none does);
     for an LMDB group, the database entry of frame ``fid`` (a database index)."""
-    return backend_of(system.meta.location).frame_file(system.meta, key, fid)
+    return diagnostics.frame_file(system.meta, key, fid)
 
 
 def nonfinite_loss(batch: dict[str, Any], system: DeepmdDataSetForLoader, *, loss: float,
@@ -110,7 +110,7 @@ def _box_problem(system: DeepmdDataSetForLoader, rcut: float) -> DataError | Non
     backend = backend_of(meta.location)
     if not meta.pbc or backend.pbc_per_frame:  # boxes in the frames (LMDB): checked as read
         return None
-    for file, start, block in backend.box_blocks(meta):
+    for file, start, block in diagnostics.box_blocks(meta):
         rows = torch.as_tensor(block, dtype=torch.float64)
         bad = torch.nonzero(~torch.isfinite(rows).all(dim=1)).flatten().tolist()
         if bad:

@@ -24,6 +24,13 @@ from mdloader.data.formats import (
     unregister_backend,
 )
 from mdloader.data.formats.base import frame_ids
+from mdloader.data.formats.capabilities import (
+    Diagnostics,
+    EntryExpansion,
+    FolderWalk,
+    Freshness,
+)
+from mdloader.data.formats.diagnostics import box_blocks, deep_check
 from mdloader.data.system import SetMeta, SystemMeta
 from mdloader.errors import DataError, MissingDataError, UnknownFormatError
 from mdloader.loading.loader import DpLoaderSet
@@ -128,8 +135,9 @@ def test_a_format_added_through_the_registry_alone_trains(tmp_path: Path,
     assert batch["fid"] == [3, 3] and tuple(batch["coord"].shape) == (2, 6, 3)
 
     meta = loaders.systems[0].meta
-    assert npz_format.deep_check(meta) == []
-    assert [(start, rows.shape) for _, start, rows in npz_format.box_blocks(meta)] == [(0, (4, 9))]
+    assert not isinstance(npz_format, Diagnostics)  # the core alone: the defaults read it
+    assert deep_check(meta) == []
+    assert [(start, rows.shape) for _, start, rows in box_blocks(meta)] == [(0, (4, 9))]
 
     torch.manual_seed(0)  # one step of the reference model on a batch of the toy format
     model = RadialPotential(2, rcut=2.5, nbasis=4, hidden=(8,))
@@ -155,7 +163,15 @@ def test_each_real_format_is_registered(tmp_path: Path) -> None:
     assert backend_of(f"{db}#system=0,natoms=6").name == "lmdb"
     assert backend_of(db).name == "lmdb"
     assert get_backend("lmdb").pbc_per_frame and not get_backend("lmdb").indexable
-    assert get_backend("npy").walks and not get_backend("hdf5").pbc_per_frame
+    assert isinstance(get_backend("npy"), FolderWalk) and not get_backend("hdf5").pbc_per_frame
+
+
+def test_each_real_format_has_the_capabilities_its_clients_use() -> None:
+    npy, hdf5, lmdb = (get_backend(name) for name in ("npy", "hdf5", "lmdb"))
+    assert [isinstance(b, FolderWalk) for b in (npy, hdf5, lmdb)] == [True, False, False]
+    assert [isinstance(b, EntryExpansion) for b in (npy, hdf5, lmdb)] == [False, True, True]
+    assert [isinstance(b, Freshness) for b in (npy, hdf5, lmdb)] == [True, True, False]
+    assert all(isinstance(b, Diagnostics) for b in (npy, hdf5, lmdb))
 
 
 def test_an_unknown_address_is_named() -> None:

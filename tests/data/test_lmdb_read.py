@@ -205,7 +205,7 @@ def test_stacked_batches_equal_frame_by_frame_collation(tmp_path: Path, writer: 
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The stacked fast path gives what decoding each frame and collating gives, with defaults,
     repeats, the "default" policy and a type remap."""
-    from mdloader.data.formats.lmdb import frames as lmdb_batch
+    from mdloader.data.formats.lmdb import stacked as lmdb_batch
 
     db = make_lmdb(tmp_path / "d.lmdb", _sources(tmp_path / "src", mixed=writer == "mdloader"),
                    writer=writer)

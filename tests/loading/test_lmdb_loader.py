@@ -16,7 +16,7 @@ from fs_audit import count_data_touches
 
 from mdloader import DpLoaderSet, get_weighted_sampler
 from mdloader.data.formats import address_sort_key
-from mdloader.data.formats.lmdb import env as lmdb_io
+from mdloader.data.formats.lmdb import environment as lmdb_io
 from mdloader.data.formats.lmdb import metadata as lmdb_metadata
 from mdloader.data.formats.lmdb.frame_runs import FrameRuns, decode_runs, encode_runs, run_bounds
 from mdloader.data.formats.lmdb.groups import _restore_group, group_frames

@@ -4,17 +4,16 @@ A system *address* is a directory path, ``file.h5#/group`` (``file.h5`` alone or
 for a system at the file root), or ``data.lmdb#system=3,natoms=6`` for the frames of source
 system 3 with 6 atoms in an LMDB database (``data.lmdb#natoms=6`` when the database records no
 system ids). Each format is a :class:`~mdloader.data.formats.base.Backend` found through the
-registry of :mod:`mdloader.data.formats.base`; this package re-exports the registry's functions.
+registry of :mod:`mdloader.data.formats.registry`; this package re-exports the registry's
+functions.
 Nothing here imports a format: they load on the first look-up.
 """
 
 from __future__ import annotations
 
-from mdloader.data.formats.base import (
-    Backend,
-    FrameReader,
-    Listing,
-    Location,
+from mdloader.data.formats.base import Backend, FrameReader, Listing, Location
+from mdloader.data.formats.lmdb.address import LMDB_GROUP, lmdb_group_of
+from mdloader.data.formats.registry import (
     address_sort_key,
     backend_of,
     backends,
@@ -25,7 +24,6 @@ from mdloader.data.formats.base import (
     release_handles,
     unregister_backend,
 )
-from mdloader.data.formats.lmdb.address import LMDB_GROUP, lmdb_group_of
 
 __all__ = ["LMDB_GROUP", "Backend", "FrameReader", "Listing", "Location", "address_sort_key",
            "backend_of", "backends", "get_backend", "lmdb_group_of", "locate_entry",

@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.data.formats.base import Listing, Location, matches
+from mdloader.data.formats.base import Listing, Location
 from mdloader.data.formats.handles import HandleCache
 from mdloader.data.formats.npy import as_rows
-from mdloader.data.formats.sets import SetBackend
+from mdloader.data.formats.patterns import matches
+from mdloader.data.formats.sets import SetBackend, SetStorage
 from mdloader.data.layout import frames_and_width
 from mdloader.errors import (
     CorruptFileError,
@@ -170,7 +171,8 @@ def hdf5_systems(path: str, group: str, patterns: Sequence[str] | None) -> list[
 
 
 class Hdf5Backend(SetBackend):
-    """HDF5 files of DeePMD systems (:class:`~mdloader.data.formats.sets.SetBackend`)."""
+    """HDF5 files of DeePMD systems (:class:`~mdloader.data.formats.sets.SetBackend`), a file
+    expanding into its groups (:class:`~mdloader.data.formats.capabilities.EntryExpansion`)."""
 
     def parse(self, address: str) -> Location | None:
         path, sep, group = address.partition("#")
@@ -202,18 +204,12 @@ class Hdf5Backend(SetBackend):
         path = address.partition("#")[0]
         return [path]
 
-    file_of = staticmethod(file_of)
-    read_type_raw = staticmethod(read_type_raw)
-    set_shapes = staticmethod(set_shapes)
-    read_rows = staticmethod(read_rows)
-    release = staticmethod(release)
-
-    def scan_system(self, loc: Location, listing: Listing | None = None
-                    ) -> tuple[bool, list[str]]:
-        return scan_system(loc)
-
-    def read_type_map(self, loc: Location, listing: Listing | None = None) -> list[str] | None:
-        return read_type_map(loc)
+    def release(self) -> None:
+        release()
 
 
-BACKEND = Hdf5Backend()
+#: Set-layout systems as groups of HDF5 files.
+HDF5_GROUPS = SetStorage(file_of=file_of, scan_system=scan_system, read_type_raw=read_type_raw,
+                         read_type_map=read_type_map, set_shapes=set_shapes,
+                         read_rows=read_rows)
+BACKEND = Hdf5Backend(HDF5_GROUPS)

@@ -23,7 +23,7 @@ import numpy as np
 
 from mdloader.data.formats.base import Listing, Location
 from mdloader.data.formats.handles import HandleCache
-from mdloader.data.formats.sets import SetBackend
+from mdloader.data.formats.sets import SetBackend, SetStorage
 from mdloader.data.layout import frames_and_width
 from mdloader.data.system import shared
 from mdloader.errors import (
@@ -296,9 +296,8 @@ def release() -> None:
 
 
 class NpyBackend(SetBackend):
-    """DeePMD-kit's npy directories (:class:`~mdloader.data.formats.sets.SetBackend`)."""
-
-    walks = True
+    """DeePMD-kit's npy directories (:class:`~mdloader.data.formats.sets.SetBackend`), found
+    by walking folders (:class:`~mdloader.data.formats.capabilities.FolderWalk`)."""
 
     def list_folder(self, path: str) -> Listing:
         return list_dir(path)
@@ -327,22 +326,17 @@ class NpyBackend(SetBackend):
         return [address + end for end in ends]
 
     def __init__(self) -> None:
+        super().__init__(NPY_FOLDERS)
         self._ends: dict[tuple[bool, tuple[str, ...]], tuple[str, ...]] = {}
 
-    file_of = staticmethod(file_of)
-    read_type_raw = staticmethod(read_type_raw)
-    set_shapes = staticmethod(set_shapes)
-    read_rows = staticmethod(read_rows)
-    release = staticmethod(release)
-
-    def scan_system(self, loc: Location, listing: Listing | None = None
-                    ) -> tuple[bool, list[str]]:
-        return scan_system(loc, listing)
-
-    def read_type_map(self, loc: Location, listing: Listing | None = None) -> list[str] | None:
-        return read_type_map(loc, listing)
+    def release(self) -> None:
+        release()
 
 
+#: Set-layout systems as folders of npy files.
+NPY_FOLDERS = SetStorage(file_of=file_of, scan_system=scan_system, read_type_raw=read_type_raw,
+                         read_type_map=read_type_map, set_shapes=set_shapes,
+                         read_rows=read_rows)
 BACKEND = NpyBackend()
 
 

@@ -2,30 +2,24 @@
 ``nopbc`` and ``set.*`` folders of ``key.npy`` arrays, one row per frame.
 
 :class:`SetBackend` describes such a system from headers only, reads rows of its arrays for
-batches, and checks it deeply, through a few storage primitives (list a system, read
-``type.raw``, the shapes of a set, rows of an array) that :mod:`~mdloader.data.formats.npy` and
-:mod:`~mdloader.data.formats.hdf5` implement, each for its own storage.
+batches, and checks it deeply, through the :class:`SetStorage` it holds (list a system, read
+``type.raw``, the shapes of a set, rows of an array): a folder of npy files
+(:mod:`~mdloader.data.formats.npy`) or a group of an HDF5 file
+(:mod:`~mdloader.data.formats.hdf5`).
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from mdloader.data.collate import batch_from_blocks
-from mdloader.data.formats.base import (
-    DEEP_CHUNK,
-    Backend,
-    FrameReader,
-    Listing,
-    Location,
-    degenerate_boxes,
-    frame_ids,
-    nonfinite_rows,
-)
+from mdloader.data.formats.base import Backend, FrameReader, Listing, Location, frame_ids
+from mdloader.data.formats.diagnostics import DEEP_CHUNK, nonfinite_rows
+from mdloader.data.formats.geometry import degenerate_boxes
 from mdloader.data.frames import AtomOrder, default_block, expected_widths, transform
 from mdloader.data.layout import frames_and_width, known_width, stored_flat
 from mdloader.data.schema import DataRequirementItem, output_key, stem_in
@@ -39,57 +33,54 @@ from mdloader.errors import (
 )
 
 
+@dataclass(frozen=True)
+class SetStorage:
+    """Where set-layout systems live (folders of npy files, groups of an HDF5 file): the
+    operations the layout code asks of it, each a function of the system's location."""
+
+    #: ``(loc, set name or None, member name)``: the path a message names for a member.
+    file_of: Callable[[Location, str | None, str], str]
+    #: ``(loc, listing=None)``: (periodic?, sorted set names).
+    scan_system: Callable[..., tuple[bool, list[str]]]
+    #: ``(loc)``: the atom types of ``type.raw``.
+    read_type_raw: Callable[[Location], np.ndarray]
+    #: ``(loc, listing=None)``: ``type_map.raw``'s names, ``None`` without one.
+    read_type_map: Callable[..., list[str] | None]
+    #: ``(loc, set name)``: shapes of every array of a set, from headers only.
+    set_shapes: Callable[[Location, str], dict[str, tuple[int, ...]]]
+    #: ``(loc, set name, stem, rows, set frames, width=None)``: rows of ``stem.npy`` as a
+    #: ``(len(rows), width)`` array; a file changed since the description is a StaleDataError.
+    read_rows: Callable[..., np.ndarray]
+
+
 class SetBackend(Backend):
-    """A format storing DeePMD-kit's set layout; subclasses provide the storage primitives."""
+    """A format storing DeePMD-kit's set layout in ``storage``; it checks its systems itself
+    (:class:`~mdloader.data.formats.capabilities.Diagnostics`)."""
 
-    # -- storage primitives -------------------------------------------------------------------
-    @abstractmethod
-    def file_of(self, loc: Location, set_name: str | None, name: str) -> str:
-        """The path a message should name for a member of the system."""
+    def __init__(self, storage: SetStorage) -> None:
+        self.storage = storage
 
-    @abstractmethod
-    def scan_system(self, loc: Location, listing: Listing | None = None
-                    ) -> tuple[bool, list[str]]:
-        """(periodic?, sorted set names)."""
-
-    @abstractmethod
-    def read_type_raw(self, loc: Location) -> np.ndarray:
-        """The atom types of ``type.raw``."""
-
-    @abstractmethod
-    def read_type_map(self, loc: Location, listing: Listing | None = None) -> list[str] | None:
-        """``type_map.raw``'s names, ``None`` without one."""
-
-    @abstractmethod
-    def set_shapes(self, loc: Location, set_name: str) -> dict[str, tuple[int, ...]]:
-        """Shapes of every array of a set, from headers only."""
-
-    @abstractmethod
-    def read_rows(self, loc: Location, set_name: str, stem: str, rows: np.ndarray,
-                  set_nframes: int, width: int | None = None) -> np.ndarray:
-        """Rows ``rows`` of ``set_name/stem.npy`` as a ``(len(rows), width)`` array; a file that
-        changed since the description (other frames or ``width``) is a StaleDataError."""
-
-    # -- the Backend interface ----------------------------------------------------------------
+    # -- the core -------------------------------------------------------------------------------
     def describe(self, loc: Location, type_map: Sequence[str] | None,
                  problems: list[DataError], listing: Listing | None = None) -> SystemMeta:
-        pbc, set_names = self.scan_system(loc, listing) if listing else self.scan_system(loc)
-        types = self.read_type_raw(loc)
+        storage = self.storage
+        pbc, set_names = storage.scan_system(loc, listing) if listing else storage.scan_system(loc)
+        types = self.storage.read_type_raw(loc)
         if types.size == 0:
             raise DataError("the system has no atoms (type.raw is empty)", system=loc.address,
-                            file=self.file_of(loc, None, "type.raw"))
+                            file=self.storage.file_of(loc, None, "type.raw"))
         if not set_names:
             raise MissingDataError("no set.* is found in the system", system=loc.address,
-                                   file=self.file_of(loc, None, "set.*"))
+                                   file=self.storage.file_of(loc, None, "set.*"))
         described = [self._describe_set(loc, name, len(types), pbc, problems)
                      for name in set_names]
         sets = tuple(s for s in described if s is not None)
         mixed = _collect(problems, self._mixed_flag, loc, sets) if sets else False
         if not problems and sum(s.nframes for s in sets) == 0:
             problems.append(DataError("the system has no frames", system=loc.address,
-                                      file=self.file_of(loc, sets[0].name, "coord.npy"),
+                                      file=self.storage.file_of(loc, sets[0].name, "coord.npy"),
                                       expected=">= 1 frame", found="0 frames"))
-        sys_map = self.read_type_map(loc, listing) if listing else self.read_type_map(loc)
+        sys_map = storage.read_type_map(loc, listing) if listing else storage.read_type_map(loc)
         resolved = _collect(problems, self._resolve_types, loc, types, sys_map, type_map,
                             mixed) or (types, None, None)
         atom_types, final_map, idx_map = resolved
@@ -110,21 +101,23 @@ class SetBackend(Backend):
                     if req.must:
                         raise MissingDataError(f"a required key is missing: {req.key}",
                                                system=meta.address,
-                                               file=self.file_of(meta.location, s.name,
+                                               file=self.storage.file_of(meta.location, s.name,
                                                                  req.key + ".npy"))
                     continue
                 width = s.width(stem)
                 if width not in accepted:
                     raise ShapeError(f"per-frame width of {stem}.npy does not match the "
                                      "requirement", system=meta.address,
-                                     file=self.file_of(meta.location, s.name, stem + ".npy"),
+                                     file=self.storage.file_of(meta.location, s.name,
+                                                               stem + ".npy"),
                                      expected=" or ".join(str(w) for w in accepted),
                                      found=width)
 
     def reader(self, meta: SystemMeta, requirements: Sequence[DataRequirementItem],
                origin: str | None = None) -> SetReader:
-        return SetReader(self, meta, tuple(requirements), origin)
+        return SetReader(self.storage, meta, tuple(requirements), origin)
 
+    # -- diagnostics ----------------------------------------------------------------------------
     def deep_check(self, meta: SystemMeta) -> list[str]:
         """Read every array of every set; report NaN/inf frames and unreadable or short data."""
         loc = meta.location
@@ -132,7 +125,7 @@ class SetBackend(Backend):
         start = 0
         for s in meta.sets:
             for key in s.keys:
-                where = self.file_of(loc, s.name, key + ".npy")
+                where = self.storage.file_of(loc, s.name, key + ".npy")
                 try:
                     bad, flat = self._bad_frames(loc, s.name, key, s.nframes,
                                                  cells=meta.pbc and key == "box")
@@ -156,7 +149,7 @@ class SetBackend(Backend):
         bad, flat = [], []
         for lo in range(0, nframes, DEEP_CHUNK):
             rows = np.arange(lo, min(nframes, lo + DEEP_CHUNK))
-            block = self.read_rows(loc, set_name, key, rows, nframes)
+            block = self.storage.read_rows(loc, set_name, key, rows, nframes)
             if block.shape[0] != len(rows):
                 raise ValueError(f"got {block.shape[0]} rows, expected {len(rows)}")
             nonfinite = nonfinite_rows(block)
@@ -171,9 +164,10 @@ class SetBackend(Backend):
         loc = meta.location
         notes = []
         for s in meta.sets:
-            for key, shape in self.set_shapes(loc, s.name).items():
+            for key, shape in self.storage.set_shapes(loc, s.name).items():
                 if stored_flat(shape, s.nframes):
-                    notes.append(f"{self.file_of(loc, s.name, key + '.npy')} of shape {shape} "
+                    where = self.storage.file_of(loc, s.name, key + ".npy")
+                    notes.append(f"{where} of shape {shape} "
                                  f"is read as ({s.nframes}, {s.width(key)}): frames x values")
         return notes
 
@@ -182,7 +176,7 @@ class SetBackend(Backend):
         for s in meta.sets:
             if fid < start + s.nframes:
                 stem = stem_in(s.keys, key)
-                return None if stem is None else self.file_of(meta.location, s.name,
+                return None if stem is None else self.storage.file_of(meta.location, s.name,
                                                               stem + ".npy")
             start += s.nframes
         return None
@@ -191,9 +185,9 @@ class SetBackend(Backend):
         """Each set's ``box.npy``, whole (a few floats per frame)."""
         start = 0
         for s in meta.sets:
-            rows = self.read_rows(meta.location, s.name, "box", np.arange(s.nframes),
+            rows = self.storage.read_rows(meta.location, s.name, "box", np.arange(s.nframes),
                                   s.nframes, s.width("box"))
-            yield self.file_of(meta.location, s.name, "box.npy"), start, rows
+            yield self.storage.file_of(meta.location, s.name, "box.npy"), start, rows
             start += s.nframes
 
     # -- description helpers ------------------------------------------------------------------
@@ -201,15 +195,15 @@ class SetBackend(Backend):
                       problems: list[DataError]) -> SetMeta | None:
         """The set's description, or ``None`` when its frames cannot be known (no coord.npy);
         its problems go to ``problems``."""
-        shapes = self.set_shapes(loc, name)
+        shapes = self.storage.set_shapes(loc, name)
         if "coord" not in shapes:
             problems.append(MissingDataError("the set has no coord.npy", system=loc.address,
-                                             file=self.file_of(loc, name, "coord.npy")))
+                                             file=self.storage.file_of(loc, name, "coord.npy")))
         if pbc and "box" not in shapes:
             problems.append(MissingDataError(
                 "a periodic system needs box.npy in every set (add an empty 'nopbc' file "
                 "to the system if it is not periodic)",
-                system=loc.address, file=self.file_of(loc, name, "box.npy")))
+                system=loc.address, file=self.storage.file_of(loc, name, "box.npy")))
         if "coord" not in shapes:
             return None
         nframes, _ = frames_and_width(shapes["coord"], None)
@@ -226,7 +220,7 @@ class SetBackend(Backend):
                      nframes: int, natoms: int) -> tuple[int, ShapeError | None]:
         """Values per frame of ``key.npy``, or what is wrong with it: its frame count, or a
         width that the format fixes and it does not have."""
-        where = {"system": loc.address, "file": self.file_of(loc, set_name, key + ".npy")}
+        where = {"system": loc.address, "file": self.storage.file_of(loc, set_name, key + ".npy")}
         frames, width = frames_and_width(shape, nframes)
         if frames != nframes:
             return width, ShapeError(
@@ -246,7 +240,7 @@ class SetBackend(Backend):
             plain = sorted(n for n, f in flags.items() if not f)
             raise DataError("either every set of a system is mixed type (real_atom_types.npy) "
                             "or none is", system=loc.address,
-                            file=self.file_of(loc, plain[0], "real_atom_types.npy"),
+                            file=self.storage.file_of(loc, plain[0], "real_atom_types.npy"),
                             found=f"mixed: {mixed}; not mixed: {plain}")
         return next(iter(flags.values()))
 
@@ -256,7 +250,7 @@ class SetBackend(Backend):
     ) -> tuple[np.ndarray, tuple[str, ...] | None, tuple[int, ...] | None]:
         """DeePMD-kit's type-map rules (``DeepmdData.__init__``), with errors instead of
         asserts."""
-        type_file = self.file_of(loc, None, "type.raw")
+        type_file = self.storage.file_of(loc, None, "type.raw")
         if types.min() < 0:
             raise TypeMapError("type.raw holds a negative type id", system=loc.address,
                                file=type_file, expected="ids >= 0", found=int(types.min()))
@@ -271,7 +265,7 @@ class SetBackend(Backend):
             if missing:
                 raise TypeMapError(f"Elements {missing} are not present in the provided "
                                    "type_map.", system=loc.address,
-                                   file=self.file_of(loc, None, "type_map.raw"),
+                                   file=self.storage.file_of(loc, None, "type_map.raw"),
                                    expected=f"elements within {model}", found=sys_map)
             order = [model.index(name) for name in sys_map]
             if mixed:
@@ -279,7 +273,8 @@ class SetBackend(Backend):
             return np.asarray(order, dtype=np.int64)[types], tuple(model), None
         if mixed and model is None and sys_map is None:
             raise DataError("a mixed-type system needs type_map.raw or a model type_map",
-                            system=loc.address, file=self.file_of(loc, None, "type_map.raw"))
+                            system=loc.address,
+                            file=self.storage.file_of(loc, None, "type_map.raw"))
         if model and sys_map is None and not mixed and types.max() >= len(model):
             raise TypeMapError("type.raw holds a type id outside the model type_map",
                                system=loc.address, file=type_file,
@@ -302,9 +297,10 @@ class SetReader(FrameReader):
     DeePMD-kit's ``DeepmdDataSetForLoader`` yields them (atoms sorted by type, ``find_*``
     flags, defaults for absent optional labels)."""
 
-    def __init__(self, io: SetBackend, meta: SystemMeta,
+    def __init__(self, storage: SetStorage, meta: SystemMeta,
                  requirements: tuple[DataRequirementItem, ...], origin: str | None) -> None:
-        self._io, self._meta, self._requirements, self._origin = io, meta, requirements, origin
+        self._storage, self._meta = storage, meta
+        self._requirements, self._origin = requirements, origin
         self._order: AtomOrder | None = None
         self._prefix: np.ndarray | None = None
 
@@ -359,7 +355,7 @@ class SetReader(FrameReader):
     def _read_key(self, req: DataRequirementItem, groups: list[tuple[int, np.ndarray]],
                   starts: np.ndarray, fid_arr: np.ndarray,
                   order: AtomOrder) -> tuple[np.ndarray, np.ndarray]:
-        meta, io = self._meta, self._io
+        meta, storage = self._meta, self._storage
         loc = meta.location
         nsel = int(np.isin(order.atom_types, req.type_sel).sum()) if req.type_sel else 0
         out = default_block(req, len(fid_arr), meta.natoms, nsel)
@@ -371,10 +367,10 @@ class SetReader(FrameReader):
                 if req.must:
                     raise MissingDataError(f"a required key is missing: {req.key}",
                                            system=meta.address,
-                                           file=io.file_of(loc, s.name, req.key + ".npy"))
+                                           file=storage.file_of(loc, s.name, req.key + ".npy"))
                 continue
             rows = self._rows(s, stem, fid_arr[pos] - starts[si])
-            where = (meta.address, io.file_of(loc, s.name, stem + ".npy"))
+            where = (meta.address, storage.file_of(loc, s.name, stem + ".npy"))
             out[pos] = transform(req, rows, order, where)
             found[pos] = True
         return out, found
@@ -391,7 +387,7 @@ class SetReader(FrameReader):
         for si, pos in groups:
             s = meta.sets[si]
             rows = self._rows(s, "real_atom_types", fid_arr[pos] - starts[si]).astype(np.int64)
-            types[pos] = self._map_real_types(rows, self._io.file_of(loc, s.name,
+            types[pos] = self._map_real_types(rows, self._storage.file_of(loc, s.name,
                                                                      "real_atom_types.npy"))
         counts = np.stack([np.bincount(t[t >= 0], minlength=meta.ntypes) for t in types])
         head = np.full((k, 2), meta.natoms)
@@ -400,7 +396,7 @@ class SetReader(FrameReader):
     def _rows(self, s: SetMeta, stem: str, rows: np.ndarray) -> np.ndarray:
         """Rows of ``stem`` in set ``s``; a file changed since the description is an error."""
         try:
-            return self._io.read_rows(self._meta.location, s.name, stem, rows, s.nframes,
+            return self._storage.read_rows(self._meta.location, s.name, stem, rows, s.nframes,
                                       s.width(stem))
         except StaleDataError as exc:
             raise exc.described_by(self._origin) from None

@@ -2,7 +2,7 @@
 databases, each a ``systems`` entry that expands into its groups of frames.
 
 A group is described from the database's metadata (:mod:`~mdloader.data.formats.lmdb.groups`)
-and read record by record (:mod:`~mdloader.data.formats.lmdb.frames`). Its records carry their
+and read record by record (:mod:`~mdloader.data.formats.lmdb.reader`). Its records carry their
 own box, so periodicity is known per frame, and its description is made again at every start
 (reading the metadata costs less than a saved index would save).
 """
@@ -14,11 +14,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from mdloader.data.formats.base import Backend, FrameReader, Listing, Location, frame_ids
-from mdloader.data.formats.lmdb import env as io
 from mdloader.data.formats.lmdb.address import LMDB_GROUP, lmdb_group_of
 from mdloader.data.formats.lmdb.check import check_group
-from mdloader.data.formats.lmdb.frames import LmdbGroupReader, check_requirements
+from mdloader.data.formats.lmdb.environment import entry_of, frame_key
+from mdloader.data.formats.lmdb.fields import check_requirements
 from mdloader.data.formats.lmdb.groups import describe_group, group_addresses
+from mdloader.data.formats.lmdb.reader import LmdbGroupReader
 from mdloader.data.schema import DataRequirementItem
 from mdloader.data.system import SystemMeta
 from mdloader.errors import DataError
@@ -33,9 +34,15 @@ class CheckedGroupReader(LmdbGroupReader, FrameReader):
     def batch(self, positions: Sequence[int]) -> dict[str, Any]:
         return super().batch(frame_ids(positions, self.runs.nframes, self.address))
 
+    def fids(self, positions: Sequence[int]) -> list[int]:
+        """The database frame indices of the group's positions."""
+        return self.keys(frame_ids(positions, self.runs.nframes, self.address)).tolist()
+
 
 class LmdbBackend(Backend):
-    """Groups of frames (one atom count, one source system) in an LMDB database."""
+    """Groups of frames (one atom count, one source system) in an LMDB database; a database
+    expands into its groups (:class:`~mdloader.data.formats.capabilities.EntryExpansion`) and
+    checks its frames itself (:class:`~mdloader.data.formats.capabilities.Diagnostics`)."""
 
     pbc_per_frame = True
     indexable = False
@@ -63,6 +70,10 @@ class LmdbBackend(Backend):
             return [os.path.abspath(loc.path) + "#" + loc.group]
         return group_addresses(loc.path)
 
+    def container(self, loc: Location) -> str | None:
+        """None: reading a database's metadata again costs less than checking a saved answer."""
+        return None
+
     def sort_key(self, loc: Location) -> tuple[int, int]:
         return lmdb_group_of(loc) if loc.group else (-2, 0)
 
@@ -89,12 +100,17 @@ class LmdbBackend(Backend):
         return check_group(meta)
 
     def frame_file(self, meta: SystemMeta, key: str, fid: int) -> str | None:
-        """The database entry of frame ``fid`` (a database index)."""
-        return io.entry_of(meta.location.path, io.frame_key(fid, meta.sets[0].frame_format))
+        """The database entry of frame ``fid``: a database frame index, what a read frame
+        carries as ``fid`` (a position in the group is mapped by the reader's ``fids``)."""
+        return entry_of(meta.location.path, frame_key(fid, meta.sets[0].frame_format))
 
     def box_blocks(self, meta: SystemMeta) -> Iterator[tuple[str | None, int, Any]]:
         """None ahead of training: boxes are in the frames, checked as they are read."""
         return iter(())
+
+    def notes(self, meta: SystemMeta) -> list[str]:
+        """None: a record's arrays are read with the shapes they are stored with."""
+        return []
 
 
 BACKEND = LmdbBackend()

@@ -12,8 +12,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from mdloader.data.formats.base import degenerate_boxes
-from mdloader.data.formats.lmdb.frames import LmdbGroupReader
+from mdloader.data.formats.geometry import degenerate_boxes
+from mdloader.data.formats.lmdb.reader import LmdbGroupReader
 from mdloader.data.system import SystemMeta
 from mdloader.errors import MdloaderError
 

@@ -25,14 +25,15 @@ from typing import Any
 import numpy as np
 
 from mdloader.data.formats.base import Location
-from mdloader.data.formats.lmdb import env as io
+from mdloader.data.formats.lmdb import environment
 from mdloader.data.formats.lmdb.address import group_address, lmdb_group_of
+from mdloader.data.formats.lmdb.environment import METADATA_KEY, entry_of
 from mdloader.data.formats.lmdb.frame_runs import FrameRuns, encode_groups
 from mdloader.data.formats.lmdb.metadata import Metadata, read_metadata
 from mdloader.data.system import SystemMeta, shared
 from mdloader.errors import DataError, MissingDataError, TypeMapError
 
-_CACHE: OrderedDict[str, tuple[io.Stamp, LmdbGroups]] = OrderedDict()
+_CACHE: OrderedDict[str, tuple[environment.Stamp, LmdbGroups]] = OrderedDict()
 _CACHE_LIMIT = 8
 _LOCK = threading.Lock()
 _PLACEHOLDERS: dict[int, np.ndarray] = {}
@@ -48,7 +49,7 @@ class LmdbGroup:
     runs: FrameRuns
     frame_format: str
     remap: tuple[int, ...] | None
-    stamp: io.Stamp | None = None  # data.mdb when described; every read checks it
+    stamp: environment.Stamp | None = None  # data.mdb when described; every read checks it
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_restore_group, (self.runs.nframes, self.runs.blob, self.frame_format,
@@ -56,7 +57,8 @@ class LmdbGroup:
 
 
 def _restore_group(nframes: int, blob: bytes, frame_format: str,
-                   remap: tuple[int, ...] | None, stamp: io.Stamp | None = None) -> LmdbGroup:
+                   remap: tuple[int, ...] | None,
+                   stamp: environment.Stamp | None = None) -> LmdbGroup:
     return LmdbGroup("frames", nframes, FrameRuns(nframes, blob), shared(frame_format),
                      shared(remap), shared(stamp))  # one stamp per database in a broadcast
 
@@ -68,7 +70,7 @@ class LmdbGroups:
     path: str
     metadata: Metadata
     groups: dict[tuple[int, int], FrameRuns]
-    stamp: io.Stamp | None = None  # data.mdb before its metadata was read
+    stamp: environment.Stamp | None = None  # data.mdb before its metadata was read
 
     def addresses(self) -> list[str]:
         return [group_address(self.path, sid, natoms) for sid, natoms in self.groups]
@@ -88,7 +90,7 @@ def read_groups(path: str) -> LmdbGroups:
             _CACHE.move_to_end(path)
             return hit[1]
         if hit is not None:  # replaced: this process's environment still maps the old file
-            io.forget(path)
+            environment.forget(path)
         groups = _read_groups(path, stamp)
         _CACHE[path] = (stamp, groups)
         while len(_CACHE) > _CACHE_LIMIT:
@@ -103,11 +105,11 @@ def cached_groups(path: str) -> LmdbGroups:
     return hit[1] if hit is not None else read_groups(path)
 
 
-def _stamp(path: str) -> io.Stamp:
-    return io.data_stamp(path) or (-1, -1, -1, -1)  # gone: _read_groups names the problem
+def _stamp(path: str) -> environment.Stamp:
+    return environment.data_stamp(path) or (-1, -1, -1, -1)  # gone: _read_groups names the problem
 
 
-def _read_groups(path: str, stamp: io.Stamp) -> LmdbGroups:
+def _read_groups(path: str, stamp: environment.Stamp) -> LmdbGroups:
     meta = read_metadata(path)
     return LmdbGroups(path, meta, group_frames(meta.frame_nlocs, meta.frame_system_ids), stamp)
 
@@ -149,7 +151,7 @@ def describe_group(loc: Location, type_map: Sequence[str] | None) -> SystemMeta:
     runs = found.groups.get((sid, natoms))
     if runs is None:
         raise MissingDataError("the database has no such group of frames", system=loc.address,
-                               file=io.entry_of(loc.path, io.METADATA_KEY),
+                               file=entry_of(loc.path, METADATA_KEY),
                                expected=f"one of {_some_groups(found)}")
     final_map, remap = _type_maps(found, type_map, loc.address)
     group = _restore_group(runs.nframes, runs.blob, found.metadata.frame_format, remap,
@@ -181,7 +183,7 @@ def _type_maps(found: LmdbGroups, model_map: Sequence[str] | None, address: str
     if model_map is None:
         if stored is None:
             raise DataError("the database has no type_map: give the model's type_map",
-                            system=address, file=io.entry_of(found.path, io.METADATA_KEY))
+                            system=address, file=entry_of(found.path, METADATA_KEY))
         return stored, None
     model = tuple(model_map)
     if stored is None or stored == model:
@@ -190,6 +192,6 @@ def _type_maps(found: LmdbGroups, model_map: Sequence[str] | None, address: str
     if missing:
         raise TypeMapError(f"Elements {missing} of the database's type_map are not in the "
                            "model type_map", system=address,
-                           file=io.entry_of(found.path, io.METADATA_KEY),
+                           file=entry_of(found.path, METADATA_KEY),
                            expected=f"elements within {list(model)}", found=list(stored))
     return model, tuple(model.index(name) for name in stored)

@@ -15,7 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.data.formats.lmdb import env as io
+from mdloader.data.formats.lmdb import codec, environment
+from mdloader.data.formats.lmdb.environment import (
+    DEFAULT_FRAME_FORMAT,
+    METADATA_KEY,
+    entry_of,
+    frame_key,
+)
 from mdloader.errors import CorruptFileError, DataError, MissingDataError, ShapeError
 
 log = logging.getLogger(__name__)
@@ -42,14 +48,14 @@ def scanned_frames() -> int:
 
 def read_metadata(path: str) -> Metadata:
     """Read and check ``__metadata__`` of the database at ``path``."""
-    where = io.entry_of(path, io.METADATA_KEY)
-    with io.metadata_view(path) as (txn, entries):
-        raw = txn.get(io.METADATA_KEY)
+    where = entry_of(path, METADATA_KEY)
+    with environment.metadata_view(path) as (txn, entries):
+        raw = txn.get(METADATA_KEY)
         if raw is None:
             raise MissingDataError("the LMDB database has no __metadata__ entry (not a DeePMD "
                                    "database, or its writer did not finish)", system=path,
                                    file=where)
-        meta = _str_keys(io.unpack(raw, "the __metadata__ entry", path, io.METADATA_KEY))
+        meta = _str_keys(codec.unpack(raw, "the __metadata__ entry", path, METADATA_KEY))
         if not isinstance(meta, dict):
             raise CorruptFileError("__metadata__ is not a map", system=path, file=where,
                                    found=type(meta).__name__)
@@ -75,17 +81,17 @@ def _count(meta: dict[str, Any], path: str) -> int:
     value = meta.get("nframes")
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise CorruptFileError("__metadata__ needs nframes, a positive integer", system=path,
-                               file=io.entry_of(path, io.METADATA_KEY), found=repr(value))
+                               file=entry_of(path, METADATA_KEY), found=repr(value))
     return value
 
 
 def _frame_format(meta: dict[str, Any], path: str) -> str:
-    fmt = meta.get("frame_idx_fmt", io.DEFAULT_FRAME_FORMAT)
+    fmt = meta.get("frame_idx_fmt", DEFAULT_FRAME_FORMAT)
     try:
-        io.frame_key(0, fmt)
+        frame_key(0, fmt)
     except (TypeError, ValueError) as exc:
         raise CorruptFileError("__metadata__ holds an unusable frame_idx_fmt", system=path,
-                               file=io.entry_of(path, io.METADATA_KEY), expected="e.g. '012d'",
+                               file=entry_of(path, METADATA_KEY), expected="e.g. '012d'",
                                found=repr(fmt)) from exc
     return fmt
 
@@ -94,22 +100,22 @@ def _check_entries(txn: Any, entries: int, path: str, nframes: int, fmt: str) ->
     """``nframes`` frames plus ``__metadata__``; the first and the last frame are present."""
     if entries == nframes + 1:
         for index in (0, nframes - 1):
-            if txn.get(io.frame_key(index, fmt)) is None:
+            if txn.get(frame_key(index, fmt)) is None:
                 _missing(path, index, fmt, nframes)
         return
     for index in range(nframes):  # only on the way to an error: name the first missing frame
-        if txn.get(io.frame_key(index, fmt)) is None:
+        if txn.get(frame_key(index, fmt)) is None:
             _missing(path, index, fmt, nframes)
     raise ShapeError("the database holds more entries than __metadata__ announces",
-                     system=path, file=io.entry_of(path, io.METADATA_KEY),
+                     system=path, file=entry_of(path, METADATA_KEY),
                      expected=f"{nframes} frames + __metadata__ = {nframes + 1} entries",
                      found=f"{entries} entries")
 
 
 def _missing(path: str, index: int, fmt: str, nframes: int) -> None:
-    key = io.frame_key(index, fmt)
+    key = frame_key(index, fmt)
     raise MissingDataError(f"frame {index} is missing although nframes is {nframes}",
-                           system=path, file=io.entry_of(path, key))
+                           system=path, file=entry_of(path, key))
 
 
 def _names(value: Any, path: str) -> tuple[str, ...] | None:
@@ -117,7 +123,7 @@ def _names(value: Any, path: str) -> tuple[str, ...] | None:
         return None
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise CorruptFileError("type_map in __metadata__ must be a list of element names",
-                               system=path, file=io.entry_of(path, io.METADATA_KEY),
+                               system=path, file=entry_of(path, METADATA_KEY),
                                found=repr(value)[:200])
     return tuple(value)
 
@@ -127,7 +133,7 @@ def _per_frame(meta: dict[str, Any], name: str, nframes: int, path: str,
     value = meta.get(name)
     if value is None:
         return None
-    where = io.entry_of(path, io.METADATA_KEY)
+    where = entry_of(path, METADATA_KEY)
     try:
         table = np.asarray(value, dtype=np.int64).reshape(-1)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -151,7 +157,7 @@ def _fallback_natoms(meta: dict[str, Any]) -> int | None:
     counts = info.get("natoms") if isinstance(info, dict) else None
     if not counts:
         return None
-    return int(sum(int(np.asarray(io.decode_array(c) if io.is_encoded_array(c) else c))
+    return int(sum(int(np.asarray(codec.decode_array(c) if codec.is_encoded_array(c) else c))
                    for c in counts))
 
 
@@ -163,16 +169,16 @@ def _scan_nlocs(txn: Any, path: str, nframes: int, fmt: str, fallback: int | Non
     log.info("%s: __metadata__ has no frame_nlocs; reading the atom count of its %d frames once "
              "(mdloader pack writes it)", path, nframes)
     nlocs = np.empty(nframes, dtype=np.int32)
-    if fmt == io.DEFAULT_FRAME_FORMAT:
+    if fmt == DEFAULT_FRAME_FORMAT:
         entries = iter(txn.cursor())
     else:
-        entries = ((io.frame_key(i, fmt), txn.get(io.frame_key(i, fmt))) for i in range(nframes))
+        entries = ((frame_key(i, fmt), txn.get(frame_key(i, fmt))) for i in range(nframes))
     for index in range(nframes):
         key, raw = next(entries, (None, None))
-        expected = io.frame_key(index, fmt)
+        expected = frame_key(index, fmt)
         if raw is None or bytes(key) != expected:
             _missing(path, index, fmt, nframes)
-        nlocs[index] = _atoms(io.unpack(raw, f"frame {index}", path, expected), fallback,
+        nlocs[index] = _atoms(codec.unpack(raw, f"frame {index}", path, expected), fallback,
                               path, expected, index)
     _SCANNED[0] += nframes
     return nlocs
@@ -181,7 +187,7 @@ def _scan_nlocs(txn: Any, path: str, nframes: int, fmt: str, fallback: int | Non
 def _atoms(record: Any, fallback: int | None, path: str, key: bytes, index: int) -> int:
     """A frame's atom count: the length of its ``atom_types``, else the metadata's fallback."""
     types = record.get("atom_types") if isinstance(record, dict) else None
-    if io.is_encoded_array(types):
+    if codec.is_encoded_array(types):
         shape = types.get("shape", types.get(b"shape"))
         if shape:
             count = int(shape[0])
@@ -194,7 +200,7 @@ def _atoms(record: Any, fallback: int | None, path: str, key: bytes, index: int)
     else:
         raise MissingDataError(f"frame {index} has no atom_types, and __metadata__ has neither "
                                "frame_nlocs nor system_info", system=path,
-                               file=io.entry_of(path, key))
+                               file=entry_of(path, key))
     if count < 1:
-        raise DataError(f"frame {index} has no atoms", system=path, file=io.entry_of(path, key))
+        raise DataError(f"frame {index} has no atoms", system=path, file=entry_of(path, key))
     return count

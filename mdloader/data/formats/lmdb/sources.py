@@ -31,8 +31,9 @@ import numpy as np
 
 from mdloader.data.formats import backend_of
 from mdloader.data.formats.lmdb.writer import SourceChunk
+from mdloader.data.formats.sets import SetBackend
 from mdloader.data.system import SystemMeta
-from mdloader.errors import DataError
+from mdloader.errors import DataError, UnknownFormatError
 
 #: npy key -> (LMDB field, per-frame shape with -1 for the atom count).
 CORE = {"coord": ("coords", (-1, 3)), "force": ("forces", (-1, 3)), "box": ("cells", (3, 3)),
@@ -81,7 +82,12 @@ def system_chunks(meta: SystemMeta, names: tuple[str, ...], *,
                   chunk_bytes: int = 32 << 20) -> Iterator[SourceChunk]:
     """The frames of an npy or HDF5 system (described with ``type_map=None``), in order."""
     loc = meta.location
-    io = backend_of(loc)
+    backend = backend_of(loc)
+    if not isinstance(backend, SetBackend):
+        raise UnknownFormatError("only systems in the set layout (npy, HDF5) are packed by "
+                                 "system", system=meta.address, file=loc.path,
+                                 expected="an npy or HDF5 system", found=backend.name)
+    storage = backend.storage
     step = max(1, min(4096, chunk_bytes // max(1, frame_bytes(meta))))
     for s in meta.sets:
         layouts = {k: field_layout(k, w, meta.natoms) for k, w in zip(s.keys, s.widths)}
@@ -92,11 +98,11 @@ def system_chunks(meta: SystemMeta, names: tuple[str, ...], *,
                 if layout is None:
                     continue
                 name, shape, atom_axes = layout
-                block = io.read_rows(loc, s.name, stem, rows, s.nframes)
+                block = storage.read_rows(loc, s.name, stem, rows, s.nframes)
                 fields[name] = block.reshape((len(rows),) + shape)
                 axes[name] = atom_axes
             if meta.mixed_type:
-                types = io.read_rows(loc, s.name, "real_atom_types", rows, s.nframes)
+                types = storage.read_rows(loc, s.name, "real_atom_types", rows, s.nframes)
             else:
                 types = np.broadcast_to(meta.atom_types, (len(rows), meta.natoms))
             yield SourceChunk(names, np.asarray(types, dtype=np.int64), fields, axes, meta.pbc)

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.data.formats.lmdb import env as io
+from mdloader.data.formats.lmdb import codec
+from mdloader.data.formats.lmdb.environment import DEFAULT_FRAME_FORMAT, METADATA_KEY, frame_key
 from mdloader.errors import ConfigError, DataError, TypeMapError
 from mdloader.persist import discard, publish_folder, remove_leftovers, temporary_path
 
@@ -71,7 +72,7 @@ class LmdbWriter:
 
     def __init__(self, dest: str | os.PathLike[str], type_map: Sequence[str], *,
                  overwrite: bool = False, commit_bytes: int = 64 << 20,
-                 frame_format: str = io.DEFAULT_FRAME_FORMAT) -> None:
+                 frame_format: str = DEFAULT_FRAME_FORMAT) -> None:
         import lmdb
 
         self.dest = os.path.abspath(os.fspath(dest)).rstrip("/")
@@ -131,14 +132,14 @@ class LmdbWriter:
                 value = values[i]
                 for axis in chunk.atom_axes.get(name, ()):
                     value = np.compress(keep[i], value, axis=axis)
-                record[name] = io.encode_array(value)
+                record[name] = codec.encode_array(value)
             self._append(system_id, lookup[chunk.types[i][keep[i]]].astype(np.int32), record)
 
     def _append(self, system_id: int, ids: np.ndarray, fields: dict[str, Any]) -> None:
-        record: dict[str, Any] = {"atom_types": io.encode_array(ids), **fields}
+        record: dict[str, Any] = {"atom_types": codec.encode_array(ids), **fields}
         counts = np.bincount(ids, minlength=len(self.type_map))
         record["atom_numbs"] = counts.tolist()
-        self._put(io.pack(record))
+        self._put(codec.pack(record))
         self.nlocs.append(len(ids))
         self.system_ids.append(system_id)
 
@@ -159,7 +160,7 @@ class LmdbWriter:
                                                for a, n in enumerate(shape)]
 
     def _put(self, value: bytes) -> None:
-        key = io.frame_key(self.nframes, self.frame_format)  # before this frame's nlocs entry
+        key = frame_key(self.nframes, self.frame_format)  # before this frame's nlocs entry
         self._pending.append((key, value))
         self._pending_bytes += len(value)
         if self._pending_bytes >= self.commit_bytes:
@@ -170,12 +171,12 @@ class LmdbWriter:
         import lmdb
 
         records = self._pending + list(extra)
-        ordered = self.frame_format == io.DEFAULT_FRAME_FORMAT  # zero-padded keys come in order
+        ordered = self.frame_format == DEFAULT_FRAME_FORMAT  # zero-padded keys come in order
         while True:
             try:
                 with self._env.begin(write=True) as txn:
                     for key, value in records:
-                        txn.put(key, value, append=ordered and key != io.METADATA_KEY)
+                        txn.put(key, value, append=ordered and key != METADATA_KEY)
                 break
             except lmdb.MapFullError:
                 self._env.set_mapsize(2 * int(self._env.info()["map_size"]))
@@ -194,7 +195,7 @@ class LmdbWriter:
                 "frame_system_ids": self.system_ids.tolist()}
         if self.shapes:
             meta["dp_data_shapes"] = self.shapes
-        self._commit([(io.METADATA_KEY, io.pack(meta))])
+        self._commit([(METADATA_KEY, codec.pack(meta))])
         self._env.sync(True)
         self._env.close()
         self._verify(nframes)
@@ -209,7 +210,7 @@ class LmdbWriter:
         try:
             entries = int(env.stat()["entries"])
             with env.begin() as txn:
-                last = txn.get(io.frame_key(nframes - 1, self.frame_format))
+                last = txn.get(frame_key(nframes - 1, self.frame_format))
         finally:
             env.close()
         if entries != nframes + 1 or last is None:
@@ -229,7 +230,7 @@ class _Column:
 
     def __init__(self, values: np.ndarray) -> None:
         values = np.ascontiguousarray(values)
-        self.head = {"type": io.dtype_name(values.dtype), "shape": list(values.shape[1:])}
+        self.head = {"type": codec.dtype_name(values.dtype), "shape": list(values.shape[1:])}
         self.size = values[:1].nbytes
         self.data = values.tobytes()
 

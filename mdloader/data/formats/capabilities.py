@@ -1,0 +1,111 @@
+"""What only some storage formats do, each a small protocol a backend has or has not.
+
+A client tests ``isinstance(backend, Capability)`` and otherwise applies the default written
+beside the protocol here: a format that implements only the core
+:class:`~mdloader.data.formats.base.Backend` still finds, describes and reads its systems.
+The diagnostics of ``check`` and the box check are in :mod:`mdloader.data.formats.diagnostics`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import numpy as np
+
+from mdloader.data.formats.base import Backend, Listing, Location
+from mdloader.data.formats.registry import backends
+from mdloader.errors import UnknownFormatError
+
+if TYPE_CHECKING:
+    from mdloader.data.system import SystemMeta
+
+
+@runtime_checkable
+class EntryExpansion(Protocol):
+    """A ``systems`` entry stands for several systems (an HDF5 file's groups, a database's)."""
+
+    def expand(self, loc: Location, patterns: Sequence[str] | None,
+               known: list[str] | None = None) -> list[str]:
+        """The systems the entry at ``loc`` stands for; ``known``: those an earlier discovery
+        found in :meth:`container`, unchanged since."""
+
+    def container(self, loc: Location) -> str | None:
+        """The file whose freshness tells whether :meth:`expand`'s answer still holds (``None``:
+        expanded again at every start)."""
+
+
+@runtime_checkable
+class FolderWalk(Protocol):
+    """Systems are folders found by walking a ``systems`` entry (npy); a saved walk's folders
+    are reused."""
+
+    def list_folder(self, path: str) -> Listing:
+        """(file names, folder names, folders that are links) of a folder the walk visits."""
+
+    def walk_step(self, listing: Listing) -> tuple[bool, list[str]]:
+        """(is the listed folder a system?, names of its subfolders the walk descends into)."""
+
+
+@runtime_checkable
+class Freshness(Protocol):
+    """A saved description can be trusted while the paths it depends on are unchanged."""
+
+    def freshness_paths(self, address: str, layout: tuple[bool, tuple[str, ...]]
+                        ) -> list[str] | None:
+        """The paths whose change means the saved description of ``address`` may be wrong
+        (``layout``: has its own type map, its set names); ``None``: described again."""
+
+
+@runtime_checkable
+class Diagnostics(Protocol):
+    """The format checks its systems itself, file by file, and names the file of a frame."""
+
+    def deep_check(self, meta: SystemMeta) -> list[str]:
+        """Every problem found by reading every frame (``check --deep``)."""
+
+    def box_blocks(self, meta: SystemMeta) -> Iterator[tuple[str | None, int, np.ndarray]]:
+        """(file, first frame id, ``(n, 9)`` boxes) of every stored block of a periodic
+        system, for the box check before training."""
+
+    def frame_file(self, meta: SystemMeta, key: str, fid: int) -> str | None:
+        """The file (or entry) that holds ``key`` of the frame whose ``fid`` is ``fid``."""
+
+    def notes(self, meta: SystemMeta) -> list[str]:
+        """Lines ``check`` prints about how the system is read (arrays read reshaped)."""
+
+
+def systems_of_entry(backend: Backend, loc: Location, patterns: Sequence[str] | None,
+                 known: list[str] | None = None) -> list[str]:
+    """The systems the ``systems`` entry at ``loc`` stands for: by default itself."""
+    if isinstance(backend, EntryExpansion):
+        return backend.expand(loc, patterns, known)
+    return [loc.address]
+
+
+def entry_container(backend: Backend, loc: Location) -> str | None:
+    """The file whose freshness tells whether an entry's expansion still holds (``None``:
+    expanded again at every start, the default)."""
+    return backend.container(loc) if isinstance(backend, EntryExpansion) else None
+
+
+def walks_folders(backend: Backend) -> bool:
+    """Whether the systems of ``backend`` are folders found by walking (:class:`FolderWalk`)."""
+    return isinstance(backend, FolderWalk)
+
+
+def folder_walk() -> FolderWalk:
+    """The registered format whose systems are folders found by walking (npy)."""
+    for backend in backends():
+        if isinstance(backend, FolderWalk):
+            return backend
+    raise UnknownFormatError("no registered storage format walks folders for systems")
+
+
+def freshness_paths(backend: Backend, address: str, layout: tuple[bool, tuple[str, ...]]
+                    ) -> list[str] | None:
+    """The paths a saved description of ``address`` depends on; ``None`` (the default):
+    never saved as fresh, described again at every start."""
+    if isinstance(backend, Freshness):
+        return backend.freshness_paths(address, layout)
+    return None

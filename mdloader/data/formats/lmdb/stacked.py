@@ -1,0 +1,195 @@
+"""A batch of LMDB records stacked field by field: the common case, without per-frame dicts.
+
+When every record of a batch has the same fields, in the same order, as arrays of the same
+dtype and shape, and stores no ``find_*`` flag of its own (what dpdata's and mdloader's writers
+produce for the frames of one group), each field is copied straight from the records' bytes into
+one preallocated block, types are remapped and counted for the whole batch at once, and the data
+requirements are resolved once for the batch, by the rule the per-frame path uses
+(:func:`~mdloader.data.formats.lmdb.fields.resolve_requirement`). The result is the batch that
+decoding every frame (:meth:`~mdloader.data.formats.lmdb.reader.LmdbGroupReader.decode`) and
+collating would give; any other batch returns ``None`` and takes that per-frame path, which also
+names a defective frame.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mdloader.data.collate import batch_from_blocks
+from mdloader.data.formats.geometry import degenerate_boxes
+from mdloader.data.formats.lmdb.fields import (
+    ALWAYS_FLAGGED,
+    CORE_SHAPES,
+    DROPPED,
+    ONE,
+    ZERO,
+    canonical,
+    resolve_requirement,
+)
+
+if TYPE_CHECKING:
+    from mdloader.data.formats.lmdb.reader import LmdbGroupReader
+
+
+#: Per-frame shape of the fields stacked (``-1``: the atom count), in DeePMD-kit's keys.
+_CORE_SHAPES = {**CORE_SHAPES, "atype": (-1,)}
+
+
+def stacked_batch(reader: LmdbGroupReader, raws: list[dict[Any, Any]],
+                  indices: list[int]) -> dict[str, Any] | None:
+    """The batch of ``raws`` (unpacked records of frames ``indices``), or ``None`` when the
+    records do not share one layout or one of them needs the per-frame path's error."""
+    try:
+        blocks = _blocks(reader, raws)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+        return None
+    if blocks is None or not _types_ok(reader, blocks):
+        return None
+    box = blocks.get("box")
+    if box is not None and len(degenerate_boxes(box)):  # the per-frame path names the frame
+        return None
+    flags: dict[str, list[np.float32]] = {}
+    if not _requirements(reader, blocks, flags, len(raws)):
+        return None
+    for name in list(blocks):
+        if name not in reader.requirements and name not in ("coord", "box", "atype"):
+            flags["find_" + name] = [ONE]
+    for name in ALWAYS_FLAGGED:
+        flags.setdefault("find_" + name, [ONE if name in blocks else ZERO])
+    blocks["natoms"] = blocks["real_natoms_vec"] = _counts(blocks["atype"], reader.ntypes)
+    blocks.setdefault("box", None)
+    return batch_from_blocks(blocks, flags, indices)
+
+
+def _blocks(reader: LmdbGroupReader, raws: list[dict[Any, Any]]) -> dict[str, Any] | None:
+    """One stacked array per field, or ``None`` when the records' layouts differ."""
+    plan = _plan(reader, raws[0])
+    if plan is None:
+        return None
+    names = plan.names
+    for raw in raws:
+        if raw.keys() != names:
+            return None
+    blocks: dict[str, Any] = {}
+    for name, key, kind, shape, stored, per_frame, dtype, size in plan:
+        datas = []
+        for raw in raws:
+            value = raw[name]
+            data = value["data"]
+            if len(data) != size or value["type"] != kind or value["shape"] != shape:
+                return None
+            datas.append(data)
+        # one buffer for the whole field (a bytearray: torch wants writable arrays)
+        block = np.frombuffer(bytearray().join(datas), dtype=stored)
+        block = block.reshape((len(raws),) + per_frame)
+        blocks[key] = block if block.dtype == dtype else block.astype(dtype)
+    return blocks
+
+
+class _Plan(list):
+    """How to stack each field of records laid out like one record; ``names``: their fields."""
+
+    names: Any
+
+    def fits(self, record: dict[Any, Any]) -> bool:
+        return all(record[step[0]]["type"] == step[2] and record[step[0]]["shape"] == step[3]
+                   for step in self)
+
+
+_PLANS: dict[tuple[Any, ...], _Plan] = {}
+_PLANS_LIMIT = 256
+
+
+def _plan(reader: LmdbGroupReader, first: dict[Any, Any]) -> _Plan | None:
+    """The stacking plan of records like ``first``, or ``None`` when such a record needs the
+    per-frame path. Plans are shared by the groups of equal atom count and output dtypes."""
+    names = tuple(first)
+    key = (names, reader.natoms, reader.dtypes_key)
+    plan = _PLANS.get(key)
+    if plan is not None and plan.fits(first):
+        return plan
+    plan = _new_plan(reader, first)
+    if plan is not None:
+        if len(_PLANS) >= _PLANS_LIMIT:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _new_plan(reader: LmdbGroupReader, first: dict[Any, Any]) -> _Plan | None:
+    plan = _Plan()
+    plan.names = first.keys()
+    for name in first:
+        if name in DROPPED:
+            continue
+        value, key = first[name], canonical(name)
+        if key.startswith("find_"):
+            return None  # stored flags: resolved frame by frame
+        kind, shape = value["type"], value["shape"]
+        stored = np.dtype(kind)
+        count = math.prod(shape)
+        per_frame = tuple(shape) if key not in _CORE_SHAPES else _resolve(_CORE_SHAPES[key],
+                                                                        count)
+        dtype = np.dtype(np.int64) if key == "atype" else reader.dtypes.get(key, stored)
+        plan.append((name, key, kind, shape, stored, per_frame, dtype, count * stored.itemsize))
+    if not {"atype", "coord"} <= {step[1] for step in plan}:
+        return None
+    return plan
+
+
+def _resolve(shape: tuple[int, ...], count: int) -> tuple[int, ...]:
+    if -1 not in shape:
+        if math.prod(shape) != count:
+            raise ValueError("size")
+        return shape
+    rest = math.prod(s for s in shape if s != -1)
+    if count % rest:
+        raise ValueError("size")
+    return tuple(count // rest if s == -1 else s for s in shape)
+
+
+def _types_ok(reader: LmdbGroupReader, blocks: dict[str, Any]) -> bool:
+    """Atom counts match the group, ids are in range; remaps them in place."""
+    atype = blocks["atype"]
+    if atype.shape[1] != reader.natoms or blocks["coord"].shape[1] != reader.natoms:
+        return False
+    if "force" in blocks and blocks["force"].shape[1] != reader.natoms:
+        return False
+    limit = reader.ntypes if reader.remap is None else len(reader.remap)
+    if atype.size and atype.max() >= limit:
+        return False
+    if reader.remap is not None:
+        real = atype >= 0
+        atype[real] = reader.remap[atype[real]]
+    return True
+
+
+def _requirements(reader: LmdbGroupReader, blocks: dict[str, Any],
+                  flags: dict[str, list[np.float32]], k: int) -> bool:
+    """Resolve every requirement for the whole batch; ``False``: a ``must`` label is absent
+    (the per-frame path names the frame)."""
+    natoms = blocks["atype"].shape[1]
+    for name, req in reader.requirements.items():
+        if name not in blocks and req.must:
+            return False
+        flag, blocks[name] = resolve_requirement(req, blocks.get(name), natoms, k)
+        flags["find_" + name] = [flag]
+    return True
+
+
+def _counts(atype: np.ndarray, ntypes: int) -> np.ndarray:
+    """``[nloc, nloc, count of each type]`` per frame (negative ids are not counted)."""
+    k, nloc = atype.shape
+    out = np.empty((k, ntypes + 2), dtype=np.int64)
+    out[:, :2] = nloc
+    first = atype[0]
+    if (atype == first).all():  # frames of one source system usually share their types
+        out[:, 2:] = np.bincount(first[(first >= 0) & (first < ntypes)], minlength=ntypes)
+        return out
+    real = (atype >= 0) & (atype < ntypes)
+    slots = (atype + ntypes * np.arange(k)[:, None])[real]
+    out[:, 2:] = np.bincount(slots, minlength=k * ntypes).reshape(k, ntypes)
+    return out
