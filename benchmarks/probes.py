@@ -142,3 +142,25 @@ def shown(value: str) -> str:
         if prefix != "//" and value.startswith(prefix):
             return short + value[len(prefix):]
     return value
+
+
+def memory_mib(pid: int | str = "self") -> dict[str, float]:
+    """RSS of a process, split into anonymous memory (its own) and file pages (the database's
+    and the libraries' pages it maps: shared with every process mapping them)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                name = line.split(":")[0]
+                if name in ("VmRSS", "RssAnon", "RssFile"):
+                    out[name] = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return out
+
+
+def children_memory_mib() -> list[dict[str, float]]:
+    """:func:`memory_mib` of every process below this one (DataLoader workers, decoders)."""
+    import psutil
+
+    return [memory_mib(child.pid) for child in psutil.Process().children(recursive=True)]

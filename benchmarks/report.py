@@ -2,7 +2,7 @@
 figures from results files.
 
 Usage: ``python -m benchmarks.report benchmarks/results/quick.jsonl [--docs docs/benchmarks.md]``
-(:mod:`benchmarks.run` calls it at the end of a run).
+(:mod:`benchmarks.throughput.run` calls it at the end of a run).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import re
 import sys
 from typing import Any
 
+from benchmarks import REPO
 from benchmarks import aggregate as agg
 from benchmarks.aggregate import met, number, ratio
-from benchmarks.first_step_report import section as first_step_section
-from benchmarks.startup_report import readme_figures
-from benchmarks.startup_report import section as startup_section
+from benchmarks.first_step.report import section as first_step_section
+from benchmarks.startup.report import readme_figures
+from benchmarks.startup.report import section as startup_section
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MD, DP = "mdloader", "deepmd"
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report_text.md")
 
@@ -207,7 +207,7 @@ def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
         run += f" **{len(errs)} failed run(s)**: " + "; ".join(
             f"{e.get('impl')} nsys={e.get('nsys')} W={e.get('world')}" for e in errs)
     figs = "\n\n".join(f"![{os.path.basename(i)}](img/{os.path.basename(i)})" for i in images)
-    from benchmarks import lmdb_report
+    from benchmarks.lmdb import report as lmdb_report
 
     return text.format(run=run, startup=startup_section(rows or []),
                        targets="\n".join(targets(med)),

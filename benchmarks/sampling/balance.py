@@ -1,7 +1,7 @@
 """Balanced steps (issue 25): per-step busiest-rank cost over the mean, today's sampler vs balanced.
 
-    python -m benchmarks.balance                      # W = 8, 64, 512, 4096; k = 8, 32, 64
-    python -m benchmarks.balance --worlds 8 64 --windows 8 32 --freq-steps 20000
+    python -m benchmarks.sampling.balance                      # W = 8, 64, 512, 4096; k = 8, 32, 64
+    python -m benchmarks.sampling.balance --worlds 8 64 --windows 8 32 --freq-steps 20000
 
 Pure simulation in one process, no data read: the per-rank system streams of
 :mod:`mdloader.sampling.order` are drawn once per world size, today's step ``t`` is column ``t``
