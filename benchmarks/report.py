@@ -103,7 +103,7 @@ def throughput_table(med: dict) -> list[str]:
 
 
 def targets(med: dict) -> list[str]:
-    """The issue's targets at 10 000 systems, W = 2 (or the largest W = 2 configuration run)."""
+    """The design targets at 10 000 systems, W = 2 (or the largest W = 2 configuration run)."""
     cands = sorted(n for (i, n, w) in med if w == 2 and i == MD and (DP, n, w) in med)
     if not cands:
         return ["No W = 2 configuration with both loaders in this run."]
@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", default=os.path.join(REPO, "docs", "benchmarks.md"))
     p.add_argument("--readme", default=os.path.join(REPO, "README.md"),
                    help="fill its <!-- bench:NAME --> figures from the same results")
+    p.add_argument("--keep-plots", action="store_true",
+                   help="link the plots already in docs/img instead of redrawing them "
+                   "(no matplotlib needed)")
     args = p.parse_args(argv)
     meta, rows = agg.load_many(args.results)
     with open(args.readme, encoding="utf-8") as fh:
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     img_dir = os.path.join(os.path.dirname(args.docs), "img")
     from benchmarks import plots
 
-    images = plots.write_all(med, img_dir)
+    images = plots.existing(img_dir) if args.keep_plots else plots.write_all(med, img_dir)
     body = render(meta, med, agg.errors(rows), images,
                   ", ".join(os.path.relpath(r, REPO) for r in args.results), rows)
     os.makedirs(os.path.dirname(args.docs), exist_ok=True)

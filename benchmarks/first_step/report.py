@@ -19,7 +19,7 @@ from benchmarks.first_step.phases import PHASES
 DEFAULT = os.path.join(RESULTS, "first_step", "first_step.jsonl")
 MD, DP, TRAIN = "mdloader", "deepmd", "mdloader-train"
 NAMES = {MD: "mdloader dp", TRAIN: "mdloader train"}
-# issue 22's targets for mdloader: (systems, start) -> seconds to first step
+# the targets for mdloader: (systems, start) -> seconds to first step
 TARGETS = {(200, "first"): 30.0, (200, "restart"): 5.0, (2000, "first"): 180.0}
 Key = tuple[str, int, int, str]  # (impl, systems, W, start)
 
@@ -112,7 +112,7 @@ def memory_table(latest: dict[Key, dict[str, Any]]) -> list[str]:
 
 
 def targets(latest: dict[Key, dict[str, Any]]) -> list[str]:
-    """Issue 22's targets for mdloader (``dp`` and ``train``), at the largest W measured."""
+    """The targets for mdloader (``dp`` and ``train``), at the largest W measured."""
     out = ["| target | measured | met? |", "|---|---:|:---:|"]
     for impl in (MD, TRAIN):
         for (n, s), limit in TARGETS.items():

@@ -1,4 +1,4 @@
-"""Balanced steps (issue 25): per-step busiest-rank cost over the mean, today's sampler vs balanced.
+"""Balanced steps: per-step busiest-rank cost over the mean, today's sampler vs balanced.
 
     python -m benchmarks.sampling.balance                      # W = 8, 64, 512, 4096; k = 8, 32, 64
     python -m benchmarks.sampling.balance --worlds 8 64 --windows 8 32 --freq-steps 20000

@@ -8,7 +8,7 @@ Each measurement is a fresh ``torchrun --standalone --nproc_per_node=W`` (gloo, 
 reference model, seeded identically on every rank; a first pass warms the caches and the second
 is timed, from a barrier to the reduced result. The world sizes alternate in order on every
 repetition so that they see the same machine load; the table gives medians, the speed-up over
-one rank and the issue's target ``1 / (0.8 W)`` of one rank's time, and the CPU seconds of the
+one rank and the target ``1 / (0.8 W)`` of one rank's time, and the CPU seconds of the
 busiest rank (on a machine with fewer free cores than ranks, the wall time cannot show the
 split; the CPU time does). Every run also checks that
 the reduced RMSEs equal the one-rank values within 1e-12 relative and that every frame was
