@@ -156,7 +156,7 @@ def lmdb_throughput_phase(impl: Any, data: Any, args: argparse.Namespace,
             "first_batch_s": t0 - t_start, "batches": nb, "batches_per_s": nb / elapsed,
             "frames_per_s": nf / elapsed, "cpu_us_per_batch": 1e6 * cpu / max(nb, 1),
             "memory_mib": probes.memory_mib(),
-            "workers_memory_mib": probes.childrenprobes.memory_mib()}
+            "workers_memory_mib": probes.children_memory_mib()}
         del it
     dist.barrier()
     return out
