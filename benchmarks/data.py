@@ -77,9 +77,14 @@ def _published(root: str, make: Callable[[str], dict[str, Any]]) -> str:
 
 # --- npy: O/H systems of 3-24 atoms ---------------------------------------------------------
 
+def _folder(base: str, stem: str, seed: int, nframes: int, default_frames: int) -> str:
+    """``<base>/<stem>[_f<F>]_seed<S>``: the frame count appears only when not the default."""
+    frames = "" if nframes == default_frames else f"_f{nframes}"
+    return os.path.join(base, f"{stem}{frames}_seed{seed}")
+
+
 def dataset_path(base: str, nsys: int, seed: int, nframes: int = NFRAMES) -> str:
-    frames = "" if nframes == NFRAMES else f"_f{nframes}"
-    return os.path.join(base, f"nsys{nsys}{frames}_seed{seed}")
+    return _folder(base, f"nsys{nsys}", seed, nframes, NFRAMES)
 
 
 def ensure_dataset(nsys: int, *, base: str = DEFAULT_BASE, seed: int = 0,
@@ -160,8 +165,7 @@ def make_system(pool: dict[str, np.ndarray], rng: np.random.Generator,
 
 
 def water_path(base: str, nsys: int, seed: int, nframes: int = WATER_NFRAMES) -> str:
-    frames = "" if nframes == WATER_NFRAMES else f"_f{nframes}"
-    return os.path.join(base, f"water192_n{nsys}{frames}_seed{seed}")
+    return _folder(base, f"water192_n{nsys}", seed, nframes, WATER_NFRAMES)
 
 
 def ensure_water(nsys: int, *, base: str = DEFAULT_BASE, seed: int = 0,
