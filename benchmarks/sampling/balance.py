@@ -27,13 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import REPO
 from mdloader.sampling.balance import arrange, batch_costs, window_draws
 from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
 from mdloader.sampling.order import stream_draws, weights_to_cdf
 from mdloader.sampling.probability import prob_sys_size
 
 SEED = 2024
-WATER = Path(__file__).resolve().parents[1] / "examples" / "water" / "data"
+WATER = Path(REPO) / "examples" / "water" / "data"
 
 
 def mixed_set(nsys: int = 1000, nframes: int = 1000) -> tuple[np.ndarray, np.ndarray]:
