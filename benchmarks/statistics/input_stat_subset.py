@@ -92,7 +92,7 @@ def run_one(python: str, path: str, world: int, config: dict[str, Any], template
         load = os.getloadavg()[0]
         cmd = torchrun(python, world, [*ENTRY[path], "--pt", "train", "input.json"])
         run = run_logged(cmd, job, _env(os.path.join(job, "cache")), timeout)
-        rec = record(run, world)
+        rec = record(run, world, "mdloader")  # both paths run mdloader dp: its log markers
         passes = {m.group(1): float(m.group(2)) for _t, line in run["lines"]
                   for m in [PASS_LINE.search(line)] if m}
         return {**rec, "passes_s": passes, "loadavg_1min": round(load, 2)}
