@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="link the plots already in docs/img instead of redrawing them "
                    "(no matplotlib needed)")
     args = p.parse_args(argv)
-    meta, rows = agg.load_many(args.results)
+    _meta, rows = agg.load_many(args.results)
     with open(args.readme, encoding="utf-8") as fh:
         readme = fh.read()
     filled = fill_readme(readme, readme_figures(rows))
@@ -174,18 +174,25 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.readme, "w", encoding="utf-8") as fh:
             fh.write(filled)
         print(f"wrote {args.readme}")
-    med = agg.medians(rows)
-    img_dir = os.path.join(os.path.dirname(args.docs), "img")
-    from benchmarks import plots
-
-    images = plots.existing(img_dir) if args.keep_plots else plots.write_all(med, img_dir)
-    body = render(meta, med, agg.errors(rows), images,
-                  ", ".join(os.path.relpath(r, REPO) for r in args.results), rows)
+    body = page(args.results, os.path.join(os.path.dirname(args.docs), "img"),
+                redraw=not args.keep_plots)
     os.makedirs(os.path.dirname(args.docs), exist_ok=True)
     with open(args.docs, "w") as fh:
         fh.write(body)
     print(f"wrote {args.docs}")
     return 0
+
+
+def page(results: list[str], img_dir: str, *, redraw: bool = True) -> str:
+    """The text of ``docs/benchmarks.md`` from ``results`` (merged), its plots in ``img_dir``
+    drawn again or, with ``redraw`` false, those already there."""
+    from benchmarks import plots
+
+    meta, rows = agg.load_many(results)
+    med = agg.medians(rows)
+    images = plots.write_all(med, img_dir) if redraw else plots.existing(img_dir)
+    return render(meta, med, agg.errors(rows), images,
+                  ", ".join(os.path.relpath(r, REPO) for r in results), rows)
 
 
 def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
