@@ -123,6 +123,8 @@ def throughput_phase(adapter: Any, loader_set: Any, args: argparse.Namespace,
 
 def ready_phase(impl: Any, args: argparse.Namespace, rank: int, world: int, dist: Any,
                 coll: probes.CollectiveLog) -> tuple[Any, dict[str, Any]]:
+    """From a barrier to the first batch out of the loader: times, frames read for atom counts,
+    bytes broadcast and memory."""
     rss0 = probes.proc_status_kib("VmRSS")
     scanned = impl.scanned()
     dist.barrier()
@@ -140,6 +142,7 @@ def ready_phase(impl: Any, args: argparse.Namespace, rank: int, world: int, dist
 
 def lmdb_throughput_phase(impl: Any, data: Any, args: argparse.Namespace,
                           dist: Any) -> dict[str, Any]:
+    """Batches/s per ``--num-workers`` value, with the memory of the rank and of its workers."""
     out = {}
     for workers in [int(x) for x in args.num_workers.split(",") if x]:
         dist.barrier()
