@@ -45,7 +45,7 @@ def load_many(paths: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     metas, rows = [], []
     for path in paths:
         meta, part = load(path)
-        if meta:  # start-up results (benchmarks.startup) carry their own
+        if meta:  # start-up results (benchmarks.startup.run) carry their own
             metas.append(meta)
         rows.extend(part)
     merged = dict(metas[0]) if metas else {}

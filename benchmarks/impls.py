@@ -7,15 +7,20 @@ Each adapter does what the loader's own training entry point does, nothing more:
   which builds on rank 0 and ``broadcast_object_list``\\ s the systems;
 * mdloader: ``DpLoaderSet`` given the data root; rank 0 discovers and builds, the others receive.
 
+The LMDB suite has its own pair (:data:`LMDB_ADAPTERS`): mdloader's ``DpLoaderSet`` on a
+database, as ``mdloader dp`` trains, and DeePMD-kit 3.2.0's LMDB path as its trainer builds it
+(``LmdbDataset``, ``DistributedLmdbBatchSampler``, ``LmdbBatchDataLoader``).
+
 The import of each package happens in :meth:`Adapter.load` so that the benchmark can take its
 memory baseline *after* the imports (the brief's "RSS growth over the import baseline").
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-TYPE_MAP = ["O", "H"]
+from benchmarks.data import TYPE_MAP
 
 
 class Adapter:
@@ -115,3 +120,77 @@ def _requirements(item_cls: Any) -> list[Any]:
 
 
 ADAPTERS: dict[str, type[Adapter]] = {"deepmd": DeepmdAdapter, "mdloader": MdloaderAdapter}
+
+
+class MdloaderLmdb:
+    """mdloader's loader as ``mdloader dp --pt train`` builds it."""
+
+    def __init__(self) -> None:
+        import mdloader.loading.loader as loader
+        from mdloader.data.formats.lmdb import metadata as lmdb_metadata
+        from mdloader.data.schema import DataRequirementItem
+
+        self.loader, self.item, self.meta = loader, DataRequirementItem, lmdb_metadata
+
+    def scanned(self) -> int:
+        return self.meta.scanned_frames()
+
+    def build(self, path: str, rank: int, world: int) -> Any:
+        ls = self.loader.DpLoaderSet(path, "auto", TYPE_MAP, seed=1)
+        ls.add_data_requirement(_requirements(self.item))
+        return ls
+
+    def batches(self, ls: Any, workers: int) -> Iterator[Any]:
+        from torch.utils.data import DataLoader
+
+        sampler = self.loader.get_sampler_from_params(ls, {"auto_prob": "prob_sys_size"})
+        dl = DataLoader(ls, sampler=sampler, batch_size=None, num_workers=workers,
+                        collate_fn=_identity)
+        while True:
+            yield from dl
+
+
+class DeepmdLmdb:
+    """DeePMD-kit 3.2.0's LMDB path as ``training.py`` builds it (``seed`` = training seed)."""
+
+    def __init__(self) -> None:
+        import deepmd.dpmodel.utils.lmdb_data as lmdb_data
+        from deepmd.pt.utils.lmdb_dataset import LmdbBatchDataLoader, LmdbDataset
+        from deepmd.utils.data import DataRequirementItem
+
+        self.lmdb_data, self.item = lmdb_data, DataRequirementItem
+        self.dataset_cls, self.loader_cls = LmdbDataset, LmdbBatchDataLoader
+        self.frames_scanned = 0
+        scan = lmdb_data._scan_frame_nlocs
+
+        def counted(env: Any, nframes: int, *args: Any) -> Any:
+            self.frames_scanned += nframes
+            return scan(env, nframes, *args)
+
+        lmdb_data._scan_frame_nlocs = counted
+
+    def scanned(self) -> int:
+        return self.frames_scanned
+
+    def build(self, path: str, rank: int, world: int) -> Any:
+        ds = self.dataset_cls(path, TYPE_MAP, "auto")
+        ds.add_data_requirement(_requirements(self.item))
+        ds.rank_world = (rank, world)
+        return ds
+
+    def batches(self, ds: Any, workers: int) -> Iterator[Any]:
+        rank, world = ds.rank_world
+        sampler = self.lmdb_data.DistributedLmdbBatchSampler(
+            ds._reader, rank=rank, world_size=world, shuffle=True, seed=1)
+        dl = self.loader_cls(ds, sampler, pin_memory=False, num_workers=workers)
+        while True:
+            yield from dl
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+LMDB_ADAPTERS: dict[str, type[MdloaderLmdb | DeepmdLmdb]] = {"mdloader": MdloaderLmdb,
+                                                             "deepmd": DeepmdLmdb}
+

@@ -89,6 +89,14 @@ def _finish(plt: Any, fig: Any, ax: Any, path: str, ylabel: str, title: str) -> 
     return path
 
 
+FILES = ("bench_setup.png", "bench_bytes.png", "bench_rss.png", "bench_throughput.png")
+
+
+def existing(img_dir: str) -> list[str]:
+    """The plots already drawn in ``img_dir``, in page order (the page without redrawing)."""
+    return [p for name in FILES if os.path.isfile(p := os.path.join(img_dir, name))]
+
+
 def write_all(med: dict[Key, dict[str, float]], img_dir: str) -> list[str]:
     """Write every plot that has data; return their paths."""
     os.makedirs(img_dir, exist_ok=True)

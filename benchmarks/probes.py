@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks import REPO
+
 MARKER_DIR = "/.mdloader-bench-marker"
 _COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor",
                 "reduce", "scatter", "gather", "send", "recv")
@@ -130,15 +132,35 @@ def marker(name: str, rank: int) -> float:
 def scrubbed(text: str) -> str:
     """``text`` (log lines) with every path in the repository written relative to it and the
     home folder written ``~``, wherever they occur."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return text.replace(repo + "/", "").replace(os.path.expanduser("~") + "/", "~/")
+    return text.replace(REPO + "/", "").replace(os.path.expanduser("~") + "/", "~/")
 
 
 def shown(value: str) -> str:
     """``value`` as results record it: paths in the repository relative to it, the home folder
     written ``~``, so that no record names a path of the machine it ran on."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for prefix, short in ((repo + "/", ""), (os.path.expanduser("~") + "/", "~/")):
+    for prefix, short in ((REPO + "/", ""), (os.path.expanduser("~") + "/", "~/")):
         if prefix != "//" and value.startswith(prefix):
             return short + value[len(prefix):]
     return value
+
+
+def memory_mib(pid: int | str = "self") -> dict[str, float]:
+    """RSS of a process, split into anonymous memory (its own) and file pages (the database's
+    and the libraries' pages it maps: shared with every process mapping them)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                name = line.split(":")[0]
+                if name in ("VmRSS", "RssAnon", "RssFile"):
+                    out[name] = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return out
+
+
+def children_memory_mib() -> list[dict[str, float]]:
+    """:func:`memory_mib` of every process below this one (DataLoader workers, decoders)."""
+    import psutil
+
+    return [memory_mib(child.pid) for child in psutil.Process().children(recursive=True)]

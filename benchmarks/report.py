@@ -2,7 +2,7 @@
 figures from results files.
 
 Usage: ``python -m benchmarks.report benchmarks/results/quick.jsonl [--docs docs/benchmarks.md]``
-(:mod:`benchmarks.run` calls it at the end of a run).
+(:mod:`benchmarks.throughput.run` calls it at the end of a run).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import re
 import sys
 from typing import Any
 
+from benchmarks import REPO
 from benchmarks import aggregate as agg
 from benchmarks.aggregate import met, number, ratio
-from benchmarks.first_step_report import section as first_step_section
-from benchmarks.startup_report import readme_figures
-from benchmarks.startup_report import section as startup_section
+from benchmarks.first_step.report import section as first_step_section
+from benchmarks.startup.report import readme_figures
+from benchmarks.startup.report import section as startup_section
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MD, DP = "mdloader", "deepmd"
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "report_text.md")
 
@@ -103,7 +103,7 @@ def throughput_table(med: dict) -> list[str]:
 
 
 def targets(med: dict) -> list[str]:
-    """The issue's targets at 10 000 systems, W = 2 (or the largest W = 2 configuration run)."""
+    """The design targets at 10 000 systems, W = 2 (or the largest W = 2 configuration run)."""
     cands = sorted(n for (i, n, w) in med if w == 2 and i == MD and (DP, n, w) in med)
     if not cands:
         return ["No W = 2 configuration with both loaders in this run."]
@@ -162,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", default=os.path.join(REPO, "docs", "benchmarks.md"))
     p.add_argument("--readme", default=os.path.join(REPO, "README.md"),
                    help="fill its <!-- bench:NAME --> figures from the same results")
+    p.add_argument("--keep-plots", action="store_true",
+                   help="link the plots already in docs/img instead of redrawing them "
+                   "(no matplotlib needed)")
     args = p.parse_args(argv)
-    meta, rows = agg.load_many(args.results)
+    _meta, rows = agg.load_many(args.results)
     with open(args.readme, encoding="utf-8") as fh:
         readme = fh.read()
     filled = fill_readme(readme, readme_figures(rows))
@@ -171,18 +174,25 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.readme, "w", encoding="utf-8") as fh:
             fh.write(filled)
         print(f"wrote {args.readme}")
-    med = agg.medians(rows)
-    img_dir = os.path.join(os.path.dirname(args.docs), "img")
-    from benchmarks import plots
-
-    images = plots.write_all(med, img_dir)
-    body = render(meta, med, agg.errors(rows), images,
-                  ", ".join(os.path.relpath(r, REPO) for r in args.results), rows)
+    body = page(args.results, os.path.join(os.path.dirname(args.docs), "img"),
+                redraw=not args.keep_plots)
     os.makedirs(os.path.dirname(args.docs), exist_ok=True)
     with open(args.docs, "w") as fh:
         fh.write(body)
     print(f"wrote {args.docs}")
     return 0
+
+
+def page(results: list[str], img_dir: str, *, redraw: bool = True) -> str:
+    """The text of ``docs/benchmarks.md`` from ``results`` (merged), its plots in ``img_dir``
+    drawn again or, with ``redraw`` false, those already there."""
+    from benchmarks import plots
+
+    meta, rows = agg.load_many(results)
+    med = agg.medians(rows)
+    images = plots.write_all(med, img_dir) if redraw else plots.existing(img_dir)
+    return render(meta, med, agg.errors(rows), images,
+                  ", ".join(os.path.relpath(r, REPO) for r in results), rows)
 
 
 def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
@@ -207,7 +217,7 @@ def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
         run += f" **{len(errs)} failed run(s)**: " + "; ".join(
             f"{e.get('impl')} nsys={e.get('nsys')} W={e.get('world')}" for e in errs)
     figs = "\n\n".join(f"![{os.path.basename(i)}](img/{os.path.basename(i)})" for i in images)
-    from benchmarks import lmdb_report
+    from benchmarks.lmdb import report as lmdb_report
 
     return text.format(run=run, startup=startup_section(rows or []),
                        targets="\n".join(targets(med)),

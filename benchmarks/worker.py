@@ -1,14 +1,18 @@
-"""One rank of one benchmark run, launched by ``torchrun`` (see :mod:`benchmarks.run`).
+"""The one rank worker: one rank of one benchmark launch, started by :mod:`benchmarks.launch`.
 
-Phases, each fenced by barriers so that every rank measures the same window:
+Two suites share one life cycle (collective probe, imports, ``init_process_group("gloo")``,
+one JSON record per rank in ``<out>.rank<r>.json``, a last barrier):
 
-1. imports and ``init_process_group("gloo")``, then the memory baseline (the peak counter is reset);
-2. build: discovery as the loader's entry point does it, then ``DpLoaderSet(...)``; strace
-   markers bracket this phase;
-3. (unless ``--build-only``) throughput through the outer DataLoader for each ``--num-workers``
-   value, then the raw-read limit of the batches drawn with ``num_workers=0``.
-
-Each rank writes one JSON object to ``<out>.rank<r>.json``.
+* ``build`` (:mod:`benchmarks.throughput.run`, :mod:`benchmarks.startup.run`): the memory
+  baseline after the imports; then discovery as the loader's entry point does it and
+  ``DpLoaderSet(...)`` between two barriers, bracketed by strace markers; then (unless
+  ``--build-only``) throughput through the outer DataLoader for each ``--num-workers`` value
+  and the raw-read limit of the batches drawn with ``num_workers=0``;
+* ``lmdb`` (:mod:`benchmarks.lmdb.run`): *ready*, from a barrier to the first batch out of the
+  loader, with the frames each rank read to learn atom counts (``frame_nlocs`` missing) and the
+  bytes it broadcast; then (unless ``--build-only``) batches/s for each ``--num-workers``
+  (DataLoader workers for mdloader, decoder processes for DeePMD-kit), with the resident memory
+  of the rank and of its worker processes at the end of each window.
 """
 
 from __future__ import annotations
@@ -24,17 +28,26 @@ from benchmarks import probes
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--impl", required=True, choices=("mdloader", "deepmd"))
-    p.add_argument("--data", required=True, help="dataset root (a directory of systems)")
-    p.add_argument("--out", required=True, help="output prefix; <out>.rank<r>.json is written")
-    p.add_argument("--batch-size", default="auto")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--num-workers", default="0,2")
-    p.add_argument("--seconds", type=float, default=3.0, help="timed window per throughput run")
-    p.add_argument("--max-batches", type=int, default=20000)
-    p.add_argument("--build-only", action="store_true")
-    p.add_argument("--rep", type=int, default=0, help="repetition label copied to the record")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    suites = p.add_subparsers(dest="suite", required=True)
+    build = suites.add_parser("build", help="build + broadcast, then outer-DataLoader throughput")
+    build.add_argument("--data", required=True, help="data set root (a directory of systems)")
+    build.add_argument("--batch-size", default="auto")
+    build.add_argument("--seed", type=int, default=1)
+    build.add_argument("--seconds", type=float, default=3.0,
+                       help="timed window per throughput run")
+    build.add_argument("--max-batches", type=int, default=20000)
+    build.add_argument("--rep", type=int, default=0, help="repetition label copied to the record")
+    lmdb = suites.add_parser("lmdb", help="LMDB: ready time, then batches/s")
+    lmdb.add_argument("--data", required=True, help="an LMDB database, or an npy root (mdloader)")
+    lmdb.add_argument("--seconds", type=float, default=4.0)
+    for suite in (build, lmdb):
+        suite.add_argument("--impl", required=True, choices=("mdloader", "deepmd"))
+        suite.add_argument("--out", required=True,
+                           help="output prefix; <out>.rank<r>.json is written")
+        suite.add_argument("--num-workers", default="0,2")
+        suite.add_argument("--build-only", action="store_true")
     return p.parse_args(argv)
 
 
@@ -89,7 +102,7 @@ def _batch_size(text: str) -> Any:
 def throughput_phase(adapter: Any, loader_set: Any, args: argparse.Namespace,
                      dist: Any) -> dict[str, Any]:
     """Outer-DataLoader throughput per num_workers, then the raw-read limit."""
-    from benchmarks import throughput as tp
+    from benchmarks.throughput import measure as tp
 
     adapter.add_requirements(loader_set)
     out: dict[str, Any] = {}
@@ -108,14 +121,55 @@ def throughput_phase(adapter: Any, loader_set: Any, args: argparse.Namespace,
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    t_start = time.monotonic()
-    coll = probes.install_collective_probe()
-    import torch.distributed as dist
+def ready_phase(impl: Any, args: argparse.Namespace, rank: int, world: int, dist: Any,
+                coll: probes.CollectiveLog) -> tuple[Any, dict[str, Any]]:
+    """From a barrier to the first batch out of the loader: times, frames read for atom counts,
+    bytes broadcast and memory."""
+    rss0 = probes.proc_status_kib("VmRSS")
+    scanned = impl.scanned()
+    dist.barrier()
+    t0 = time.monotonic()
+    data = impl.build(args.data, rank, world)
+    built = time.monotonic()
+    first = next(impl.batches(data, 0))
+    ready = time.monotonic()
+    dist.barrier()
+    return data, {"build_s": built - t0, "ready_s": ready - t0,
+                  "frames_scanned": impl.scanned() - scanned, **coll.summary(since=t0),
+                  "rss_base_mib": rss0 / 1024, "memory_ready_mib": probes.memory_mib(),
+                  "first_batch_frames": int(first["coord"].shape[0])}
 
+
+def lmdb_throughput_phase(impl: Any, data: Any, args: argparse.Namespace,
+                          dist: Any) -> dict[str, Any]:
+    """Batches/s per ``--num-workers`` value, with the memory of the rank and of its workers."""
+    out = {}
+    for workers in [int(x) for x in args.num_workers.split(",") if x]:
+        dist.barrier()
+        t_start = time.monotonic()
+        it = impl.batches(data, workers)
+        next(it)
+        t0, cpu0 = time.monotonic(), time.process_time()
+        nb = nf = 0
+        while time.monotonic() - t0 < args.seconds:
+            batch = next(it)
+            nb, nf = nb + 1, nf + int(batch["coord"].shape[0])
+        elapsed, cpu = time.monotonic() - t0, time.process_time() - cpu0
+        out[f"nw{workers}"] = {
+            "first_batch_s": t0 - t_start, "batches": nb, "batches_per_s": nb / elapsed,
+            "frames_per_s": nf / elapsed, "cpu_us_per_batch": 1e6 * cpu / max(nb, 1),
+            "memory_mib": probes.memory_mib(),
+            "workers_memory_mib": probes.children_memory_mib()}
+        del it
+    dist.barrier()
+    return out
+
+
+def build_suite(args: argparse.Namespace, coll: probes.CollectiveLog, dist: Any) -> dict[str, Any]:
+    """The ``build`` suite's record (the loader imported before the process group)."""
     from benchmarks.impls import ADAPTERS
 
+    t_start = time.monotonic()
     adapter = ADAPTERS[args.impl]()
     adapter.load()
     dist.init_process_group("gloo")
@@ -131,7 +185,34 @@ def main(argv: list[str] | None = None) -> int:
     rec["nsys"] = build["nsys"]
     if not args.build_only:
         rec["throughput"] = throughput_phase(adapter, loader_set, args, dist)
-    with open(f"{args.out}.rank{rank}.json", "w") as fh:
+    return rec
+
+
+def lmdb_suite(args: argparse.Namespace, coll: probes.CollectiveLog, dist: Any) -> dict[str, Any]:
+    """The ``lmdb`` suite's record."""
+    from benchmarks.impls import LMDB_ADAPTERS
+
+    impl = LMDB_ADAPTERS[args.impl]()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data, rec = ready_phase(impl, args, rank, world, dist, coll)
+    rec.update({"impl": args.impl, "rank": rank, "world": world, "data": probes.shown(args.data),
+                "loadavg_1min": os.getloadavg()[0]})
+    if not args.build_only:
+        rec["throughput"] = lmdb_throughput_phase(impl, data, args, dist)
+    return rec
+
+
+SUITES = {"build": build_suite, "lmdb": lmdb_suite}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    coll = probes.install_collective_probe()
+    import torch.distributed as dist
+
+    rec = SUITES[args.suite](args, coll, dist)
+    with open(f"{args.out}.rank{rec['rank']}.json", "w") as fh:
         json.dump(rec, fh)
     dist.barrier()
     dist.destroy_process_group()

@@ -8,12 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import first_step_phases as fsp
-from benchmarks import first_step_report
-from benchmarks.water_data import NATOMS, NFRAMES, ensure_water, min_distance
+from benchmarks.data import NATOMS, ensure_water, min_distance
+from benchmarks.data import WATER_NFRAMES as NFRAMES
+from benchmarks.first_step import phases as fsp
+from benchmarks.first_step import report as first_step_report
 
 PREFIX = "[2026-12-01 12:24:23,918] DEEPMD INFO    "
-# abridged from a `torchrun --nproc_per_node=2 -m benchmarks.dp_cpu --pt train` log (4 systems)
+# abridged from a `torchrun --nproc_per_node=2 -m benchmarks.first_step.dp_cpu --pt train` log
+# (4 systems)
 FIRST_START = """\
 0.513 To get the best performance, it is recommended to adjust the number of threads
 2.610 {I}DeePMD version: 3.2.0

@@ -450,7 +450,7 @@ def test_readme_figures_come_from_the_benchmark_results() -> None:
     results as docs/benchmarks.md, so they cannot drift apart (like the reference pages)."""
     from benchmarks import aggregate
     from benchmarks.report import BENCH_MARK, fill_readme
-    from benchmarks.startup_report import readme_figures
+    from benchmarks.startup.report import readme_figures
 
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     _, rows = aggregate.load_many(sorted(str(p) for p in

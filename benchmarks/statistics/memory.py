@@ -8,7 +8,7 @@ atom-frames. Prints wall and CPU seconds, peak RSS and peak anonymous RSS (sampl
 file-backed pages of mapped npy files are not in it) above the process's RSS before the pass,
 and the ratios, and checks that both give the same numbers.
 
-    python -m benchmarks.stats_memory --frames 20000
+    python -m benchmarks.statistics.memory --frames 20000
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks import REPO
 
 CHILD = r"""
 import functools, json, os, sys, threading, time
@@ -74,7 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=20000)
     args = parser.parse_args()
-    from benchmarks.stats_neighbours import water_like
+    from benchmarks.data import water_like
     from mdloader.catalog.discover import discover_systems
     from mdloader.stats.frames import CHUNK_ATOM_FRAMES
     from mdloader.testing import make_lmdb

@@ -1,6 +1,6 @@
-"""The LMDB section of ``docs/benchmarks.md``, from a results file of :mod:`benchmarks.lmdb`.
+"""The LMDB section of ``docs/benchmarks.md``, from a results file of :mod:`benchmarks.lmdb.run`.
 
-Usage: ``python -m benchmarks.lmdb_report benchmarks/results/lmdb/lmdb_w2.jsonl`` rewrites the text
+Usage: ``python -m benchmarks.lmdb.report benchmarks/results/lmdb/lmdb_w2.jsonl`` rewrites the text
 between the ``lmdb-results`` markers of the page; :mod:`benchmarks.report` calls
 :func:`section` when it rewrites the whole page. Every figure is a median over repetitions of a
 per-rank value (rank 0 and the other ranks apart where they differ).
@@ -15,11 +15,11 @@ import statistics
 import sys
 from typing import Any
 
+from benchmarks import REPO, RESULTS
 from benchmarks.aggregate import met, number, ratio
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(REPO, "docs", "benchmarks.md")
-DEFAULT = os.path.join(REPO, "benchmarks", "results", "lmdb", "lmdb_w2.jsonl")
+DEFAULT = os.path.join(RESULTS, "lmdb", "lmdb_w2.jsonl")
 BEGIN, END = "<!-- lmdb-results: begin -->", "<!-- lmdb-results: end -->"
 NAMES = {"md-lmdb": "mdloader, LMDB", "dp-lmdb": "DeePMD-kit, LMDB",
          "md-npy": "mdloader, npy (same frames)", "md-no-nlocs": "mdloader, LMDB",
@@ -156,7 +156,7 @@ def _met(a: float | None, b: float | None, factor: float, below: bool = False) -
 def section(path: str = DEFAULT) -> str:
     """The markdown of the section (a note when there are no results yet)."""
     if not os.path.isfile(path):
-        return f"{BEGIN}\n*No LMDB results yet: run `python -m benchmarks.lmdb`.*\n{END}"
+        return f"{BEGIN}\n*No LMDB results yet: run `python -m benchmarks.lmdb.run`.*\n{END}"
     meta, rows = load(path)
     data = meta.get("data", {})
     frames = data.get("frames") or 1

@@ -1,7 +1,7 @@
 """Balanced steps in a real job: ``mdloader train`` under ``torchrun`` on 2 gloo ranks, mixed sizes.
 
-    python -m benchmarks.balance_train                 # 2 rounds of 40- and 240-step runs
-    python -m benchmarks.balance_train --rounds 3 --short 40 --long 440
+    python -m benchmarks.sampling.balance_train                 # 2 rounds of 40- and 240-step runs
+    python -m benchmarks.sampling.balance_train --rounds 3 --short 40 --long 440
 
 The reference trainer (``mdloader train``, the RadialPotential model, DDP on CPU) trains
 generated systems of 3..200 atoms (``batch_size: auto``, ``prob_sys_size``), once as today and
@@ -18,14 +18,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.launch import run_job, torchrun
+
 WORLD, WINDOW, RCUT = 2, 32, 2.0
 
 
@@ -46,15 +46,11 @@ def write_input(folder: str, systems: list[str], balance: int) -> str:
 
 
 def run(config: str, steps: int, out: str) -> float:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={WORLD}", "-m", "mdloader", "train", config, "--numb-steps",
-           str(steps), "--rcut", str(RCUT), "--num-workers", "0", "-o", out]
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    cmd = torchrun(sys.executable, WORLD, [
+        "-m", "mdloader", "train", config, "--numb-steps", str(steps), "--rcut", str(RCUT),
+        "--num-workers", "0", "-o", out])
     started = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=3600,
-                          check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{config} failed:\n{done.stderr[-3000:]}")
+    run_job(cmd, timeout=3600, what=config)
     return time.perf_counter() - started
 
 

@@ -6,7 +6,7 @@ a temporary folder, times ``system_neighbour_stats`` over them here, and DeePMD-
 ``$MDLOADER_DEEPMD_PYTHON`` or ``.venv-deepmd``), checks both give the same numbers and prints
 both times and their ratio.
 
-    python benchmarks/stats_neighbours.py --systems 20 --frames 8
+    python benchmarks/statistics/neighbours.py --systems 20 --frames 8
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks import REPO
+from benchmarks.data import water_like
 
 DEEPMD = r"""
 import json, sys, time, logging
@@ -41,35 +40,6 @@ print("RESULT " + json.dumps({"seconds": time.perf_counter() - start,
 """
 
 
-def water_like(root: Path, nsys: int, nframes: int, seed: int = 0) -> list[str]:
-    """``nsys`` systems of 64 molecules (192 atoms) at water density, coordinates unwrapped."""
-    rng = np.random.default_rng(seed)
-    side = (192 / 3 * 29.9) ** (1 / 3)  # 29.9 A^3 per molecule
-    paths = []
-    for s in range(nsys):
-        path = root / f"sys.{s:04d}"
-        (path / "set.000").mkdir(parents=True)
-        (path / "type.raw").write_text(" ".join(["0"] * 64 + ["1"] * 128) + "\n")
-        (path / "type_map.raw").write_text("O\nH\n")
-        grid = (np.stack(np.meshgrid(*[np.arange(4)] * 3, indexing="ij"), -1).reshape(-1, 3)
-                + 0.5) * side / 4
-        coords = []
-        for _ in range(nframes):
-            oxygen = grid + rng.normal(scale=0.3, size=grid.shape)
-            d1, d2 = rng.normal(size=(2, 64, 3))
-            h1 = oxygen + 0.96 * d1 / np.linalg.norm(d1, axis=1, keepdims=True)
-            h2 = oxygen + 0.96 * d2 / np.linalg.norm(d2, axis=1, keepdims=True)
-            atoms = np.concatenate([oxygen, h1, h2])
-            atoms += rng.integers(-1, 2, atoms.shape) * side  # unwrapped
-            coords.append(atoms.reshape(-1))
-        np.save(path / "set.000" / "coord.npy", np.array(coords))
-        np.save(path / "set.000" / "box.npy", np.tile(np.diag([side] * 3).reshape(1, 9),
-                                                      (nframes, 1)))
-        np.save(path / "set.000" / "energy.npy", rng.normal(size=nframes))
-        paths.append(str(path))
-    return paths
-
-
 def ours(systems: list[str], rcut: float, mixed: bool, threads: int) -> dict:
     from mdloader.data.dataset import DeepmdDataSetForLoader
     from mdloader.stats.neighbours import merge_all, min_nbor_dist, system_neighbour_stats
@@ -84,7 +54,7 @@ def ours(systems: list[str], rcut: float, mixed: bool, threads: int) -> dict:
 
 def deepmd_python(given: str | None) -> str:
     for cand in (given, os.environ.get("MDLOADER_DEEPMD_PYTHON"),
-                 str(REPO / ".venv-deepmd" / "bin" / "python")):
+                 os.path.join(REPO, ".venv-deepmd", "bin", "python")):
         if cand and os.path.exists(cand):
             return cand
     sys.exit("DeePMD-kit's interpreter is not found: pass --deepmd-python")

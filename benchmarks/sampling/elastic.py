@@ -1,7 +1,7 @@
 """Elastic resume: how big the saved state is, and what a resume on another world size costs.
 
-    python -m benchmarks.elastic                  # 100 000 systems; W = 4, 64, 256 -> W' = 8
-    python -m benchmarks.elastic --nsys 10000 --worlds 4 16 --steps 1000
+    python -m benchmarks.sampling.elastic           # 100 000 systems; W = 4, 64, 256 -> W' = 8
+    python -m benchmarks.sampling.elastic --nsys 10000 --worlds 4 16 --steps 1000
 
 The state is measured as JSON bytes of the job state (every rank merged), for a job that never
 changed its world size and after three elastic resumes. A resume is timed on one new rank (every

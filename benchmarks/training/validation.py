@@ -1,14 +1,14 @@
 """Full validation on W ranks against one rank: wall time of one pass over every validation frame.
 
-    python -m benchmarks.validation                    # water example, W = 1, 2, 4, 3 repetitions
-    python -m benchmarks.validation --worlds 1 2 --reps 5 --threads 1
+    python -m benchmarks.training.validation            # water example, W = 1, 2, 4, 3 repetitions
+    python -m benchmarks.training.validation --worlds 1 2 --reps 5 --threads 1
 
 Each measurement is a fresh ``torchrun --standalone --nproc_per_node=W`` (gloo, CPU) running
 ``mdloader train``'s full validation (:class:`mdloader.train.validation.Validation`) with the
 reference model, seeded identically on every rank; a first pass warms the caches and the second
 is timed, from a barrier to the reduced result. The world sizes alternate in order on every
 repetition so that they see the same machine load; the table gives medians, the speed-up over
-one rank and the issue's target ``1 / (0.8 W)`` of one rank's time, and the CPU seconds of the
+one rank and the target ``1 / (0.8 W)`` of one rank's time, and the CPU seconds of the
 busiest rank (on a machine with fewer free cores than ranks, the wall time cannot show the
 split; the CPU time does). Every run also checks that
 the reduced RMSEs equal the one-rank values within 1e-12 relative and that every frame was
@@ -21,11 +21,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import REPO
+from benchmarks.launch import last_json, rank_env, run_job, torchrun
+
 WATER = [os.path.join(REPO, "examples", "water", "data", f"data_{i}") for i in range(4)]
 
 
@@ -68,15 +69,11 @@ def child(systems: list[str], threads: int) -> None:
 
 
 def run(world: int, systems: list[str], threads: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world}", "-m", "benchmarks.validation", "--child",
-           "--threads", str(threads), "--systems", *systems]
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": str(threads)}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1800,
-                          check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"W={world} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    cmd = torchrun(sys.executable, world, [
+        "-m", "benchmarks.training.validation", "--child", "--threads", str(threads),
+        "--systems", *systems])
+    env = rank_env() | {"OMP_NUM_THREADS": str(threads)}
+    return last_json(run_job(cmd, timeout=1800, env=env, what=f"W={world}"))
 
 
 def main(argv: list[str] | None = None) -> int:

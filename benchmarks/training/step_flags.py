@@ -1,8 +1,8 @@
 """What the stop-flag exchange of ``mdloader train`` costs per step, exchanged every step, every
 10 steps (the default of ``MDLOADER_STOP_CHECK_STEPS``) or never.
 
-    python -m benchmarks.step_flags                  # W = 2, water and tiny systems, 5 rounds
-    python -m benchmarks.step_flags --steps 100 --rounds 7
+    python -m benchmarks.training.step_flags          # W = 2, water and tiny systems, 5 rounds
+    python -m benchmarks.training.step_flags --steps 100 --rounds 7
 
 The ranks agree on a stop signal in one all-reduce of a flag over the CPU gloo group
 (:mod:`mdloader.train.step`); the check that the averaged gradients are finite runs on every
@@ -19,12 +19,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import REPO
+from benchmarks.launch import last_json, run_job, torchrun
+
 WATER = [os.path.join(REPO, "examples", "water", "data", f"data_{i}") for i in range(3)]
 
 
@@ -88,15 +89,10 @@ def _cycle(loader: object):  # noqa: ANN202 - a generator of batches
 
 
 def run(world: int, systems: list[str], batch: int, steps: int, rounds: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world}", "-m", "benchmarks.step_flags", "--child", "--batch",
-           str(batch), "--steps", str(steps), "--rounds", str(rounds), "--systems", *systems]
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=3600,
-                          check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"W={world} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    cmd = torchrun(sys.executable, world, [
+        "-m", "benchmarks.training.step_flags", "--child", "--batch", str(batch), "--steps",
+        str(steps), "--rounds", str(rounds), "--systems", *systems])
+    return last_json(run_job(cmd, timeout=3600, what=f"W={world}"))
 
 
 def main() -> None:

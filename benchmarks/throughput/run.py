@@ -2,8 +2,8 @@
 
 One command::
 
-    python -m benchmarks.run --quick      # < 5 minutes: 100 and 2 000 systems, W = 2
-    python -m benchmarks.run --full       # the whole matrix: 100 … 100 000 systems, W = 1, 2, 4
+    python -m benchmarks.throughput.run --quick  # < 5 minutes: 100 and 2 000 systems, W = 2
+    python -m benchmarks.throughput.run --full   # 100 … 100 000 systems, W = 1, 2, 4
 
 For every (number of systems, world size) the two loaders run alternately (the order flips on
 every repetition) with ``torchrun --standalone --nproc_per_node=W`` and gloo; each repetition is a
@@ -20,16 +20,15 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-from benchmarks import fsaudit
-from benchmarks.generate import DEFAULT_BASE, ensure_dataset
+from benchmarks import REPO, RESULTS, fsaudit
+from benchmarks.data import DEFAULT_BASE, ensure_dataset
+from benchmarks.launch import python_for, run_build
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES: dict[str, dict[str, Any]] = {
     "quick": {"nsys": [100, 2000], "worlds": [2], "reps": 2, "seconds": 1.0,
               "strace_worlds": [2], "timeout": 300},
@@ -63,59 +62,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _python_for(impl: str, args: argparse.Namespace) -> str | None:
-    if impl == "mdloader":
-        return sys.executable
-    probe = [args.peer_python, "-c", "import deepmd.pt.utils.dataloader"]
-    try:
-        ok = subprocess.run(probe, capture_output=True, timeout=120, cwd=REPO).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        ok = False
-    return args.peer_python if ok else None
-
-
-def launch(python: str, impl: str, root: str, world: int, *, seconds: float, build_only: bool,
-           strace_to: str | None, timeout: float, rep: int = 0,
-           env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], str]:
-    """One torchrun launch of :mod:`benchmarks.worker` (``env`` added to this process's);
-    returns the ranks' records and the tail of its output."""
-    worker_args = ["--impl", impl, "--data", root, "--seconds", str(seconds), "--rep", str(rep)]
-    if build_only:
-        worker_args.append("--build-only")
-    return torchrun_records(python, "benchmarks.worker", worker_args, world, timeout=timeout,
-                            strace_to=strace_to, env=env)
-
-
-def torchrun_records(python: str, module: str, worker_args: list[str], world: int, *,
-                     timeout: float, strace_to: str | None = None,
-                     env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], str]:
-    """Run ``module`` on ``world`` ranks under torchrun (it writes ``<--out>.rank<r>.json``);
-    the ranks' records, and the tail of the output when the launch failed."""
-    tmp = tempfile.mkdtemp(prefix="mdl-bench-")
-    out = os.path.join(tmp, "r")
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           "-m", module, *worker_args, "--out", out]
-    if strace_to:
-        cmd = ["strace", "-f", "-y", "-ttt", "--seccomp-bpf", "-e", "trace=%file,%process",
-               "-o", strace_to] + cmd
-    full_env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                    OMP_NUM_THREADS="1", **(env or {}))
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
-                              timeout=timeout)
-        tail = (proc.stdout + proc.stderr)[-3000:] if proc.returncode else ""
-    except subprocess.TimeoutExpired as exc:
-        tail = f"timeout after {timeout} s: {exc}"
-    recs = []
-    for r in range(world):
-        path = f"{out}.rank{r}.json"
-        if os.path.isfile(path):
-            with open(path) as fh:
-                recs.append(json.load(fh))
-    shutil.rmtree(tmp, ignore_errors=True)
-    return recs, tail
-
-
 def _emit(fh: Any, base: dict[str, Any], recs: list[dict[str, Any]], tail: str) -> None:
     if len(recs) != base["world"]:
         fh.write(json.dumps({**base, "error": tail or "missing rank records"}) + "\n")
@@ -130,7 +76,7 @@ def timed_runs(fh: Any, pythons: dict[str, str], root: str, nsys: int, world: in
     for rep in range(reps):
         for impl in (order if rep % 2 == 0 else order[::-1]):
             t0 = time.monotonic()
-            recs, tail = launch(pythons[impl], impl, root, world, seconds=cfg["seconds"],
+            recs, tail = run_build(pythons[impl], impl, root, world, seconds=cfg["seconds"],
                                 build_only=False, strace_to=None, timeout=cfg["timeout"],
                                 rep=rep)
             base = {"kind": "timed", "mode": args.mode, "impl": impl, "nsys": nsys,
@@ -144,7 +90,7 @@ def strace_runs(fh: Any, pythons: dict[str, str], root: str, nsys: int, world: i
                 cfg: dict[str, Any]) -> None:
     for impl, python in pythons.items():
         trace = tempfile.mktemp(prefix="mdl-strace-", suffix=".txt")
-        recs, tail = launch(python, impl, root, world, seconds=0.0, build_only=True,
+        recs, tail = run_build(python, impl, root, world, seconds=0.0, build_only=True,
                             strace_to=trace, timeout=cfg["timeout"] * 3)
         base = {"kind": "fs", "impl": impl, "nsys": nsys, "world": world,
                 "fs_tool": "strace -f -e trace=%file"}
@@ -165,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(MODES[args.mode])
     cfg.update({k: v for k, v in (("nsys", args.nsys), ("worlds", args.worlds),
                                   ("reps", args.reps), ("seconds", args.seconds)) if v})
-    pythons = {i: p for i in args.impls.split(",") if (p := _python_for(i, args))}
+    pythons = {i: p for i in args.impls.split(",") if (p := python_for(i, args.peer_python))}
     skipped = sorted(set(args.impls.split(",")) - set(pythons))
     if skipped:
         print(f"skipping {skipped}: not importable (run bash scripts/deepmd-env.sh)", flush=True)
-    out = args.out or os.path.join(REPO, "benchmarks", "results", f"{args.mode}.jsonl")
+    out = args.out or os.path.join(RESULTS, f"{args.mode}.jsonl")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     strace_ok = not args.no_strace and shutil.which("strace") is not None
     with open(out, "w") as fh:

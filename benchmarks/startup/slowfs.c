@@ -1,6 +1,6 @@
 /*
  * A stand-in for a parallel file system: every metadata call on a path under one folder waits
- * a fixed time first. Built by benchmarks/slowfs.py and loaded with LD_PRELOAD.
+ * a fixed time first. Built by benchmarks/startup/slowfs.py and loaded with LD_PRELOAD.
  *
  *   MDL_SLOWFS_ROOT  absolute folder whose paths are slowed (nothing is slowed when unset)
  *   MDL_SLOWFS_US    microseconds to wait per call (default 1000)

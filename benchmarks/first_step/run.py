@@ -3,17 +3,18 @@
 
 One command (defaults: 20 water systems, W = 1 and 2, all three, 600 s per launch)::
 
-    python -m benchmarks.first_step [--systems 200 2000] [--world 1 2]
+    python -m benchmarks.first_step.run [--systems 200 2000] [--world 1 2]
                                     [--only mdloader|deepmd|mdloader-train ...] [--timeout S]
 
 For every (systems, W) each loader runs twice in fresh ``torchrun --standalone`` jobs (gloo,
 CPU, one OpenMP thread per rank) on DeePMD-kit's water example ``input.json`` with
 ``numb_steps: 1``: a **first start** (empty job folder, empty mdloader cache) and a **restart**
-(``--restart model.ckpt.pt`` in the same folder, with whatever the first start cached). DeePMD-kit
-runs as ``python -m benchmarks.dp_cpu`` (its own ``dp`` with CPU fallbacks only), mdloader as
-``python -m mdloader dp``, both with the DeePMD-kit venv's python (``scripts/deepmd-env.sh``);
-``mdloader train`` (its own reference model, no DeePMD-kit import) runs with the same python.
-Every output line is time-stamped as it arrives; :mod:`benchmarks.first_step_phases` splits the
+(``--restart model.ckpt.pt`` in the same folder, with whatever the first start cached).
+DeePMD-kit runs as ``python -m benchmarks.first_step.dp_cpu`` (its own ``dp`` with CPU
+fallbacks only), mdloader as ``python -m mdloader dp``, both with the DeePMD-kit venv's python
+(``scripts/deepmd-env.sh``); ``mdloader train`` (its own reference model, no DeePMD-kit import)
+runs with the same python.
+Every output line is time-stamped as it arrives; :mod:`benchmarks.first_step.phases` splits the
 log into phases. A poller samples each rank's processes (the rank and its DataLoader workers)
 for resident memory and CPU time. A launch that exceeds ``--timeout`` is stopped and recorded as
 such, with the phases it reached. Records are appended to
@@ -26,27 +27,20 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
-import psutil
+from benchmarks import REPO, RESULTS, probes
+from benchmarks.data import DEFAULT_BASE, ensure_water
+from benchmarks.first_step import phases as fsp
+from benchmarks.launch import Poller, can_import, rank_env, run_logged, torchrun
 
-from benchmarks import first_step_phases as fsp
-from benchmarks import probes
-from benchmarks.generate import DEFAULT_BASE
-from benchmarks.water_data import ensure_water
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OUT = os.path.join(REPO, "benchmarks", "results", "first_step", "first_step.jsonl")
-ENTRY = {"deepmd": ["-m", "benchmarks.dp_cpu", "--pt", "train"],
+OUT = os.path.join(RESULTS, "first_step", "first_step.jsonl")
+ENTRY = {"deepmd": ["-m", "benchmarks.first_step.dp_cpu", "--pt", "train"],
          "mdloader": ["-m", "mdloader", "dp", "--pt", "train"],
          "mdloader-train": ["-m", "mdloader", "train"]}
-POLL_S = 0.25
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -86,108 +80,6 @@ def job_input(root: str, steps: int, stat_nbatch: int | None = None) -> dict[str
     return config
 
 
-class Poller(threading.Thread):
-    """Samples, per rank (processes whose environment has ``RANK``), RSS and CPU time."""
-
-    def __init__(self, pid: int, t0: float) -> None:
-        super().__init__(daemon=True)
-        self.root, self.t0 = psutil.Process(pid), t0
-        self.stop = threading.Event()
-        self.ranks: dict[int, str] = {}  # pid -> rank
-        self.peak_rss: dict[str, int] = {}
-        self.peak_tree: dict[str, int] = {}
-        self.cpu: dict[str, list[tuple[float, float]]] = {}
-
-    def _rank(self, proc: psutil.Process) -> str | None:
-        if proc.pid not in self.ranks:
-            try:
-                self.ranks[proc.pid] = proc.environ().get("RANK", "")
-            except psutil.Error:
-                return None
-        return self.ranks[proc.pid] or None
-
-    def sample(self) -> None:
-        rss: dict[str, int] = {}
-        cpu: dict[str, float] = {}
-        try:
-            procs = self.root.children(recursive=True)
-        except psutil.Error:
-            return
-        for proc in procs:
-            rank = self._rank(proc)
-            if rank is None:
-                continue
-            try:
-                with proc.oneshot():
-                    mem, times = proc.memory_info().rss, proc.cpu_times()
-                    main = self._rank(proc.parent()) is None
-            except psutil.Error:
-                continue
-            rss[rank] = rss.get(rank, 0) + mem
-            cpu[rank] = cpu.get(rank, 0.0) + times.user + times.system
-            if main:
-                self.peak_rss[rank] = max(self.peak_rss.get(rank, 0), mem)
-        now = time.monotonic() - self.t0
-        for rank, total in rss.items():
-            self.peak_tree[rank] = max(self.peak_tree.get(rank, 0), total)
-            self.cpu.setdefault(rank, []).append((now, cpu[rank]))
-
-    def run(self) -> None:
-        while not self.stop.wait(POLL_S):
-            self.sample()
-
-
-def launch(cmd: list[str], cwd: str, env: dict[str, str], timeout: float) -> dict[str, Any]:
-    """Run ``cmd``; the time-stamped log, the exit status and the poller's samples."""
-    log_path = os.path.join(cwd, "log.txt")
-    lines: list[tuple[float, str]] = []
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace",
-                            start_new_session=True)
-    poller = Poller(proc.pid, t0)
-    poller.start()
-
-    stream = proc.stdout
-
-    def read() -> None:
-        with open(log_path, "w") as fh:
-            for line in stream or ():
-                t = time.monotonic() - t0
-                lines.append((t, line.rstrip("\n")))
-                fh.write(f"{t:.3f} {line}")
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    status = "ok"
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        status = "stopped"
-        _stop(proc)
-    wall = time.monotonic() - t0
-    poller.stop.set()
-    poller.join()
-    reader.join(timeout=30)
-    if status == "ok" and proc.returncode != 0:
-        status = "failed"
-    return {"status": status, "wall_s": round(wall, 2), "lines": lines, "poller": poller,
-            "returncode": proc.returncode}
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def record(run: dict[str, Any], world: int, impl: str) -> dict[str, Any]:
     """What one launch adds to the results: phases, time to first step, CPU and memory."""
     found = fsp.find_markers(run["lines"], impl)
@@ -214,9 +106,7 @@ def run_pair(python: str, impl: str, root: str, nsys: int, world: int,
              args: argparse.Namespace, fh: Any, run_id: str) -> None:
     """A first start and a restart of one loader in one job folder."""
     job = tempfile.mkdtemp(prefix=f"mdl-first-step-{impl}-n{nsys}-w{world}-")
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               MDLOADER_CACHE_DIR=os.path.join(job, "mdloader-cache"))
+    env = rank_env(MDLOADER_CACHE_DIR=os.path.join(job, "mdloader-cache"))
     first_ok = False
     for start in ("first", "restart"):
         base = {"kind": "first_step", "run": run_id, "impl": impl, "nsys": nsys, "world": world,
@@ -235,7 +125,7 @@ def run_pair(python: str, impl: str, root: str, nsys: int, world: int,
             with open(os.path.join(job, "input.json"), "w") as out:
                 json.dump(job_input(root, 2, args.stat_nbatch), out, indent=1)
             cmd = _cmd(python, impl, world, ["--restart", "model.ckpt.pt"])
-            rec = record(launch(cmd, job, env, args.timeout), world, impl)
+            rec = record(run_logged(cmd, job, env, args.timeout), world, impl)
         fh.write(json.dumps({**base, **rec}) + "\n")
         fh.flush()
         shown = (f"{rec['ready_s']:.1f} s to first step" if rec["ready_s"] is not None
@@ -249,27 +139,22 @@ def run_pair(python: str, impl: str, root: str, nsys: int, world: int,
 
 
 def _cmd(python: str, impl: str, world: int, extra: list[str]) -> list[str]:
-    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-            *ENTRY[impl], "input.json", *extra]
+    return torchrun(python, world, [*ENTRY[impl], "input.json", *extra])
 
 
 def _launch_first(python: str, impl: str, job: str, root: str, world: int,
                   env: dict[str, str], args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
     with open(os.path.join(job, "input.json"), "w") as out:
         json.dump(job_input(root, 1, args.stat_nbatch), out, indent=1)
-    rec = record(launch(_cmd(python, impl, world, []), job, env, args.timeout), world, impl)
+    rec = record(run_logged(_cmd(python, impl, world, []), job, env, args.timeout), world,
+                 impl)
     ok = rec["status"] == "ok" and os.path.exists(os.path.join(job, "model.ckpt.pt"))
     return ok, rec
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    try:
-        probe = subprocess.run([args.python, "-c", "import deepmd.pt.train.training"],
-                               capture_output=True, timeout=300).returncode
-    except (OSError, subprocess.TimeoutExpired):
-        probe = -1
-    if probe != 0:
+    if not can_import(args.python, "deepmd.pt.train.training"):
         print(f"{args.python} cannot import DeePMD-kit: run bash scripts/deepmd-env.sh "
               "or pass --python", file=sys.stderr)
         return 2

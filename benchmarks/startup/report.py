@@ -1,4 +1,4 @@
-"""Tables of the start-up runs (:mod:`benchmarks.startup`) for ``docs/benchmarks.md``.
+"""Tables of the start-up runs (:mod:`benchmarks.startup.run`) for ``docs/benchmarks.md``.
 
 Per (systems, W, condition, loader): medians over repetitions of the set-up time (barrier before
 discovery to barrier after ``DpLoaderSet(...)`` on every rank), of rank 0's phases, and of the
@@ -184,7 +184,7 @@ def section(rows: list[dict[str, Any]]) -> str:
     """The start-up section of the benchmarks page (empty when there are no start-up runs)."""
     med = medians(rows)
     if not med:
-        return "No start-up runs in these results (`python -m benchmarks.startup`)."
+        return "No start-up runs in these results (`python -m benchmarks.startup.run`)."
     evictions = sorted({r["eviction"] for r in rows if r.get("eviction")})
     latency = sorted({r["latency_us"] for r in rows if r.get("latency_us")})
     started = sorted({r["started"] for r in rows if r.get("kind") == "startup-meta"})

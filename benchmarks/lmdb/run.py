@@ -2,9 +2,9 @@
 
 One command::
 
-    python -m benchmarks.lmdb              # 10 000 systems x 100 frames = 10⁶ frames, W = 2
+    python -m benchmarks.lmdb.run              # 10 000 systems x 100 frames = 10⁶ frames, W = 2
 
-The database is packed once from the npy dataset of the same frames (:mod:`benchmarks.lmdb_data`,
+The database is packed once from the npy dataset of the same frames (:mod:`benchmarks.data`,
 under the benchmark data base). Every repetition launches, with ``torchrun --standalone
 --nproc_per_node=W`` and gloo, in an order that flips each repetition:
 
@@ -13,7 +13,7 @@ under the benchmark data base). Every repetition launches, with ``torchrun --sta
 * ``md-no-nlocs``, ``dp-no-nlocs``: ready time and frames read per rank for atom counts, on a
   copy of the database without ``frame_nlocs``.
 
-Each rank's record goes to a JSON-lines file; :mod:`benchmarks.lmdb_report` writes the LMDB
+Each rank's record goes to a JSON-lines file; :mod:`benchmarks.lmdb.report` writes the LMDB
 section of ``docs/benchmarks.md`` from it.
 """
 
@@ -26,9 +26,9 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.generate import DEFAULT_BASE
-from benchmarks.lmdb_data import ensure_lmdb
-from benchmarks.run import REPO, torchrun_records
+from benchmarks import REPO, RESULTS
+from benchmarks.data import DEFAULT_BASE, ensure_lmdb
+from benchmarks.launch import run_ranks
 
 #: label -> (implementation, data, build only)
 CASES: dict[str, tuple[str, str, bool]] = {
@@ -51,8 +51,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    os.path.join(REPO, ".venv-deepmd", "bin", "python"))
     p.add_argument("--data-base", default=DEFAULT_BASE)
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "lmdb",
-                                                 "lmdb_w2.jsonl"),
+    p.add_argument("--out", default=os.path.join(RESULTS, "lmdb", "lmdb_w2.jsonl"),
                    help="JSON-lines output (a folder of its own: benchmarks.report merges "
                    "results/*.jsonl)")
     p.add_argument("--no-report", action="store_true")
@@ -62,11 +61,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def launch(python: str, impl: str, data: str, args: argparse.Namespace,
            build_only: bool) -> tuple[list[dict[str, Any]], str]:
     """One torchrun job; the ranks' records and, on failure, the tail of its output."""
-    worker_args = ["--impl", impl, "--data", data, "--seconds", str(args.seconds)]
+    worker_args = ["lmdb", "--impl", impl, "--data", data, "--seconds", str(args.seconds)]
     if build_only:
         worker_args.append("--build-only")
-    return torchrun_records(python, "benchmarks.lmdb_worker", worker_args, args.world,
-                            timeout=args.timeout)
+    return run_ranks(python, worker_args, args.world, timeout=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"({base['wall_s']} s)", flush=True)
     print(f"results: {args.out}", flush=True)
     if not args.no_report:
-        from benchmarks import lmdb_report
+        from benchmarks.lmdb import report as lmdb_report
 
         lmdb_report.main([args.out])
     return 0

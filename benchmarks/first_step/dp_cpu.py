@@ -1,6 +1,6 @@
 """``dp`` (DeePMD-kit's own command, its own data path) runnable under torchrun on a CPU-only torch.
 
-Usage: ``torchrun --nproc_per_node=2 -m benchmarks.dp_cpu --pt train input.json``.
+Usage: ``torchrun --nproc_per_node=2 -m benchmarks.first_step.dp_cpu --pt train input.json``.
 
 DeePMD-kit 3.2's trainer asks for ``init_process_group("cuda:nccl,cpu:gloo")``, calls
 ``torch.cuda.set_device`` and gives DDP ``device_ids`` on every torchrun run, none of which a

@@ -5,22 +5,22 @@ a slow file system; and a synthetic index of many systems. Writes JSON lines of 
 Conditions (``--conditions``):
 
 * ``warm``: the page cache holds the tree (an untimed launch of each loader first, and the
-  headers read again just before every launch: :func:`benchmarks.evict.warm`); mdloader
+  headers read again just before every launch: :func:`benchmarks.startup.evict.warm`); mdloader
   has no index yet (a fresh cache folder per launch, so it builds and saves one, as at a first
   start);
-* ``cold``: the tree is evicted from the page cache before every launch (:mod:`benchmarks.evict`,
-  ``--evict``); no index;
+* ``cold``: the tree is evicted from the page cache before every launch
+  (:mod:`benchmarks.startup.evict`, ``--evict``); no index;
 * ``index``: mdloader starts from the index an untimed launch saved, checking it (warm cache);
 * ``trust``: the same index, unchecked (``MDLOADER_INDEX=trust``);
 * ``slow``: every metadata call under the tree waits ``--latency-us``
-  (:mod:`benchmarks.slowfs`); warm cache, no index;
+  (:mod:`benchmarks.startup.slowfs`); warm cache, no index;
 * ``slow-index``: ``index`` on the slow file system.
 
 DeePMD-kit has no index: it runs in ``warm``, ``cold`` and ``slow``. The loaders alternate
 within a condition, the order flipping at every repetition. ``--synthetic N`` also times
-loading and broadcasting a synthetic index of N systems (:mod:`benchmarks.synth`).
+loading and broadcasting a synthetic index of N systems (:func:`benchmarks.data.synthesize_index`).
 
-Usage: ``python -m benchmarks.startup --nsys 10000 --conditions warm cold index --reps 3``
+Usage: ``python -m benchmarks.startup.run --nsys 10000 --conditions warm cold index --reps 3``
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks import fsaudit, probes
-from benchmarks.evict import evict, warm
-from benchmarks.generate import DEFAULT_BASE, ensure_dataset
-from benchmarks.run import REPO, _python_for, launch
-from benchmarks.slowfs import build_shim, shim_env
+from benchmarks import REPO, RESULTS, fsaudit, probes
+from benchmarks.data import DEFAULT_BASE, ensure_dataset, synthesize_index
+from benchmarks.launch import python_for, run_build
+from benchmarks.startup.evict import evict, warm
+from benchmarks.startup.slowfs import build_shim, shim_env
 
 CONDITIONS = ("warm", "cold", "index", "trust", "slow", "slow-index")
 MDLOADER_ONLY = {"index", "trust", "slow-index"}
@@ -62,7 +62,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    or os.path.join(REPO, ".venv-deepmd", "bin", "python"))
     p.add_argument("--data-base", default=DEFAULT_BASE)
     p.add_argument("--timeout", type=float, default=3600.0)
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "startup.jsonl"))
+    p.add_argument("--out", default=os.path.join(RESULTS, "startup.jsonl"))
     return p.parse_args(argv)
 
 
@@ -71,12 +71,13 @@ class Runner:
 
     def __init__(self, args: argparse.Namespace, fh: Any) -> None:
         self.args, self.fh = args, fh
-        self.pythons = {i: p for i in args.impls.split(",") if (p := _python_for(i, args))}
+        self.pythons = {i: p for i in args.impls.split(",")
+                        if (p := python_for(i, args.peer_python))}
         self.scratch = tempfile.mkdtemp(prefix="mdl-startup-")
 
     def launch(self, impl: str, root: str, world: int, env: dict[str, str],
                strace_to: str | None = None) -> tuple[list[dict[str, Any]], str]:
-        return launch(self.pythons[impl], impl, root, world, seconds=0.0, build_only=True,
+        return run_build(self.pythons[impl], impl, root, world, seconds=0.0, build_only=True,
                       strace_to=strace_to, timeout=self.args.timeout, env=env)
 
     def condition(self, root: str, nsys: int, world: int, cond: str) -> None:
@@ -135,8 +136,6 @@ class Runner:
                 print(f"  strace {cond:6s} {impl:8s} nsys={nsys} done", flush=True)
 
     def synthetic(self, nsys: int, world: int) -> None:
-        from benchmarks.synth import synthesize_index
-
         root = os.path.join(self.args.data_base, f"synthetic{nsys}")  # never created
         cache = os.path.join(self.scratch, f"synthetic-{nsys}")
         synthesize_index(root, nsys, cache)

@@ -2,20 +2,20 @@
 
 One command (defaults: 200 water systems of 40 frames, ``data_stat_nbatch`` 10, W = 1 and 2)::
 
-    python -m benchmarks.input_stat_subset [--systems 200] [--frames 40] [--stat-nbatch 10]
-                                           [--world 1 2] [--timeout S]
+    python -m benchmarks.statistics.input_stat_subset [--systems 200] [--frames 40]
+                                    [--stat-nbatch 10] [--world 1 2] [--timeout S]
 
-``mdloader dp --pt train`` takes one step on :mod:`benchmarks.water_data` systems with the water
+``mdloader dp --pt train`` takes one step on :mod:`benchmarks.data` systems with the water
 example's ``input.json`` (batch size 1 at 192 atoms, so ``data_stat_nbatch`` batches are a
 subset of each system's frames), in fresh ``torchrun --standalone`` jobs (gloo, CPU, one OpenMP
 thread per rank), twice per W: along **DeePMD-kit's path** (its ``make_stat_input`` and
 ``compute_or_load_stat`` on rank 0 over mdloader's per-system loaders, what ``mdloader dp`` ran
-for a subset before; ``python -m benchmarks.input_stat_subset dp ...`` forces it) and along
-**mdloader's shares** (every rank a share of the systems on a one-rank job's frames, one
+for a subset before; ``python -m benchmarks.statistics.input_stat_subset dp ...`` forces it)
+and along **mdloader's shares** (every rank a share of the systems on a one-rank job's frames, one
 all-gather). The neighbour statistics are computed once beforehand (``mdloader stat``) and their
 cache copied into every job, so each launch computes only the input statistics. Printed side by
 side: the input-statistics phase (its first line to "Start to train",
-:mod:`benchmarks.first_step_phases`), each rank's CPU seconds in it and the time to the first
+:mod:`benchmarks.first_step.phases`), each rank's CPU seconds in it and the time to the first
 step, with the ratio of the two paths; records are appended to
 ``benchmarks/results/input_stat_subset/input_stat_subset.jsonl``.
 """
@@ -33,13 +33,13 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks.first_step import job_input, launch, record
-from benchmarks.generate import DEFAULT_BASE
-from benchmarks.water_data import ensure_water
+from benchmarks import REPO, RESULTS
+from benchmarks.data import DEFAULT_BASE, ensure_water
+from benchmarks.first_step.run import job_input, record
+from benchmarks.launch import rank_env, run_logged, torchrun
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OUT = os.path.join(REPO, "benchmarks", "results", "input_stat_subset", "input_stat_subset.jsonl")
-ENTRY = {"deepmd path": ["-m", "benchmarks.input_stat_subset", "dp"],
+OUT = os.path.join(RESULTS, "input_stat_subset", "input_stat_subset.jsonl")
+ENTRY = {"deepmd path": ["-m", "benchmarks.statistics.input_stat_subset", "dp"],
          "mdloader shares": ["-m", "mdloader", "dp"]}
 PASS_LINE = re.compile(r"(environment|output) statistics: \d+ systems in ([\d.]+) s")
 
@@ -68,8 +68,7 @@ def dp_with_deepmd_statistics(argv: list[str]) -> int:
 
 
 def _env(cache: str) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MDLOADER_CACHE_DIR=cache)
+    return rank_env(MDLOADER_CACHE_DIR=cache)
 
 
 def neighbour_cache(python: str, config: dict[str, Any], timeout: float) -> str:
@@ -91,10 +90,9 @@ def run_one(python: str, path: str, world: int, config: dict[str, Any], template
         with open(os.path.join(job, "input.json"), "w") as out:
             json.dump(config, out, indent=1)
         load = os.getloadavg()[0]
-        cmd = [python, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={world}", *ENTRY[path], "--pt", "train", "input.json"]
-        run = launch(cmd, job, _env(os.path.join(job, "cache")), timeout)
-        rec = record(run, world)
+        cmd = torchrun(python, world, [*ENTRY[path], "--pt", "train", "input.json"])
+        run = run_logged(cmd, job, _env(os.path.join(job, "cache")), timeout)
+        rec = record(run, world, "mdloader")  # both paths run mdloader dp: its log markers
         passes = {m.group(1): float(m.group(2)) for _t, line in run["lines"]
                   for m in [PASS_LINE.search(line)] if m}
         return {**rec, "passes_s": passes, "loadavg_1min": round(load, 2)}

@@ -1,4 +1,5 @@
-"""The "Time to first step" section of ``docs/benchmarks.md``, from :mod:`benchmarks.first_step`.
+"""The "Time to first step" section of ``docs/benchmarks.md``, from
+:mod:`benchmarks.first_step.run`.
 
 :mod:`benchmarks.report` calls :func:`section` when it rewrites the page; the latest record of
 every (loader, systems, W, start) is shown, DeePMD-kit, ``mdloader dp`` and ``mdloader train``
@@ -11,14 +12,14 @@ import json
 import os
 from typing import Any
 
+from benchmarks import REPO, RESULTS
 from benchmarks.aggregate import met, number, ratio
-from benchmarks.first_step_phases import PHASES
+from benchmarks.first_step.phases import PHASES
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT = os.path.join(REPO, "benchmarks", "results", "first_step", "first_step.jsonl")
+DEFAULT = os.path.join(RESULTS, "first_step", "first_step.jsonl")
 MD, DP, TRAIN = "mdloader", "deepmd", "mdloader-train"
 NAMES = {MD: "mdloader dp", TRAIN: "mdloader train"}
-# issue 22's targets for mdloader: (systems, start) -> seconds to first step
+# the targets for mdloader: (systems, start) -> seconds to first step
 TARGETS = {(200, "first"): 30.0, (200, "restart"): 5.0, (2000, "first"): 180.0}
 Key = tuple[str, int, int, str]  # (impl, systems, W, start)
 
@@ -111,7 +112,7 @@ def memory_table(latest: dict[Key, dict[str, Any]]) -> list[str]:
 
 
 def targets(latest: dict[Key, dict[str, Any]]) -> list[str]:
-    """Issue 22's targets for mdloader (``dp`` and ``train``), at the largest W measured."""
+    """The targets for mdloader (``dp`` and ``train``), at the largest W measured."""
     out = ["| target | measured | met? |", "|---|---:|:---:|"]
     for impl in (MD, TRAIN):
         for (n, s), limit in TARGETS.items():
@@ -144,7 +145,7 @@ def targets(latest: dict[Key, dict[str, Any]]) -> list[str]:
 def section(path: str = DEFAULT) -> str:
     """The markdown of the section's results (a note when there are none yet)."""
     if not os.path.isfile(path):
-        return "*No results yet: run `python -m benchmarks.first_step`.*"
+        return "*No results yet: run `python -m benchmarks.first_step.run`.*"
     metas, latest = load(path)
     runs = ", ".join(sorted({m["run"] for m in metas}))
     head = (f"Runs started {runs} on {metas[-1].get('cpus') if metas else '?'} CPUs shared with "

@@ -1,7 +1,7 @@
-"""Balanced steps (issue 25): per-step busiest-rank cost over the mean, today's sampler vs balanced.
+"""Balanced steps: per-step busiest-rank cost over the mean, today's sampler vs balanced.
 
-    python -m benchmarks.balance                      # W = 8, 64, 512, 4096; k = 8, 32, 64
-    python -m benchmarks.balance --worlds 8 64 --windows 8 32 --freq-steps 20000
+    python -m benchmarks.sampling.balance                      # W = 8, 64, 512, 4096; k = 8, 32, 64
+    python -m benchmarks.sampling.balance --worlds 8 64 --windows 8 32 --freq-steps 20000
 
 Pure simulation in one process, no data read: the per-rank system streams of
 :mod:`mdloader.sampling.order` are drawn once per world size, today's step ``t`` is column ``t``
@@ -27,13 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import REPO
 from mdloader.sampling.balance import arrange, batch_costs, window_draws
 from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
 from mdloader.sampling.order import stream_draws, weights_to_cdf
 from mdloader.sampling.probability import prob_sys_size
 
 SEED = 2024
-WATER = Path(__file__).resolve().parents[1] / "examples" / "water" / "data"
+WATER = Path(REPO) / "examples" / "water" / "data"
 
 
 def mixed_set(nsys: int = 1000, nframes: int = 1000) -> tuple[np.ndarray, np.ndarray]:
