@@ -219,6 +219,7 @@ def float_precisions() -> tuple[np.dtype, np.dtype]:
 
 
 def output_dtype(req: DataRequirementItem) -> np.dtype:
+    """The dtype a requirement is delivered in: its own, else DeePMD-kit's precision rule."""
     if req.dtype is not None:
         return np.dtype(req.dtype)
     normal, high = float_precisions()

@@ -124,6 +124,7 @@ class SystemMeta:
 
 def restore_set(name: str, nframes: int, keys: tuple[str, ...],
                 widths: tuple[int, ...]) -> SetMeta:
+    """A :class:`SetMeta` rebuilt from its saved fields, interned like a freshly described one."""
     return shared(SetMeta(shared(name), nframes, shared(keys), shared(widths)))
 
 

@@ -60,6 +60,7 @@ def read_small(path: str) -> bytes:
 
 
 def read_type_raw(loc: Location) -> np.ndarray:
+    """The system's ``type.raw`` file: one atom type per atom."""
     path = file_of(loc, None, "type.raw")
     try:
         text = read_small(path).decode()

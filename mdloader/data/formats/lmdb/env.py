@@ -87,7 +87,7 @@ def data_stamp(path: str) -> Stamp | None:
 
 
 def serving_txn(path: str, stamp: Stamp | None = None) -> Any:
-    """This process's read transaction on ``path`` (opened on first use, cached, bounded),
+    """The calling process's read transaction on ``path`` (opened on first use, cached, bounded),
     after checking that ``data.mdb`` still has the ``stamp`` it had when described: a file
     replaced would serve another data set's frames, one truncated would raise SIGBUS."""
     if stamp is not None:
@@ -188,7 +188,7 @@ _DTYPE_NAMES: dict[np.dtype, str] = {}
 
 
 def dtype_name(dtype: np.dtype) -> str:
-    """numpy's name of ``dtype`` (``float64``), as dpdata stores it; cached (``str`` is slow)."""
+    """The NumPy name of ``dtype`` (``float64``), as dpdata stores it; cached (``str`` is slow)."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype)
