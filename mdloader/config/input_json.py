@@ -8,9 +8,8 @@ one :class:`~mdloader.errors.ConfigError` whose ``path`` is the dotted JSON path
 
 As in DeePMD-kit, every key starting with ``_`` (``_comment``, ...) is dropped before checking.
 Inputs for what mdloader does not serve (multi-task training, TensorFlow-only spin models and
-batch rules) are refused by
-:func:`~mdloader.config.unsupported.refuse_unsupported` with one line naming the feature and
-its JSON path.
+batch rules) are refused by :func:`~mdloader.config.unsupported.refuse_unsupported` with one
+line naming the feature and its JSON path.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Among all ways to split the window into ``k`` steps of ``W`` batches this minimi
 the step maxima, and that sum exceeds the sum of the step means by at most
 ``max(cost) - min(cost)`` over the window: the chunks do not overlap in cost. The order of the
 steps, and which rank of a step takes which batch, are then shuffled from ``(seed, generation,
-window)``, so every rank computes the same plan without communicating and sizes follow no
+window)``, so every rank computes the same arrangement without communicating and sizes follow no
 schedule.
 
 A slot is ``(drawer, sid, occurrence)``: the batch is the ``occurrence``-th batch of system

@@ -21,13 +21,13 @@ no system is dropped and the block weights are renormalised); fixed ``sys_probs`
 systems keep their value, negative entries share the rest, and when nothing is negative the kept
 entries are renormalised to sum to 1. A WARNING says how much probability mass was moved.
 
-System probabilities as a rule of the batch counts, so another world size can recompute them.
-
-``nb_i`` (batches of system ``i`` on each rank) depends on the number of ranks, so
-``prob_sys_size`` gives other numbers on ``W'`` ranks than on ``W``. An elastic resume replays the
-streams of earlier generations with *their* probabilities and continues with the new ones; the
-sampler therefore keeps the rule, not only its numbers. A rule's :attr:`digest` does not depend on
-the world size: it is what a resumed job compares to refuse another ``auto_prob``/``sys_probs``.
+Probabilities are kept as a rule of the batch counts (:class:`ProbabilityRule`), so that another
+world size can recompute them: ``nb_i`` (batches of system ``i`` on each rank) depends on the number
+of ranks, so ``prob_sys_size`` gives other numbers on ``W'`` ranks than on ``W``. An elastic resume
+replays the streams of earlier generations with *their* probabilities and continues with the new
+ones; the sampler therefore keeps the rule, not only its numbers. A rule's :attr:`digest` does not
+depend on the world size: it is what a resumed job compares to refuse another
+``auto_prob``/``sys_probs``.
 """
 
 from __future__ import annotations
