@@ -119,12 +119,12 @@ def discover(systems: Systems, rglob_patterns: Sequence[str] | None = None, *,
     out = Discovery()
     roots: dict[str, int] = {}
     wheres = [key] if len(entries) == 1 else [f"{key}[{i}]" for i in range(len(entries))]
-    plan = [[_part(path, rglob_patterns, out, roots, known_files or {}, where)
+    expanded = [[_part(path, rglob_patterns, out, roots, known_files or {}, where)
              for path in _expand_globs(entry, out.globs, where)]
             for entry, where in zip(entries, wheres)]
     tree = walk(list(roots), rglob_patterns, Overlap(threads), known)
     extra = f" matching {list(rglob_patterns)}" if rglob_patterns else ""
-    for parts, entry, where in zip(plan, entries, wheres):
+    for parts, entry, where in zip(expanded, entries, wheres):
         found: set[str] = set()
         for part in parts:
             found.update(tree.under[part] if isinstance(part, int) else part)
