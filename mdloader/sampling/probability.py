@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 BLOCK_HEAD = "prob_sys_size"
 SUM_TOL = 1e-8
-"""DeePMD-kit's tolerance on the sum of fixed ``sys_probs`` entries (#1917)."""
+"""DeePMD-kit's tolerance on the sum of fixed ``sys_probs`` entries (deepmd-kit #1917)."""
 
 
 class Block(NamedTuple):
@@ -271,8 +271,8 @@ def system_probabilities(nbatch: Sequence[int] | np.ndarray, prob_style: str | S
 
 
 def select_prob_source(params: Mapping[str, Any]) -> tuple[Any, bool, str]:
-    """DeePMD-kit's precedence (#4353): ``sys_probs`` if present and not None, else ``auto_prob``,
-    else ``"prob_sys_size"``. Returns (value, is_sys_probs, key)."""
+    """DeePMD-kit's precedence (deepmd-kit #4353): ``sys_probs`` if present and not None, else
+    ``auto_prob``, else ``"prob_sys_size"``. Returns (value, is_sys_probs, key)."""
     if params.get("sys_probs") is not None:
         return params["sys_probs"], True, "sys_probs"
     if "auto_prob" in params:
