@@ -125,7 +125,7 @@ def _process_chunk(addresses: list[str], type_map: Sequence[str] | None,
 
 
 def _chunk_size(count: int, workers: int) -> int:
-    """:data:`CHUNK` systems per submission to the pool, smaller when that would leave threads idle."""
+    """:data:`CHUNK` systems per submission, smaller when that would leave threads idle."""
     return max(1, min(CHUNK, -(-count // (4 * workers))))
 
 
