@@ -26,7 +26,7 @@ R = TypeVar("R")
 IO_SHARE = 0.5  # share of the probe's wall time inside file-system calls above which to overlap
 WAIT = 30e-6  # mean seconds per call above which a call waited (cached answers are far faster)
 PROBE = 32  # calls of the probe (systems described, directories listed, paths checked)
-CHUNK = 64  # items per pool task: one future per item costs more than a small item's work
+CHUNK = 64  # items per submission: one future per item costs more than a small item's work
 
 _state = threading.local()
 

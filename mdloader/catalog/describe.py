@@ -32,7 +32,7 @@ from mdloader.fs_calls import PROBE, measuring
 
 log = logging.getLogger(__name__)
 
-CHUNK = 512  # systems per pool task
+CHUNK = 512  # systems per submission to the pool
 PROCESS_MIN = 20_000  # CPU-bound builds at least this large use processes (all cores)
 PROCESS_CPU = 50e-6  # ... unless a system takes less CPU than this (LMDB groups, from memory)
 
@@ -156,7 +156,7 @@ def _process_chunk(addresses: list[str], work: Work[Any],
 
 
 def _chunk_size(count: int, workers: int) -> int:
-    """:data:`CHUNK` systems per task, smaller when that would leave threads idle."""
+    """:data:`CHUNK` systems per submission, smaller when that would leave threads idle."""
     return max(1, min(CHUNK, -(-count // (4 * workers))))
 
 

@@ -7,29 +7,23 @@ it (DeePMD-kit does the same). What one entry finds -- a directory walk, a glob,
 an HDF5 file -- is sorted and de-duplicated, so it is the same on every run, file system and
 ``PYTHONHASHSEED`` (DeePMD-kit's walk order is not, which silently reassigns ``sys_probs``).
 
-The roots of all entries are walked together, one listing per folder (no ``stat`` per entry;
-the listings overlapped when the file system makes them wait), not descending into the
-``set.*`` folders of a system (a directory holding ``type.raw``): they hold frames. The one
-difference this makes: a ``type.raw`` *inside* a system's ``set.*`` folder is no longer taken
-for a system (DeePMD-kit's ``rglob`` would take it; such a tree mixes a set and a system).
-Systems nested in a system's other subfolders are found.
+The walk. A folder holding ``type.raw`` is a system. The roots of all entries are walked
+together, one listing per folder and no ``stat`` per entry: each folder is listed once, even
+when it lies below several roots, and a system's listing is kept, so that describing it does
+not list it again. All folders of a level are listed together, in threads when the first
+listings waited on the file system (:mod:`mdloader.fs_calls`). The walk descends neither into
+symbolic links to folders (as ``os.walk``) nor into the ``set.*`` folders of a system: they
+hold frames. The one difference this makes: a ``type.raw`` *inside* a system's ``set.*`` folder
+is no longer taken for a system (DeePMD-kit's ``rglob`` would take it; such a tree mixes a set
+and a system). Systems nested in a system's other subfolders are found. Given the folders of an
+earlier walk that have not changed since (:class:`KnownTree`), the walk lists only the others:
+an unchanged folder has the same entries, hence the same subfolders.
 
 An entry that a storage format holds as a file or a database (an HDF5 file, an LMDB database:
 a path ending in ``.lmdb`` or a folder holding ``data.mdb``) is expanded by its format
 (:func:`mdloader.data.formats.capabilities.systems_of_entry`): an HDF5 file into its groups holding
 ``type.raw``, a database into one address per group of frames, in the order of its system ids
 (``rglob_patterns`` do not apply to it).
-
-Walking directory trees for systems, level by level, overlapping the listings when they wait.
-
-A folder holding ``type.raw`` is a system; the walk does not descend into its ``set.*`` folders
-(they hold frames) nor into symbolic links to folders (as ``os.walk``). Each folder is listed
-once, even when it lies below several roots; a system's listing is kept, so that describing it
-does not list it again. All folders of a level are listed together, in threads when the first
-listings waited on the file system (:mod:`mdloader.fs_calls`).
-
-Given the folders of an earlier walk that have not changed since (:class:`KnownTree`), the walk
-lists only the others: an unchanged folder has the same entries, hence the same subfolders.
 """
 
 from __future__ import annotations
@@ -131,12 +125,12 @@ def discover(systems: Systems, rglob_patterns: Sequence[str] | None = None, *,
     out = Discovery()
     roots: dict[str, int] = {}
     wheres = [key] if len(entries) == 1 else [f"{key}[{i}]" for i in range(len(entries))]
-    plan = [[_part(path, rglob_patterns, out, roots, known_files or {}, where)
+    expanded = [[_part(path, rglob_patterns, out, roots, known_files or {}, where)
              for path in _expand_globs(entry, out.globs, where)]
             for entry, where in zip(entries, wheres)]
     tree = walk(list(roots), rglob_patterns, Overlap(threads), known)
     extra = f" matching {list(rglob_patterns)}" if rglob_patterns else ""
-    for parts, entry, where in zip(plan, entries, wheres):
+    for parts, entry, where in zip(expanded, entries, wheres):
         found: set[str] = set()
         for part in parts:
             found.update(tree.under[part] if isinstance(part, int) else part)

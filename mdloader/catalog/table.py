@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.data.system import SetMeta, SystemMeta, shared
+from mdloader.data.system import SetMeta, SystemMeta, interned
 
 _PBC, _MIXED = 1, 2
 _COLUMNS = ("folder_id", "name_len", "natoms", "types", "type_map_id", "flags", "nsets",
@@ -189,7 +189,7 @@ class SystemTable(Sequence):
         return [f + text[a:b] for f, a, b in zip(folders, starts, ends)]
 
     def layouts(self) -> list[tuple[bool, tuple[str, ...]]]:
-        """Per system: (has a ``type_map.raw`` of its own, its set names); shared tuples."""
+        """Per system: (has a ``type_map.raw`` of its own, its set names); interned tuples."""
         has_map = [m is not None for m in self._type_maps]
         names = [s.name for s in self._sets]
         ids = self._columns["set_ids"].tolist()
@@ -216,7 +216,7 @@ class SystemTable(Sequence):
         return SystemMeta(address=self.address(row), atom_types=types,
                           type_map=self._type_maps[c["type_map_id"][row]],
                           pbc=bool(flags & _PBC), mixed_type=bool(flags & _MIXED),
-                          sets=shared(tuple(self._sets[j] for j in c["set_ids"][s0:s1])),
+                          sets=interned(tuple(self._sets[j] for j in c["set_ids"][s0:s1])),
                           mixed_idx_map=self._idx_maps[c["idx_map_id"][row]])
 
     def set_ids(self, row: int) -> np.ndarray:

@@ -1,12 +1,11 @@
 """``mdloader bench``: time the loader exactly as the training job uses it, per rank.
 
-Each rank builds the loader (rank 0 discovers and reads headers, the others receive metadata),
-then pulls N batches through the outer ``DataLoader`` with the stateful weighted sampler and
-the same labels the training job requests. Reported per rank: the build phases (discovery,
-build, broadcast) and the broadcast bytes from
-:class:`~mdloader.loading.build.BuildReport`, the time to
-the first batch (worker start-up), batches/frames/atoms per second after the first batch, and the
-peak resident memory of the rank and of its DataLoader workers. Rows are gathered on rank 0.
+Each rank builds the loader (rank 0 discovers and reads headers, the others receive metadata), then
+pulls N batches through the outer ``DataLoader`` with the stateful weighted sampler and the same
+labels the training job requests. Reported per rank: the build phases (discovery, build, broadcast)
+and the broadcast bytes from :class:`~mdloader.loading.build.BuildReport`, the time to the first
+batch (worker start-up), batches/frames/atoms per second after the first batch, and the peak
+resident memory of the rank and of its DataLoader workers. Rows are gathered on rank 0.
 """
 
 from __future__ import annotations

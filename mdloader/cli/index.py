@@ -121,6 +121,7 @@ def _inspect_file(path: str, section: str | None) -> dict[str, Any]:
 
 
 def format_summaries(rows: list[IndexSummary] | list[dict[str, Any]], as_json: bool) -> str:
+    """The ``mdloader index`` report: one line per index built or inspected, or JSON."""
     items = [asdict(r) if isinstance(r, IndexSummary) else r for r in rows]
     if as_json:
         return json.dumps(items, indent=2)

@@ -66,21 +66,21 @@ def pack(sources: str | Sequence[str], dest: str, *, fmt: str | None = None,
     entries = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
     if not dest.rstrip("/"):
         raise ConfigError("the destination is empty", path="dest")
-    plan = _dpdata_plan(entries, fmt, type_map) if fmt else _mdloader_plan(entries, type_map,
-                                                                            workers)
+    systems = (_dpdata_sources(entries, fmt, type_map) if fmt
+               else _mdloader_sources(entries, type_map, workers))
     show = sys.stderr.isatty() if progress is None else progress
-    elements = list(type_map) if type_map else _union(names for _, _, names, _ in plan)
+    elements = list(type_map) if type_map else _union(names for _, _, names, _ in systems)
     rows: list[int] = []
     with LmdbWriter(dest, elements, overwrite=overwrite) as writer, \
-            _bar(sum(n for _, n, _, _ in plan), show) as bar:
-        for _, _, _, chunks in plan:
+            _bar(sum(n for _, n, _, _ in systems), show) as bar:
+        for _, _, _, chunks in systems:
             sid, written = writer.new_system(), 0
             for chunk in chunks():
                 writer.write(sid, chunk)
                 written += chunk.nframes
                 bar.update(chunk.nframes)
             rows.append(written)
-    return PackReport(writer.dest, tuple(writer.type_map), tuple(p[0] for p in plan),
+    return PackReport(writer.dest, tuple(writer.type_map), tuple(p[0] for p in systems),
                       tuple(rows))
 
 
@@ -92,7 +92,7 @@ def _union(name_lists: Iterator[Sequence[str]]) -> list[str]:
     return list(found)
 
 
-def _mdloader_plan(entries: list[str], type_map: Sequence[str] | None,
+def _mdloader_sources(entries: list[str], type_map: Sequence[str] | None,
                    workers: int) -> list[tuple[str, int, tuple[str, ...], Any]]:
     """(address, frames, element names, chunks) per discovered system, described up front."""
     addresses = discover_systems(entries)
@@ -105,18 +105,18 @@ def _mdloader_plan(entries: list[str], type_map: Sequence[str] | None,
         metas = list(describe_systems(addresses, None, workers))
     except SystemFailed as failed:
         raise failed.original() from None
-    plan = []
+    systems = []
     for meta in metas:
         names = element_names(meta, type_map)
 
         def chunks(meta: Any = meta, names: tuple[str, ...] = names) -> Iterator[SourceChunk]:
             return system_chunks(meta, names)
 
-        plan.append((meta.address, meta.nframes, names, chunks))
-    return plan
+        systems.append((meta.address, meta.nframes, names, chunks))
+    return systems
 
 
-def _dpdata_plan(entries: list[str], fmt: str, type_map: Sequence[str] | None
+def _dpdata_sources(entries: list[str], fmt: str, type_map: Sequence[str] | None
                  ) -> list[tuple[str, int, tuple[str, ...], Any]]:
     """One row per system dpdata reads from the single source (``MultiSystems``: each
     composition)."""
@@ -125,15 +125,15 @@ def _dpdata_plan(entries: list[str], fmt: str, type_map: Sequence[str] | None
     if len(entries) != 1:
         raise ConfigError(f"--from reads one input, got {len(entries)}", path="sources")
     src = os.fspath(entries[0])
-    plan = []
+    systems = []
     for i, system in enumerate(read_systems(src, fmt, list(type_map) if type_map else None)):
         def chunks(system: Any = system) -> Iterator[SourceChunk]:
             return _dpdata_chunks(system)
 
         data = system.data
         names = tuple(data.get("real_atom_names", data["atom_names"]))
-        plan.append((f"{src}[{i}:{system.formula}]", system.get_nframes(), names, chunks))
-    return plan
+        systems.append((f"{src}[{i}:{system.formula}]", system.get_nframes(), names, chunks))
+    return systems
 
 
 def _dpdata_chunks(system: Any) -> Iterator[SourceChunk]:

@@ -8,9 +8,8 @@ one :class:`~mdloader.errors.ConfigError` whose ``path`` is the dotted JSON path
 
 As in DeePMD-kit, every key starting with ``_`` (``_comment``, ...) is dropped before checking.
 Inputs for what mdloader does not serve (multi-task training, TensorFlow-only spin models and
-batch rules) are refused by
-:func:`~mdloader.config.unsupported.refuse_unsupported` with one line naming the feature and
-its JSON path.
+batch rules) are refused by :func:`~mdloader.config.unsupported.refuse_unsupported` with one
+line naming the feature and its JSON path.
 """
 
 from __future__ import annotations
@@ -131,7 +130,7 @@ def parse_config(data: Any, *, base_dir: str = ".", source: str | None = None) -
     schema = input_schema()
     _reject_alias_clashes(schema, data, "")
     normed = _run_dargs(schema, data)
-    return _build(normed, base_dir=base_dir, source=source)
+    return _frozen_config(normed, base_dir=base_dir, source=source)
 
 
 def _run_dargs(schema: Argument, data: dict) -> dict:
@@ -251,7 +250,7 @@ def _sub_config(cls: type, raw: Mapping[str, Any]) -> Any:
     return cls(**{k: raw[k] for k in names if k in raw})
 
 
-def _build(normed: dict, *, base_dir: str, source: str | None) -> Config:
+def _frozen_config(normed: dict, *, base_dir: str, source: str | None) -> Config:
     training = normed["training"]
     if training.get("numb_steps") is not None and training.get("numb_epoch") is not None:
         raise ConfigError("numb_steps and numb_epoch are mutually exclusive; give one",

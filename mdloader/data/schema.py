@@ -185,7 +185,7 @@ _DEFAULTS: dict[bool, tuple[DataRequirementItem, ...]] = {}
 def default_requirements(pbc: bool) -> tuple[DataRequirementItem, ...]:
     """What every DeePMD system provides: box (required when periodic), coord, numb_copy.
 
-    One shared tuple per periodicity: 100 000 datasets must not each carry their own copies.
+    One interned tuple per periodicity: 100 000 datasets must not each carry their own copies.
     """
     if pbc not in _DEFAULTS:
         _DEFAULTS[pbc] = (
@@ -219,6 +219,7 @@ def float_precisions() -> tuple[np.dtype, np.dtype]:
 
 
 def output_dtype(req: DataRequirementItem) -> np.dtype:
+    """The dtype a requirement is delivered in: its own, else DeePMD-kit's precision rule."""
     if req.dtype is not None:
         return np.dtype(req.dtype)
     normal, high = float_precisions()

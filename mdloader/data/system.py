@@ -19,21 +19,21 @@ from mdloader.data.formats.base import Listing, Location
 from mdloader.data.formats.registry import backend_of, parse_address
 from mdloader.errors import DataError
 
-_SHARED: dict[Any, Any] = {}
-_SHARED_LIMIT = 1 << 20
+_INTERNED: dict[Any, Any] = {}
+_INTERNED_LIMIT = 1 << 20
 
 
-def shared(value: Any) -> Any:
+def interned(value: Any) -> Any:
     """One instance per distinct value (set names, key tuples, type maps, whole sets).
 
-    100 000 systems of a data set mostly repeat the same few ``SetMeta`` values: sharing them
-    cuts the memory of the descriptions, and pickle writes a shared object once per broadcast.
+    100 000 systems of a data set mostly repeat the same few ``SetMeta`` values: interning them
+    cuts the memory of the descriptions, and pickle writes an interned object once per broadcast.
     """
-    found = _SHARED.get(value)
+    found = _INTERNED.get(value)
     if found is None:
-        if len(_SHARED) >= _SHARED_LIMIT:
-            _SHARED.clear()
-        found = _SHARED[value] = value
+        if len(_INTERNED) >= _INTERNED_LIMIT:
+            _INTERNED.clear()
+        found = _INTERNED[value] = value
     return found
 
 
@@ -112,20 +112,21 @@ class SystemMeta:
         return hash(self.address)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Builtins plus shared sets: ~1 byte per atom plus the address, because the set
-        # descriptions and the type map are shared objects that pickle writes once per stream.
+        # Builtins plus interned sets: ~1 byte per atom plus the address, because the set
+        # descriptions and the type map are interned objects that pickle writes once per stream.
         small = self.atom_types.max(initial=0) < 127
         types = self.atom_types.astype(np.int8 if small else np.int16).tobytes()
         flags = int(self.pbc) | int(self.mixed_type) << 1 | int(not small) << 2
-        # the folder (or the LMDB database) is shared by siblings: pickle writes it once
+        # the folder (or the LMDB database) is interned across siblings: pickle writes it once
         cut = max(self.address.rfind("/"), self.address.rfind("#")) + 1
-        return (_restore, (shared(self.address[:cut]), self.address[cut:], types, self.type_map,
+        return (_restore, (interned(self.address[:cut]), self.address[cut:], types, self.type_map,
                            flags, self.sets, self.mixed_idx_map))
 
 
 def restore_set(name: str, nframes: int, keys: tuple[str, ...],
                 widths: tuple[int, ...]) -> SetMeta:
-    return shared(SetMeta(shared(name), nframes, shared(keys), shared(widths)))
+    """A :class:`SetMeta` rebuilt from its saved fields, interned like a freshly described one."""
+    return interned(SetMeta(interned(name), nframes, interned(keys), interned(widths)))
 
 
 def _restore(folder: str, name: str, types: bytes, tmap: tuple[str, ...] | None, flags: int,
@@ -133,8 +134,8 @@ def _restore(folder: str, name: str, types: bytes, tmap: tuple[str, ...] | None,
     atom_types = np.frombuffer(types, dtype=np.int16 if flags & 4 else np.int8).astype(np.int32)
     atom_types.flags.writeable = False
     return SystemMeta(
-        address=folder + name, atom_types=atom_types, type_map=shared(tmap),
-        pbc=bool(flags & 1), mixed_type=bool(flags & 2), sets=shared(tuple(sets)),
+        address=folder + name, atom_types=atom_types, type_map=interned(tmap),
+        pbc=bool(flags & 1), mixed_type=bool(flags & 2), sets=interned(tuple(sets)),
         mixed_idx_map=mixed_idx_map,
     )
 

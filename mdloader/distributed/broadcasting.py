@@ -10,9 +10,8 @@ every member finishes, or fails with the source's error, at the same step, and n
 needed up front. Each step costs a pickle, two collectives and a copy of the batch per member
 (``docs/benchmarks.md``): it pays when reading costs more, never for pure data parallelism.
 
-Usage: every rank calls :func:`mdloader.loading.build.build_systems` (a collective); the source
-rank of
-each group then builds its loader for its *data-parallel* rank (``World(dp_rank, dp_size)``) and
+Usage: every rank calls :func:`mdloader.loading.build.build_systems` (a collective); the source rank
+of each group then builds its loader for its *data-parallel* rank (``World(dp_rank, dp_size)``) and
 the others pass ``None``.
 """
 

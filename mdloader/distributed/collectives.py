@@ -72,11 +72,12 @@ def gather_to_main(obj: Any, *, timeout: float | None = None,
     return [open_packet(p, rank=world.rank) for p in received] if world.is_main else None
 
 
-def every_share(part: Any, error: BaseException | None = None, *,
-                timeout: float | None = None, context: str = "merging shares") -> list[Any]:
+def gather_from_every_rank(part: Any, error: BaseException | None = None, *,
+                           timeout: float | None = None,
+                           context: str = "gathering from every rank") -> list[Any]:
     """Every rank's ``part`` on every rank, in rank order: one all-gather of framed packets.
 
-    A rank passes its ``error`` instead when its share failed (or its part cannot be pickled);
+    A rank passes its ``error`` instead when its part failed (or its part cannot be pickled);
     then every rank raises the :class:`~mdloader.errors.RemoteError` of the lowest failing rank.
     In a single process ``error`` is raised as it is. Merging the parts is the caller's.
     """

@@ -59,7 +59,7 @@ def next_job() -> int:
 
 
 def failed_together(exc: BaseException) -> bool:
-    """Did every rank raise this at the same point (so that they can meet once more)?"""
+    """Whether every rank raised this at the same point (so that they can meet once more)."""
     return isinstance(exc, KeyboardInterrupt) or bool(getattr(exc, "every_rank", False))
 
 

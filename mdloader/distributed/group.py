@@ -38,11 +38,12 @@ def current_world() -> World:
 
 
 def group_rank(group: Any) -> int:
-    """This rank's position in ``group``."""
+    """The position of the calling rank in ``group``."""
     return dist.get_group_rank(group, dist.get_rank())
 
 
 def group_size(group: Any) -> int:
+    """The number of ranks in ``group``."""
     return dist.get_world_size(group)
 
 

@@ -27,6 +27,8 @@ PROTOCOL_VERSION = 1
 
 
 class Kind(enum.IntEnum):
+    """What a packet carries: data, the end of the stream, or a typed error."""
+
     DATA = 1
     STOP = 2
     ERROR = 3

@@ -518,7 +518,7 @@ def _env_blocks(model: Any) -> list[Any]:
 
 
 def env_settings(block: Any) -> Any:
-    """mdloader's :class:`~mdloader.stats.env_mat.EnvMatSettings` of a DeePMD-kit block."""
+    """The :class:`~mdloader.stats.env_mat.EnvMatSettings` of a DeePMD-kit block."""
     from deepmd.dpmodel.utils.env_mat_stat import EnvMatStatSe
 
     from mdloader.stats.env_mat import EnvMatSettings

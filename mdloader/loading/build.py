@@ -220,7 +220,7 @@ def _unpicklable(metas: SystemTable) -> str | None:
 
 
 def _verify(received: Any, count: int) -> tuple[SystemDatasets, str | None]:
-    """This rank's datasets and its verification problem (``None`` when all is well)."""
+    """The calling rank's datasets and its verification problem (``None`` when all is well)."""
     if not isinstance(received, SystemTable):
         return SystemDatasets(SystemTable.from_metas([])), (
             f"expected a SystemTable from rank 0, found {type(received).__name__}")

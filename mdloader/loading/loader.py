@@ -3,9 +3,8 @@
 What changes under the same names (``docs/migrating.md`` lists every difference):
 
 - Systems come from :func:`mdloader.loading.build.build_systems` (rank 0 discovers and reads
-  headers,
-  every rank receives small metadata); the set-up keeps a few integers per system and no
-  per-system ``DataLoader`` or iterator.
+  headers, every rank receives small metadata); the set-up keeps a few integers per system and
+  no per-system ``DataLoader`` or iterator.
 - The sampler (:class:`~mdloader.sampling.samplers.WeightedSystemSampler`) yields batch
   *keys*; the outer ``DataLoader(loader_set, sampler=..., batch_size=None, num_workers=K,
   collate_fn=lambda b: b)`` calls ``loader_set[key]``, which only reads. Workers therefore never

@@ -83,7 +83,7 @@ class StatefulLoader:
 
 
 def lost_worker(exc: BaseException | None) -> WorkerLostError | None:
-    """torch's "DataLoader worker (pid N) is killed by signal" (or "exited unexpectedly") as a
+    """Torch's "DataLoader worker (pid N) is killed by signal" (or "exited unexpectedly") as a
     :class:`~mdloader.errors.WorkerLostError` that says what may have happened; else ``None``.
 
     torch raises it where the main process happens to be when it notices (its SIGCHLD handler),

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from mdloader.catalog.stats_store import StatsStore, system_stamp
-from mdloader.distributed.collectives import every_share
+from mdloader.distributed.collectives import gather_from_every_rank
 from mdloader.distributed.group import current_world
 from mdloader.errors import CorruptFileError, MdloaderError
 from mdloader.loading.system_list import natoms_of, nframes_of
@@ -118,7 +118,7 @@ def sharded_pass(datasets: Sequence[Any], kind: str, settings: Mapping[str, Any]
         if not isinstance(exc, MdloaderError) and dataset is not None:  # a bug: say where
             exc.add_note(f"while computing the {kind} statistics of {dataset.meta.address}")
         error = exc
-    gathered = every_share((parts, cached), error, context=f"{kind} statistics")
+    gathered = gather_from_every_rank((parts, cached), error, context=f"{kind} statistics")
     ordered = sorted((p for rank_parts, _ in gathered for p in rank_parts), key=lambda p: p[0])
     results = [cache.loads(payload) for _, payload in ordered]
     total_cached = sum(c for _, c in gathered)

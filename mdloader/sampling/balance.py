@@ -9,7 +9,7 @@ Among all ways to split the window into ``k`` steps of ``W`` batches this minimi
 the step maxima, and that sum exceeds the sum of the step means by at most
 ``max(cost) - min(cost)`` over the window: the chunks do not overlap in cost. The order of the
 steps, and which rank of a step takes which batch, are then shuffled from ``(seed, generation,
-window)``, so every rank computes the same plan without communicating and sizes follow no
+window)``, so every rank computes the same arrangement without communicating and sizes follow no
 schedule.
 
 A slot is ``(drawer, sid, occurrence)``: the batch is the ``occurrence``-th batch of system
@@ -191,7 +191,7 @@ def arrange(draws: np.ndarray, costs: np.ndarray, seed: int, window: int,
 
 class Slots(NamedTuple):
     """Balanced slots, arrays of one shape: the ``occurrence``-th batch of ``sid`` in the
-    stream of rank ``drawer``. A window plan is ``[k, W]`` (step, rank); one rank's is ``[k]``."""
+    stream of rank ``drawer``. A window's slots are ``[k, W]`` (step, rank); one rank's ``[k]``."""
 
     drawer: np.ndarray
     sid: np.ndarray
@@ -217,7 +217,7 @@ def label(draws: np.ndarray, src: np.ndarray, start_counts: np.ndarray) -> Slots
 def balanced_window(seed: int, window: int, k: int, world_size: int, cdf: np.ndarray,
                     costs: np.ndarray, start_counts: np.ndarray, generation: int = 0,
                     chunks: Mapping[int, np.ndarray] | None = None) -> Slots:
-    """The whole plan of window ``window``: ``[k, W]`` slots, identical on every rank."""
+    """Every slot of window ``window``: ``[k, W]`` slots, identical on every rank."""
     draws = window_draws(seed, window, k, world_size, cdf, generation, chunks)
     costs = check_costs(costs, len(cdf))
     if start_counts.shape != (world_size, len(cdf)):
@@ -226,12 +226,12 @@ def balanced_window(seed: int, window: int, k: int, world_size: int, cdf: np.nda
     return label(draws, arrange(draws, costs, seed, window, generation), start_counts)
 
 
-def rank_slots(plan: Slots, rank: int, position: int = 0) -> Slots:
-    """Rank ``rank``'s slots of a window plan from step ``position`` on, in step order."""
-    k, world = plan.drawer.shape
+def rank_slots(window: Slots, rank: int, position: int = 0) -> Slots:
+    """Rank ``rank``'s slots of a whole window from step ``position`` on, in step order."""
+    k, world = window.drawer.shape
     if not 0 <= rank < world or not 0 <= position <= k:
         raise ConfigError(f"rank {rank} of {world} at position {position} of a {k}-step window")
-    return Slots(*(a[position:, rank] for a in plan))
+    return Slots(*(a[position:, rank] for a in window))
 
 
 def split_step(step: int, k: int) -> tuple[int, int]:
@@ -258,9 +258,9 @@ def served_counts(seed: int, k: int, steps: Sequence[int], cdf: np.ndarray,
     start = window_start_counts(seed, window, k, world, cdf, generation)
     if position == 0:
         return start.T.copy()
-    plan = balanced_window(seed, window, k, world, cdf, costs, start, generation)
+    slots = balanced_window(seed, window, k, world, cdf, costs, start, generation)
     nsys = len(cdf)
-    done = (plan.drawer[:position] * nsys + plan.sid[:position]).reshape(-1)
+    done = (slots.drawer[:position] * nsys + slots.sid[:position]).reshape(-1)
     return (start + np.bincount(done, minlength=world * nsys).reshape(world, nsys)).T.copy()
 
 

@@ -1,10 +1,10 @@
 """Batch-size rules: ``int | list[int] | "auto" | "auto:N" | "max:N" | "filter:N"``.
 
-Pure functions of the per-system atom counts, so that the numbers DeePMD-kit documents
-(``dataloader.py:121-163``, ``test_dploaderset.py``) are checked without touching a file.
-A string rule is dispatched through :data:`RULES` (name -> function); every rule returns one
-batch size per *kept* system plus the indices of the kept systems, because ``filter:N`` drops
-systems and the probability inputs written against the original list must then be remapped
+Pure functions of the per-system atom counts, so that the numbers DeePMD-kit documents (in
+DeePMD-kit's ``dataloader.py:121-163`` and ``test_dploaderset.py``) are checked without touching
+a file. A string rule is dispatched through :data:`RULES` (name -> function); every rule returns
+one batch size per *kept* system plus the indices of the kept systems, because ``filter:N``
+drops systems and the probability inputs written against the original list must then be remapped
 (see :func:`mdloader.sampling.probability.remap_blocks`).
 
 Differences from DeePMD-kit, all on invalid input only: a wrong-length list, a non-positive size

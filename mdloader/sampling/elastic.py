@@ -268,6 +268,7 @@ def parse_generations(rows: Any) -> tuple[Generation, ...]:
 
 
 def generation_rows(gens: Sequence[Generation]) -> list[list[int]]:
+    """The generations as rows of ``[world_size, *steps]``, as a sampler state stores them."""
     return [[g.world_size, *g.steps] for g in gens]
 
 

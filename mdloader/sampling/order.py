@@ -258,7 +258,7 @@ class FrameOrder:
         self._max_entries = max(1, int(cache_entries))
 
     def shard(self, sid: int, pass_: int) -> np.ndarray:
-        """This rank's frames of system ``sid`` for pass ``pass_`` (cached)."""
+        """The calling rank's frames of system ``sid`` for pass ``pass_`` (cached)."""
         k = (sid, pass_)
         hit = self._cache.get(k)
         if hit is not None:

@@ -236,18 +236,18 @@ class LoaderPlan:
 
     def with_probabilities(self, prob_style: str | Sequence[float], sys_prob: bool = False,
                            key: str | None = None) -> LoaderPlan:
-        """This plan with the probabilities of a style or ``sys_probs`` (checked now)."""
+        """A copy of the plan with the probabilities of a style or ``sys_probs`` (checked now)."""
         return replace(self, rule=self.rule_of(prob_style, sys_prob, key))
 
     def with_params(self, params: Mapping[str, Any]) -> LoaderPlan:
-        """This plan with a data section's probabilities: ``sys_probs`` if set, else
+        """A copy of the plan with a data section's probabilities: ``sys_probs`` if set, else
         ``auto_prob``, else ``prob_sys_size`` (DeePMD-kit's precedence)."""
         value, is_sys_probs, name = select_prob_source(params)
         key = f"{self.json_path}.{name}" if self.json_path else None
         return self.with_probabilities(value, is_sys_probs, key)
 
     def with_rule(self, probs: Sequence[float] | np.ndarray | ProbabilityRule) -> LoaderPlan:
-        """This plan with a probability rule, or fixed probabilities (one per kept system)."""
+        """A copy of the plan with a rule, or fixed probabilities (one per kept system)."""
         return replace(self, rule=as_rule(probs))
 
     def on_world(self, world_size: int) -> LoaderPlan:

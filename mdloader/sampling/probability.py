@@ -21,13 +21,13 @@ no system is dropped and the block weights are renormalised); fixed ``sys_probs`
 systems keep their value, negative entries share the rest, and when nothing is negative the kept
 entries are renormalised to sum to 1. A WARNING says how much probability mass was moved.
 
-System probabilities as a rule of the batch counts, so another world size can recompute them.
-
-``nb_i`` (batches of system ``i`` on each rank) depends on the number of ranks, so
-``prob_sys_size`` gives other numbers on ``W'`` ranks than on ``W``. An elastic resume replays the
-streams of earlier generations with *their* probabilities and continues with the new ones; the
-sampler therefore keeps the rule, not only its numbers. A rule's :attr:`digest` does not depend on
-the world size: it is what a resumed job compares to refuse another ``auto_prob``/``sys_probs``.
+Probabilities are kept as a rule of the batch counts (:class:`ProbabilityRule`), so that another
+world size can recompute them: ``nb_i`` (batches of system ``i`` on each rank) depends on the number
+of ranks, so ``prob_sys_size`` gives other numbers on ``W'`` ranks than on ``W``. An elastic resume
+replays the streams of earlier generations with *their* probabilities and continues with the new
+ones; the sampler therefore keeps the rule, not only its numbers. A rule's :attr:`digest` does not
+depend on the world size: it is what a resumed job compares to refuse another
+``auto_prob``/``sys_probs``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 BLOCK_HEAD = "prob_sys_size"
 SUM_TOL = 1e-8
-"""DeePMD-kit's tolerance on the sum of fixed ``sys_probs`` entries (#1917)."""
+"""DeePMD-kit's tolerance on the sum of fixed ``sys_probs`` entries (deepmd-kit #1917)."""
 
 
 class Block(NamedTuple):
@@ -271,8 +271,8 @@ def system_probabilities(nbatch: Sequence[int] | np.ndarray, prob_style: str | S
 
 
 def select_prob_source(params: Mapping[str, Any]) -> tuple[Any, bool, str]:
-    """DeePMD-kit's precedence (#4353): ``sys_probs`` if present and not None, else ``auto_prob``,
-    else ``"prob_sys_size"``. Returns (value, is_sys_probs, key)."""
+    """DeePMD-kit's precedence (deepmd-kit #4353): ``sys_probs`` if present and not None, else
+    ``auto_prob``, else ``"prob_sys_size"``. Returns (value, is_sys_probs, key)."""
     if params.get("sys_probs") is not None:
         return params["sys_probs"], True, "sys_probs"
     if "auto_prob" in params:

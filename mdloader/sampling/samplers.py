@@ -220,7 +220,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
-        """This rank's state (:mod:`mdloader.sampling.elastic`); ``consumed`` overrides the
+        """The rank's state (:mod:`mdloader.sampling.elastic`); ``consumed`` overrides the
         position (see the module doc)."""
         steps = self._stream.step if consumed is None else int(consumed)
         if steps < 0:

@@ -72,7 +72,7 @@ def _unarray(d: Mapping[str, Any]) -> np.ndarray:
 
 
 def dumps(result: NeighbourStats | EnvMatSums | OutputSamples | FeatureMoments) -> bytes:
-    """msgpack bytes of a partial result."""
+    """The msgpack bytes of a partial result, as the statistics cache stores them."""
     if isinstance(result, NeighbourStats):
         body = {"kind": "neighbours", "rcut": result.rcut, "mixed_type": result.mixed_type,
                 "max_neighbours": list(result.max_neighbours),

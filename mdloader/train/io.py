@@ -156,6 +156,7 @@ class FullValidationLog:
 
 
 def checkpoint_path(output: str, prefix: str, step: int) -> str:
+    """The file of the checkpoint of ``step``: ``<output>/<prefix>-<step>.pt``."""
     return os.path.join(output, f"{prefix}-{step}.pt")
 
 

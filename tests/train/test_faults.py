@@ -1,4 +1,4 @@
-"""Faults during training, on 2 real gloo ranks under torchrun: the fault matrix of issue 12.
+"""Faults during training on 2 real gloo ranks under torchrun: docs/distributed.md's fault matrix.
 
 Each job is ``python -m torch.distributed.run --standalone --nproc_per_node=2 -m mdloader train``
 on a copy of one generated data set. The fault happens at a known moment through real means: the

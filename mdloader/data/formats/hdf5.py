@@ -63,6 +63,7 @@ def release() -> None:
 
 
 def file_of(loc: Location, set_name: str | None, name: str) -> str:
+    """The ``file.h5#/group/set/name`` address of a dataset, as error messages name it."""
     inner = "/".join(p for p in (loc.group.strip("/"), set_name or "", name) if p)
     return f"{loc.path}#/{inner}"
 
@@ -82,6 +83,7 @@ def _group(loc: Location) -> Any:
 
 
 def read_type_raw(loc: Location) -> np.ndarray:
+    """The system's ``type.raw`` dataset: one atom type per atom."""
     grp = _group(loc)
     if "type.raw" not in grp:
         raise MissingDataError("the system has no type.raw", system=loc.address,
@@ -94,6 +96,7 @@ def read_type_raw(loc: Location) -> np.ndarray:
 
 
 def read_type_map(loc: Location, listing: Listing | None = None) -> list[str] | None:
+    """The system's ``type_map.raw`` names, or ``None`` when the group has none."""
     grp = _group(loc)
     if "type_map.raw" not in grp:
         return None
@@ -102,6 +105,7 @@ def read_type_map(loc: Location, listing: Listing | None = None) -> list[str] | 
 
 
 def scan_system(loc: Location, listing: Listing | None = None) -> tuple[bool, list[str]]:
+    """Whether the system is periodic (no ``nopbc`` marker), and its ``set.*`` groups in order."""
     grp = _group(loc)
     names = list(grp.keys())
     sets = sorted(n for n in names if n.startswith("set.") and hasattr(grp[n], "keys"))
@@ -109,6 +113,7 @@ def scan_system(loc: Location, listing: Listing | None = None) -> tuple[bool, li
 
 
 def set_shapes(loc: Location, set_name: str) -> dict[str, tuple[int, ...]]:
+    """The shape of each ``*.npy`` dataset of a set, by key, read without loading data."""
     grp = _group(loc)[set_name]
     return {name[:-4]: tuple(int(s) for s in grp[name].shape)
             for name in sorted(grp.keys()) if name.endswith(".npy")}

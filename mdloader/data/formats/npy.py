@@ -25,7 +25,7 @@ from mdloader.data.formats.base import Listing, Location
 from mdloader.data.formats.handles import HandleCache
 from mdloader.data.formats.sets import SetBackend, SetStorage
 from mdloader.data.layout import frames_and_width
-from mdloader.data.system import shared
+from mdloader.data.system import interned
 from mdloader.errors import (
     CorruptFileError,
     MissingDataError,
@@ -60,6 +60,7 @@ def read_small(path: str) -> bytes:
 
 
 def read_type_raw(loc: Location) -> np.ndarray:
+    """The system's ``type.raw`` file: one atom type per atom."""
     path = file_of(loc, None, "type.raw")
     try:
         text = read_small(path).decode()
@@ -106,8 +107,8 @@ def list_dir(path: str) -> Listing:
                 links.append(entry.name)
         else:
             files.append(entry.name)
-    return (shared(tuple(sorted(files))), shared(tuple(sorted(dirs))),
-            shared(tuple(sorted(links))))
+    return (interned(tuple(sorted(files))), interned(tuple(sorted(dirs))),
+            interned(tuple(sorted(links))))
 
 
 def scan_system(loc: Location, listing: Listing | None = None) -> tuple[bool, list[str]]:

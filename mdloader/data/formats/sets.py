@@ -23,7 +23,7 @@ from mdloader.data.formats.geometry import degenerate_boxes
 from mdloader.data.frames import AtomOrder, default_block, expected_widths, transform
 from mdloader.data.layout import frames_and_width, known_width, stored_flat
 from mdloader.data.schema import DataRequirementItem, output_key, stem_in
-from mdloader.data.system import SetMeta, SystemMeta, restore_set, shared
+from mdloader.data.system import SetMeta, SystemMeta, interned, restore_set
 from mdloader.errors import (
     DataError,
     MissingDataError,
@@ -87,8 +87,8 @@ class SetBackend(Backend):
         atom_types = atom_types.astype(np.int32)
         atom_types.flags.writeable = False
         return SystemMeta(address=loc.address, atom_types=atom_types,
-                          type_map=shared(final_map), pbc=pbc, mixed_type=bool(mixed),
-                          sets=shared(sets), mixed_idx_map=idx_map)
+                          type_map=interned(final_map), pbc=pbc, mixed_type=bool(mixed),
+                          sets=interned(sets), mixed_idx_map=idx_map)
 
     def check_requirements(self, meta: SystemMeta,
                            requirements: Sequence[DataRequirementItem]) -> None:

@@ -61,7 +61,7 @@ _DTYPE_NAMES: dict[np.dtype, str] = {}
 
 
 def dtype_name(dtype: np.dtype) -> str:
-    """numpy's name of ``dtype`` (``float64``), as dpdata stores it; cached (``str`` is slow)."""
+    """The NumPy name of ``dtype`` (``float64``), as dpdata stores it; cached (``str`` is slow)."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype)

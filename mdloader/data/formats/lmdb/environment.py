@@ -81,7 +81,7 @@ def data_stamp(path: str) -> Stamp | None:
 
 
 def serving_txn(path: str, stamp: Stamp | None = None) -> Any:
-    """This process's read transaction on ``path`` (opened on first use, cached, bounded),
+    """The calling process's read transaction on ``path`` (opened on first use, cached, bounded),
     after checking that ``data.mdb`` still has the ``stamp`` it had when described: a file
     replaced would serve another data set's frames, one truncated would raise SIGBUS."""
     if stamp is not None:

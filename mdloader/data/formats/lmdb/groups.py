@@ -30,7 +30,7 @@ from mdloader.data.formats.lmdb.address import group_address, lmdb_group_of
 from mdloader.data.formats.lmdb.environment import METADATA_KEY, entry_of
 from mdloader.data.formats.lmdb.frame_runs import FrameRuns, encode_groups
 from mdloader.data.formats.lmdb.metadata import Metadata, read_metadata
-from mdloader.data.system import SystemMeta, shared
+from mdloader.data.system import SystemMeta, interned
 from mdloader.errors import DataError, MissingDataError, TypeMapError
 
 _CACHE: OrderedDict[str, tuple[environment.Stamp, LmdbGroups]] = OrderedDict()
@@ -59,8 +59,8 @@ class LmdbGroup:
 def _restore_group(nframes: int, blob: bytes, frame_format: str,
                    remap: tuple[int, ...] | None,
                    stamp: environment.Stamp | None = None) -> LmdbGroup:
-    return LmdbGroup("frames", nframes, FrameRuns(nframes, blob), shared(frame_format),
-                     shared(remap), shared(stamp))  # one stamp per database in a broadcast
+    return LmdbGroup("frames", nframes, FrameRuns(nframes, blob), interned(frame_format),
+                     interned(remap), interned(stamp))  # one stamp per database in a broadcast
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def describe_group(loc: Location, type_map: Sequence[str] | None) -> SystemMeta:
     group = _restore_group(runs.nframes, runs.blob, found.metadata.frame_format, remap,
                            found.stamp)
     return SystemMeta(address=loc.address, atom_types=_placeholder(natoms),
-                      type_map=shared(final_map), pbc=True, mixed_type=True, sets=(group,))
+                      type_map=interned(final_map), pbc=True, mixed_type=True, sets=(group,))
 
 
 def _some_groups(found: LmdbGroups) -> str:

@@ -153,7 +153,7 @@ class LmdbWriter:
 
     def _note_shape(self, name: str, shape: tuple[int, ...], atom_axes: tuple[int, ...]) -> None:
         # the shape of a frame before virtual atoms are dropped: atom axes are symbolic anyway
-        """dpdata's ``dp_data_shapes`` for a field it does not know by itself."""
+        """The dpdata ``dp_data_shapes`` entry for a field it does not know by itself."""
         if name not in self.shapes and name not in ("coords", "cells", "energies", "forces",
                                                     "virials"):
             self.shapes[name] = ["nframes"] + ["natoms" if a in atom_axes else int(n)
