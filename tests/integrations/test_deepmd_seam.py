@@ -1,0 +1,151 @@
+"""The DeePMD-kit seam (``mdloader.integrations.deepmd.seam``): the version and name check
+that runs before ``install()`` patches anything, and the table the docs show.
+
+The in-process tests put a fake DeePMD-kit (every static name of the seam, nothing else) in
+``sys.modules``; the last one runs ``mdloader dp`` against the real DeePMD-kit with its
+reported version faked.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from deepmd_env import require_deepmd_python
+
+from mdloader.errors import ConfigError
+from mdloader.integrations.deepmd import SUPPORTED, UnsupportedDeepmdError, install, uninstall
+from mdloader.integrations.deepmd.patching import patches
+from mdloader.integrations.deepmd.seam import MODULES, SEAM, TRAINING, markdown_table
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _fake_deepmd(monkeypatch: pytest.MonkeyPatch, version: str,
+                 drop: str | None = None) -> dict[str, types.ModuleType]:
+    """A DeePMD-kit of ``version`` holding every static seam name but ``drop``."""
+    mods = {name: types.ModuleType(name) for name in MODULES}
+    for entry in SEAM:
+        if not entry.static or f"{entry.module}.{entry.name}" == drop:
+            continue
+        owner: object = mods[entry.module]
+        *path, attr = entry.name.split(".")
+        for part in path:
+            if not hasattr(owner, part):
+                setattr(owner, part, type(part, (), {}))
+            owner = getattr(owner, part)
+        if not hasattr(owner, attr):
+            setattr(owner, attr, lambda *a, **k: None)
+    training = mods[TRAINING]
+    training.torch, training.DDP = torch, type("DDP", (), {})
+    package = types.ModuleType("deepmd")
+    package.__version__ = version  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "deepmd", package)
+    for name, module in mods.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    real_version = importlib.metadata.version
+
+    def version_of(dist: str) -> str:
+        if dist == "deepmd-kit":
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return real_version(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", version_of)
+    return mods
+
+
+def _snapshot(mods: dict[str, types.ModuleType]) -> dict[str, dict[str, object]]:
+    """Every attribute of the fake modules and of their classes."""
+    shot = {}
+    for name, module in mods.items():
+        shot[name] = dict(vars(module))
+        for attr, value in vars(module).items():
+            if isinstance(value, type) and value.__module__ == "builtins":
+                continue
+            if isinstance(value, type):
+                shot[f"{name}.{attr}"] = dict(vars(value))
+    return shot
+
+
+def _logger_state() -> tuple[object, ...]:
+    logger = logging.getLogger("mdloader")
+    return logger.level, logger.propagate, list(logger.handlers)
+
+
+def test_an_unsupported_version_is_one_line_and_patches_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    mods = _fake_deepmd(monkeypatch, "3.3.0")
+    before, logs = _snapshot(mods), _logger_state()
+    with pytest.raises(UnsupportedDeepmdError) as err:
+        install()
+    assert str(err.value) == (
+        f"DeePMD-kit 3.3.0 is installed, but mdloader's DeePMD-kit integration supports "
+        f"deepmd-kit{SUPPORTED}; install one of those (nothing was patched)")
+    assert isinstance(err.value, ConfigError) and "\n" not in str(err.value)
+    assert _snapshot(mods) == before and _logger_state() == logs
+
+
+def test_a_missing_name_is_one_line_and_patches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = f"{TRAINING}.Trainer._run_stat_on_chief"
+    mods = _fake_deepmd(monkeypatch, "3.2.1", drop=missing)
+    before, logs = _snapshot(mods), _logger_state()
+    with pytest.raises(UnsupportedDeepmdError, match=r"^DeePMD-kit 3\.2\.1 lacks "
+                       + missing.replace(".", r"\.") + ", which mdloader's DeePMD-kit "
+                       "integration uses; it supports deepmd-kit>=3.2.0,<3.3 "):
+        install()
+    assert _snapshot(mods) == before and _logger_state() == logs
+
+
+def test_a_supported_version_patches_the_seams_names_and_uninstall_restores_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    mods = _fake_deepmd(monkeypatch, "3.2.0")
+    before = _snapshot(mods)
+    rebinds = {(e.module, e.name) for e in SEAM if e.use in ("patch", "wrap")}
+    assert set(patches(mods)) <= rebinds  # nothing is patched that the seam does not list
+    install()
+    try:
+        dataloader = sys.modules["deepmd.pt.utils.dataloader"]
+        assert dataloader.DpLoaderSet.__name__ == "DeepmdDpLoaderSet"
+        assert _snapshot(mods) != before
+    finally:
+        uninstall()
+    assert _snapshot(mods) == before
+
+
+def test_the_docs_show_the_seams_table() -> None:
+    page = (REPO / "docs" / "migrating.md").read_text(encoding="utf-8")
+    assert markdown_table() in page
+    assert f"deepmd-kit{SUPPORTED}" in page
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_mdloader_dp_against_an_unsupported_deepmd_kit(tmp_path: Path) -> None:
+    """The real DeePMD-kit, its version reported as 3.3.0: one line, exit 2, no traceback,
+    and DeePMD-kit's names are its own afterwards."""
+    peer = require_deepmd_python()
+    script = (
+        "import importlib.metadata as m, sys\n"
+        "real = m.version\n"
+        "m.version = lambda d: '3.3.0' if d == 'deepmd-kit' else real(d)\n"
+        "from mdloader.cli.main import main\n"
+        "code = main(['dp', '--pt', 'train', 'input.json'])\n"
+        "own = [n for n in ('deepmd.pt.train.training', 'deepmd.pt.entrypoints.main')\n"
+        "       if n in sys.modules and 'mdloader' in sys.modules[n].DpLoaderSet.__module__]\n"
+        "print('PATCHED', own)\n"
+        "sys.exit(code)\n")
+    proc = subprocess.run([peer, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=240, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"mdloader: error: DeePMD-kit 3.3.0 is installed, but mdloader's DeePMD-kit "
+        f"integration supports deepmd-kit{SUPPORTED}; install one of those (nothing was "
+        "patched)"]
+    assert "PATCHED []" in proc.stdout
