@@ -23,7 +23,7 @@ from deepmd_env import require_deepmd_python
 from mdloader.errors import ConfigError
 from mdloader.integrations.deepmd import SUPPORTED, UnsupportedDeepmdError, install, uninstall
 from mdloader.integrations.deepmd.patching import patches
-from mdloader.integrations.deepmd.seam import MODULES, SEAM, TRAINING, markdown_table
+from mdloader.integrations.deepmd.seam import MODULES, SEAM, TRAINING, markdown_table, supported
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,6 +117,13 @@ def test_a_supported_version_patches_the_seams_names_and_uninstall_restores_them
     finally:
         uninstall()
     assert _snapshot(mods) == before
+
+
+@pytest.mark.parametrize(("version", "ok"), [
+    ("3.2.0", True), ("3.2.5", True), ("3.2.1.dev3+g1234567", True), ("3.2.0rc1", False),
+    ("3.1.9", False), ("3.3.0.dev1", False), ("3.3.0", False), ("not a version", False)])
+def test_supported_versions(version: str, ok: bool) -> None:
+    assert supported(version) is ok
 
 
 def test_the_docs_show_the_seams_table() -> None:

@@ -112,12 +112,13 @@ def installed_version() -> str:
 
 
 def supported(version: str) -> bool:
-    """Whether DeePMD-kit ``version`` is in :data:`SUPPORTED`."""
+    """Whether DeePMD-kit ``version`` is in :data:`SUPPORTED` (a development build of a
+    supported release, ``3.2.1.dev3+g1234567``, is too)."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
     try:
-        return Version(version) in SpecifierSet(SUPPORTED)
+        return SpecifierSet(SUPPORTED).contains(Version(version), prereleases=True)
     except InvalidVersion:
         return False
 
@@ -154,8 +155,8 @@ def check() -> dict[str, types.ModuleType]:
         DeePMD-kit's PyTorch backend is not importable.
     """
     try:
-        version = installed_version()
-    except ImportError:
+        version: str | None = installed_version()
+    except (ImportError, RuntimeError, OSError):  # import_modules says why
         version = None
     if version is not None and not supported(version):
         raise UnsupportedDeepmdError(
