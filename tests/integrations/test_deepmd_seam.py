@@ -156,3 +156,58 @@ def test_mdloader_dp_against_an_unsupported_deepmd_kit(tmp_path: Path) -> None:
         f"integration supports deepmd-kit{SUPPORTED}; install one of those (nothing was "
         "patched)"]
     assert "PATCHED []" in proc.stdout
+
+
+def test_statistics_call_records_what_the_action_passes_and_computes_nothing(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An action shaped like DeePMD-kit 3.2's ``initialize_statistics`` closure: its arguments
+    come back from the callees, which are DeePMD-kit's own again afterwards."""
+    import contextlib
+    import functools
+
+    from mdloader.integrations.deepmd import DeepmdDpLoaderSet
+    from mdloader.integrations.deepmd.seam import statistics_call
+    from mdloader.testing import make_dataset
+
+    make_dataset(tmp_path / "d", 2, nframes=4, seed=1)
+    data = DeepmdDpLoaderSet([str(tmp_path / "d")], 2, ["O", "H"], seed=[0, 3])
+    ran: list[str] = []
+    training = types.ModuleType(TRAINING)
+
+    @contextlib.contextmanager
+    def open_stat_file(spec: object):  # type: ignore[no-untyped-def]
+        ran.append("open_stat_file")
+        yield "a stat file"
+
+    training.open_stat_file = open_stat_file  # type: ignore[attr-defined]
+    training.make_stat_input = lambda *a, **k: ran.append("make_stat_input")  # type: ignore
+    monkeypatch.setitem(sys.modules, TRAINING, training)
+    own = (training.open_stat_file, training.make_stat_input)  # type: ignore[attr-defined]
+
+    class Model(torch.nn.Module):
+        def compute_or_load_stat(self, sampled_func, stat_file_path=None,  # type: ignore
+                                 preset_observed_type=None):
+            ran.append("compute_or_load_stat")
+
+    model, spec = Model(), types.SimpleNamespace(path=None)
+
+    @functools.lru_cache
+    def get_sample():  # type: ignore[no-untyped-def]
+        return training.make_stat_input(data.systems, data.dataloaders, 7,  # type: ignore
+                                        min_pair_dist=0.5)
+
+    def initialize_statistics() -> None:
+        with training.open_stat_file(spec) as path:  # type: ignore[attr-defined]
+            model.compute_or_load_stat(sampled_func=get_sample, stat_file_path=path,
+                                       preset_observed_type=["O"])
+
+    call = statistics_call(types.SimpleNamespace(model={"Default": model}),
+                           initialize_statistics)
+    assert call is not None and ran == []
+    assert (call.model, call.get_sample, call.preset_observed_type) == (model, get_sample, ["O"])
+    assert (call.stat_file_spec, call.data, call.nbatch, call.min_pair_dist) == (spec, data, 7,
+                                                                                 0.5)
+    assert (training.open_stat_file, training.make_stat_input) == own  # type: ignore
+    assert "compute_or_load_stat" not in vars(model) and get_sample.cache_info().currsize == 0
+    initialize_statistics()
+    assert ran == ["open_stat_file", "compute_or_load_stat"]
