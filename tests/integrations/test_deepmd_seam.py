@@ -211,3 +211,23 @@ def test_statistics_call_records_what_the_action_passes_and_computes_nothing(
     assert "compute_or_load_stat" not in vars(model) and get_sample.cache_info().currsize == 0
     initialize_statistics()
     assert ran == ["open_stat_file", "compute_or_load_stat"]
+
+
+def test_mdloader_imports_deepmd_kit_only_through_the_seam() -> None:
+    """No ``import deepmd...`` in mdloader/, and every DeePMD-kit module string that a module
+    names is one of the seam's: the table is the whole contact surface."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "mdloader").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(REPO)}:{node.lineno}: {n}" for n in names
+                      if n == "deepmd" or n.startswith("deepmd.")]
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and node.value.startswith("deepmd.") and " " not in node.value
+                    and node.value not in MODULES):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value}")
+    assert found == []

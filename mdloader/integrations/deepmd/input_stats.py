@@ -18,7 +18,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mdloader.distributed.group import current_world
-from mdloader.integrations.deepmd.seam import statistics_call
+from mdloader.integrations.deepmd.seam import (
+    ENV_MAT_STAT,
+    STAT_ITEM,
+    deepmd_module,
+    statistics_call,
+)
 from mdloader.loading.loader import DpLoaderSet
 from mdloader.loading.statistics import input_statistics
 
@@ -165,9 +170,9 @@ def env_blocks(model: Any) -> list[Any]:
 
 def env_settings(block: Any) -> Any:
     """mdloader's :class:`~mdloader.stats.env_mat.EnvMatSettings` of a DeePMD-kit block."""
-    from deepmd.dpmodel.utils.env_mat_stat import EnvMatStatSe
-
     from mdloader.stats.env_mat import EnvMatSettings
+
+    EnvMatStatSe = deepmd_module(ENV_MAT_STAT).EnvMatStatSe
 
     mixed = bool(block.mixed_types())
     sel = (int(block.get_nsel()),) if mixed else tuple(int(s) for s in block.get_sel())
@@ -215,8 +220,8 @@ class _env_stats_from:  # noqa: N801 - a context manager used like a function
         self.get_sample = get_sample
 
     def __enter__(self) -> None:
-        from deepmd.dpmodel.utils.env_mat_stat import EnvMatStatSe
-        from deepmd.utils.env_mat_stat import StatItem
+        EnvMatStatSe = deepmd_module(ENV_MAT_STAT).EnvMatStatSe
+        StatItem = deepmd_module(STAT_ITEM).StatItem
 
         by_settings, get_sample = self.by_settings, self.get_sample
         self.cls, self.original = EnvMatStatSe, EnvMatStatSe.load_or_compute_stats

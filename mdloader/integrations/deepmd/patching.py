@@ -141,8 +141,7 @@ def run_dp(argv: Sequence[str] | None = None) -> int:
     DeePMD-kit's parser become return values; other exceptions propagate).
     """
     install()
-    from deepmd.main import main as dp_main
-
+    dp_main = seam.deepmd_module(seam.DP_MAIN).main
     try:
         dp_main(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:

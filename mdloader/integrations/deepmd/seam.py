@@ -132,10 +132,16 @@ def owner_of(module: types.ModuleType, name: str) -> tuple[Any, str]:
     return owner, attr
 
 
+def deepmd_module(name: str) -> types.ModuleType:
+    """DeePMD-kit's module ``name``, one of :data:`MODULES` (the only way mdloader imports
+    DeePMD-kit)."""
+    return importlib.import_module(name)
+
+
 def import_modules() -> dict[str, types.ModuleType]:
     """DeePMD-kit's modules of :data:`MODULES`, imported."""
     try:
-        return {name: importlib.import_module(name) for name in MODULES}
+        return {name: deepmd_module(name) for name in MODULES}
     except (ImportError, RuntimeError, OSError) as exc:
         raise ConfigError(
             f"DeePMD-kit's PyTorch backend cannot be imported ({type(exc).__name__}: {exc}); "
