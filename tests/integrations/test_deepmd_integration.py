@@ -25,10 +25,10 @@ from mdloader.integrations.deepmd import (
     DeepmdDpLoaderSet,
     DeferredSystems,
     InputStatPlan,
-    _TrainerDist,
     cpu_fallback_backend,
     defer_discovery,
 )
+from mdloader.integrations.deepmd.shims import trainer_dist as _TrainerDist
 from mdloader.testing import make_dataset, make_system
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,7 +149,7 @@ def test_installed_logs_are_deepmd_records(caplog: pytest.LogCaptureFixture) -> 
     DeePMD-kit's test ``assertLogs(logger="deepmd")`` expects of DpLoaderSet's filter warning."""
     import logging
 
-    from mdloader.integrations.deepmd import _restore_logs, _route_logs_to_deepmd
+    from mdloader.integrations.deepmd.patching import _restore_logs, _route_logs_to_deepmd
     from mdloader.sampling.batching import resolve_batch_sizes
 
     deepmd, mdl = logging.getLogger("deepmd"), logging.getLogger("mdloader")
@@ -215,7 +215,7 @@ def _run(cmd: list[str], cwd: Path, **env: str) -> str:
 def _check(job: Path, world: int) -> list[dict]:
     spies = [json.loads((job / f"spy.rank{r}.json").read_text()) for r in range(world)]
     for r, spy in enumerate(spies):
-        assert spy["dataset"] == "mdloader.integrations.deepmd.DeepmdDpLoaderSet"
+        assert spy["dataset"] == "mdloader.integrations.deepmd.systems.DeepmdDpLoaderSet"
         assert spy["sampler"] == "mdloader.sampling.samplers.WeightedSystemSampler"
         assert (spy["rank"], spy["world"], spy["sampler_rank"]) == (r, world, r)
         assert spy["nsys"] == 6 and spy["sampler_seed"] == 7 and spy["steps"] == STEPS

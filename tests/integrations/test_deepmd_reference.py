@@ -198,6 +198,6 @@ def test_deepmd_trainer_under_install_with_an_invalid_cuda_default_device(
         peer: str, tmp_path: Path) -> None:
     make_dataset(tmp_path / "data", 4, nframes=6, seed=3)
     info = _run(peer, TRAINER, tmp_path)
-    assert info == {"dataset": "mdloader.integrations.deepmd",
+    assert info == {"dataset": "mdloader.integrations.deepmd.systems",
                     "sampler": "WeightedSystemSampler", "weights_device": "cpu", "nsys": 4,
                     "files": ["model.ckpt-3.pt", "model.ckpt.pt"]}

@@ -22,7 +22,7 @@ def _job(tmp_path: Path) -> tuple[Path, int]:
 def _spies(job: Path, world: int, groups: int) -> None:
     for rank in range(world):
         spy = json.loads((job / f"spy.rank{rank}.json").read_text())
-        assert spy["dataset"] == "mdloader.integrations.deepmd.DeepmdDpLoaderSet"
+        assert spy["dataset"] == "mdloader.integrations.deepmd.systems.DeepmdDpLoaderSet"
         assert spy["sampler"] == "mdloader.sampling.samplers.WeightedSystemSampler"
         assert spy["nsys"] == groups and spy["steps"] == STEPS
         assert spy["deepmd_process_systems"] == 0

@@ -1,0 +1,257 @@
+"""DeePMD-kit's input statistics (``davg``/``dstd``, energy bias) computed by mdloader in shares.
+
+``Trainer._run_stat_on_chief`` is wrapped (:func:`mdloader_run_stat_on_chief`). Unless something
+mdloader does not compute is needed (:func:`unsupported`), every rank first computes its share
+of the environment sums and energy samples and one all-gather per block merges them
+(:class:`InputStatPlan`); rank 0 then runs DeePMD-kit's own ``compute_or_load_stat`` with
+``EnvMatStatSe`` handed the merged ``StatItem``s and a sampled function holding only energies
+and type counts, so DeePMD-kit's code derives the values. The frames of each system are those
+of :meth:`~mdloader.sampling.plan.LoaderPlan.statistics_frames` (a one-rank job's
+``make_stat_input``), so the values equal DeePMD-kit's one-rank run at any world size.
+Otherwise DeePMD-kit's action runs as is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mdloader.distributed.group import current_world
+from mdloader.integrations.deepmd.seam import (
+    ENV_MAT_STAT,
+    STAT_ITEM,
+    deepmd_module,
+    statistics_call,
+)
+from mdloader.loading.loader import DpLoaderSet
+from mdloader.loading.statistics import input_statistics
+
+log = logging.getLogger(__name__)
+
+#: The ``operation`` DeePMD-kit names the statistics before training with.
+OPERATION = "statistics initialization"
+
+
+class StatisticsAction:
+    """DeePMD-kit's statistics ``action`` and the ``trainer`` that runs it (calling it runs the
+    action)."""
+
+    def __init__(self, trainer: Any, action: Callable[[], None]) -> None:
+        self.trainer = trainer
+        self.action = action
+
+    def __call__(self) -> None:
+        self.action()
+
+
+class InputStatPlan:
+    """The trainer's statistics action, computed by mdloader in shares when it can be.
+
+    Built on every rank from what DeePMD-kit's ``initialize_statistics`` passes on (the model,
+    the training ``DpLoaderSet``, ``data_stat_nbatch``, the stat-file setting:
+    :func:`~mdloader.integrations.deepmd.seam.statistics_call`). :meth:`compute` is
+    collective; :meth:`action` is what rank 0 then runs in place of DeePMD-kit's action: its
+    own ``compute_or_load_stat``, fed the merged statistics.
+    """
+
+    def __init__(self, model: Any, data: DpLoaderSet, get_sample: Callable[[], Any],
+                 preset_observed_type: Any, blocks: list[Any], nbatch: int) -> None:
+        self.model = model
+        self.data = data
+        self.nbatch = int(nbatch)
+        self.get_sample = get_sample
+        self.preset_observed_type = preset_observed_type
+        self.blocks = blocks
+        self.settings = [env_settings(b) for b in blocks]
+        self._chosen: dict[int, Any] = {}
+
+    @classmethod
+    def of(cls, action: StatisticsAction) -> InputStatPlan | None:
+        """The plan for DeePMD-kit's ``action``, or ``None`` (then DeePMD-kit computes it:
+        a stat file is set, fparam/aparam, exclusions or ``min_pair_dist`` are used)."""
+        call = statistics_call(action.trainer, action.action)
+        if call is None:
+            return None
+        reason = unsupported(call.model, call.data, call.nbatch, call.stat_file_spec,
+                             call.min_pair_dist)
+        if reason:
+            log.info("input statistics: DeePMD-kit's own (%s)", reason)
+            return None
+        blocks = env_blocks(call.model)
+        if not blocks:
+            return None
+        return cls(call.model, call.data, call.get_sample, call.preset_observed_type, blocks,
+                   int(call.nbatch))
+
+    def chosen(self, position: int) -> Any:
+        """The frames system ``position`` gives the statistics (the plan's, drawn once)."""
+        if position not in self._chosen:
+            self._chosen[position] = self.data.plan.statistics_frames(position, self.nbatch)
+        return self._chosen[position]
+
+    def frame_counts(self) -> Any:
+        """How many frames of each system enter (:meth:`chosen`'s)."""
+        import numpy as np
+
+        return np.asarray([len(self.chosen(p)) for p in range(len(self.data.systems))],
+                          dtype=np.int64)
+
+    def frames(self, position: int) -> Any:
+        """The frames system ``position`` gives the statistics, ``None`` when all do (then the
+        all-frames cache entries are shared with every other ``data_stat_nbatch``)."""
+        chosen = self.chosen(position)
+        return None if len(chosen) == int(self.data.nframes[position]) else chosen
+
+    def compute(self) -> tuple[list[Any], list[Any]]:
+        """The merged environment sums of each block and every system's output samples
+        (collective: every rank calls it)."""
+        type_map = getattr(self.data, "type_map", None)
+        counts = self.frame_counts()
+        total = int(sum(int(n) for n in self.data.nframes))
+        world = current_world()
+        if world.is_main and int(counts.sum()) == total:
+            log.info("input statistics: all frames of %d systems, in shares on %d ranks",
+                     len(self.data.systems), world.world_size)
+        elif world.is_main:
+            log.info("input statistics: %d of %d frames of %d systems (data_stat_nbatch=%d, "
+                     "the frames of a one-rank job), in shares on %d ranks", int(counts.sum()),
+                     total, len(self.data.systems), self.nbatch, world.world_size)
+        return input_statistics(self.data.systems, self.settings, type_map=type_map,
+                                frames=self.frames)
+
+    def action(self, merged: tuple[list[Any], list[Any]]) -> Callable[[], None] | None:
+        """Rank 0's statistics action on the merged results (``None``: some chosen frame has no
+        energy, DeePMD-kit's own sampling decides)."""
+        sums, samples = merged
+        if any(len(s.counts) != int(n) for s, n in zip(samples, self.frame_counts())):
+            return None
+        sampled = output_sampled(samples)
+        by_settings = dict(zip(self.settings, sums))
+        model, preset, get_sample = self.model, self.preset_observed_type, self.get_sample
+
+        def initialize_statistics() -> None:
+            with _env_stats_from(by_settings, get_sample):
+                model.compute_or_load_stat(sampled_func=lambda: sampled, stat_file_path=None,
+                                           preset_observed_type=preset)
+
+        return initialize_statistics
+
+
+def unsupported(model: Any, data: Any, nbatch: Any, spec: Any, min_pair_dist: Any) -> str:
+    """Why mdloader leaves these statistics to DeePMD-kit; empty when it computes them."""
+    if not isinstance(data, DpLoaderSet):
+        return "training data not read by mdloader"
+    if getattr(spec, "path", None) is not None:
+        return "training.stat_file is set"
+    if float(min_pair_dist or 0.0) > 0:
+        return "min_pair_dist filters frames"
+    atomic = getattr(model, "atomic_model", None)
+    fitting = getattr(atomic, "fitting_net", None)
+    if atomic is None or fitting is None or list(getattr(atomic, "bias_keys", [])) != ["energy"]:
+        return "not an energy model"
+    if getattr(fitting, "numb_fparam", 0) or getattr(fitting, "numb_aparam", 0):
+        return "fparam/aparam statistics"
+    if getattr(atomic, "pair_exclude_types", None) or getattr(atomic, "atom_exclude_types", None):
+        return "model-level exclude types"
+    if isinstance(nbatch, bool) or not isinstance(nbatch, int) or nbatch < 1:
+        return f"data_stat_nbatch={nbatch!r} is not a positive integer"
+    return ""
+
+
+def env_blocks(model: Any) -> list[Any]:
+    """The descriptor blocks whose ``davg``/``dstd`` come from ``EnvMatStatSe``."""
+    needed = ("get_rcut", "get_rcut_smth", "get_sel", "get_nsel", "get_ntypes", "mixed_types",
+              "get_env_protection", "compute_input_stats")
+    return [m for m in model.modules()
+            if all(hasattr(m, n) for n in needed) and hasattr(m, "mean") and
+            hasattr(m, "stddev") and type(m).__name__.startswith("DescrptBlock")]
+
+
+def env_settings(block: Any) -> Any:
+    """The :class:`~mdloader.stats.env_mat.EnvMatSettings` of a DeePMD-kit block."""
+    from mdloader.stats.env_mat import EnvMatSettings
+
+    EnvMatStatSe = deepmd_module(ENV_MAT_STAT).EnvMatStatSe
+
+    mixed = bool(block.mixed_types())
+    sel = (int(block.get_nsel()),) if mixed else tuple(int(s) for s in block.get_sel())
+    return EnvMatSettings(
+        float(block.get_rcut()), float(block.get_rcut_smth()), sel, int(block.get_ntypes()),
+        mixed_types=mixed, env_protection=float(block.get_env_protection()),
+        radial_only=EnvMatStatSe(block).last_dim == 1,
+        exclude_types=tuple(tuple(int(t) for t in p)
+                            for p in getattr(block, "exclude_types", None) or ()))
+
+
+def output_sampled(samples: Sequence[Any]) -> list[dict[str, Any]]:
+    """DeePMD-kit's sampled systems, reduced to what its output statistics and observed types
+    read: ``energy``, ``find_energy``, ``natoms`` and ``atype`` (virtual atoms ``-1``), on the
+    CPU as ``make_stat_input`` packs them, whatever the default device."""
+    import numpy as np
+    import torch
+
+    cpu = torch.device("cpu")
+    out = []
+    for s in samples:
+        counts = np.asarray(s.counts, dtype=np.int64)
+        natoms = counts.sum(axis=1, keepdims=True)
+        width = int(natoms.max()) if len(natoms) else 0
+        atype = np.full((len(counts), width), -1, dtype=np.int64)
+        for f, row in enumerate(counts):
+            types = np.repeat(np.arange(row.size), row)
+            atype[f, :types.size] = types
+        out.append({
+            "energy": torch.as_tensor(np.asarray(s.labels, dtype=np.float64), device=cpu),
+            "find_energy": np.float32(1.0),
+            "natoms": torch.as_tensor(np.concatenate([natoms, natoms, counts], axis=1),
+                                      device=cpu),
+            "atype": torch.as_tensor(atype, device=cpu),
+        })
+    return out
+
+
+class _env_stats_from:  # noqa: N801 - a context manager used like a function
+    """While active, DeePMD-kit's ``EnvMatStatSe`` takes its ``StatItem``s from merged sums of
+    the same settings; any other descriptor block samples as usual (``get_sample``)."""
+
+    def __init__(self, by_settings: dict[Any, Any], get_sample: Callable[[], Any]) -> None:
+        self.by_settings = by_settings
+        self.get_sample = get_sample
+
+    def __enter__(self) -> None:
+        EnvMatStatSe = deepmd_module(ENV_MAT_STAT).EnvMatStatSe
+        StatItem = deepmd_module(STAT_ITEM).StatItem
+
+        by_settings, get_sample = self.by_settings, self.get_sample
+        self.cls, self.original = EnvMatStatSe, EnvMatStatSe.load_or_compute_stats
+
+        def load_or_compute_stats(stat: Any, data: Any, path: Any = None) -> None:
+            sums = by_settings.get(env_settings(stat.descriptor))
+            if sums is None:
+                return self.original(stat, get_sample, path)
+            keys = set(stat.get_stat_keys())
+            stat.stats = {k: StatItem(*v) for k, v in sums.items().items() if k in keys}
+            return None
+
+        EnvMatStatSe.load_or_compute_stats = load_or_compute_stats
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cls.load_or_compute_stats = self.original
+
+
+def mdloader_run_stat_on_chief(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Trainer._run_stat_on_chief``: for the statistics initialization, every rank first
+    computes its share of the input statistics and one all-gather merges them; rank 0 then
+    runs DeePMD-kit's ``compute_or_load_stat`` on the merged result."""
+
+    def _run_stat_on_chief(self: Any, action: Callable[[], None], *, operation: str) -> None:
+        plan = (InputStatPlan.of(StatisticsAction(self, action)) if operation == OPERATION
+                else None)
+        if plan is not None:
+            ours = plan.action(plan.compute())
+            if ours is not None:
+                action = ours
+        return original(self, action, operation=operation)
+
+    return _run_stat_on_chief

@@ -1,0 +1,266 @@
+"""Every DeePMD-kit name mdloader touches, the DeePMD-kit versions they hold for, and the check.
+
+:data:`SEAM` lists each name once: what mdloader does with it (``patch``: rebound while
+installed; ``wrap``: rebound to a function that calls DeePMD-kit's own; ``call``; ``read``) and
+why. :func:`check` compares the installed DeePMD-kit with :data:`SUPPORTED` and resolves every
+name before :func:`~mdloader.integrations.deepmd.patching.install` changes anything. The one
+place that reads DeePMD-kit's private state is :func:`statistics_call`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.metadata
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from mdloader.errors import ConfigError
+
+#: The DeePMD-kit releases the seam was written and tested against (a PEP 440 specifier).
+SUPPORTED = ">=3.2.0,<3.3"
+
+DATALOADER = "deepmd.pt.utils.dataloader"
+MAIN = "deepmd.pt.entrypoints.main"
+TRAINING = "deepmd.pt.train.training"
+UPDATE_SEL = "deepmd.utils.update_sel"
+ENV_MAT_STAT = "deepmd.dpmodel.utils.env_mat_stat"
+STAT_ITEM = "deepmd.utils.env_mat_stat"
+DP_MAIN = "deepmd.main"
+MODEL = "deepmd.pt.model.model.model"
+DESCRIPTOR = "deepmd.pt.model.descriptor.descriptor"
+
+#: Where ``install`` imports the modules it checks and patches.
+MODULES = (DATALOADER, MAIN, TRAINING, UPDATE_SEL, ENV_MAT_STAT, STAT_ITEM, DP_MAIN, MODEL,
+           DESCRIPTOR)
+
+
+@dataclasses.dataclass(frozen=True)
+class SeamName:
+    """One DeePMD-kit name: ``module`` and ``name`` (``"Class.attr"`` for a class attribute).
+
+    ``static`` names exist on the module and are resolved by :func:`check`; the others are
+    attributes of objects DeePMD-kit creates (its trainer, model, descriptor blocks), read when
+    the objects exist.
+    """
+
+    module: str
+    name: str
+    use: str
+    why: str
+    static: bool = True
+
+
+SEAM: tuple[SeamName, ...] = (
+    SeamName(DATALOADER, "DpLoaderSet", "patch", "the loader set the trainer builds"),
+    SeamName(DATALOADER, "get_weighted_sampler", "patch", "mdloader's stateful sampler"),
+    SeamName(DATALOADER, "get_sampler_from_params", "patch", "mdloader's stateful sampler"),
+    SeamName(MAIN, "DpLoaderSet", "patch", "the loader set `main` builds"),
+    SeamName(MAIN, "process_systems", "patch",
+             "deferred discovery: only rank 0 walks the data tree, inside the build"),
+    SeamName(MAIN, "dist", "patch",
+             "`torch.distributed` with a gloo fallback for NCCL and a barrier before "
+             "`destroy_process_group`"),
+    SeamName(MAIN, "is_lmdb", "patch", "an LMDB `systems` path is read by mdloader"),
+    SeamName(MAIN, "get_data", "patch", "neighbour statistics data that reads nothing"),
+    SeamName(UPDATE_SEL, "BaseUpdateSel.get_nbor_stat", "wrap",
+             "neighbour statistics of mdloader's data, in shares"),
+    SeamName(TRAINING, "DpLoaderSet", "patch", "the loader set the trainer builds"),
+    SeamName(TRAINING, "get_sampler_from_params", "patch", "mdloader's stateful sampler"),
+    SeamName(TRAINING, "Trainer._run_stat_on_chief", "wrap",
+             "input statistics in shares before rank 0's own action (no public hook)"),
+    SeamName(TRAINING, "torch", "patch", "CPU only: `torch.cuda.set_device` does nothing"),
+    SeamName(TRAINING, "DDP", "patch", "CPU only: DDP without `device_ids`"),
+    SeamName(TRAINING, "open_stat_file", "patch",
+             "during `statistics_call` only: records the stat-file setting, opens nothing"),
+    SeamName(TRAINING, "make_stat_input", "patch",
+             "during `statistics_call` only: records the data and `data_stat_nbatch`"),
+    SeamName(TRAINING, "Trainer.model", "read",
+             "the models whose `compute_or_load_stat` the statistics action calls", False),
+    SeamName(MODEL, "BaseModel.compute_or_load_stat", "call",
+             "rank 0's statistics on the merged sums; recorded on the instance during "
+             "`statistics_call`"),
+    SeamName(MODEL, "BaseModel.atomic_model", "read",
+             "`fitting_net`, `bias_keys`, `numb_fparam`/`numb_aparam` and the exclude types: "
+             "whether mdloader can compute the statistics", False),
+    SeamName(DESCRIPTOR, "DescriptorBlock.compute_input_stats", "read",
+             "a block whose `mean`/`stddev` come from `EnvMatStatSe`; its `get_rcut`, "
+             "`get_rcut_smth`, `get_sel`, `get_nsel`, `get_ntypes`, `mixed_types`, "
+             "`get_env_protection` and `exclude_types` give mdloader's settings"),
+    SeamName(ENV_MAT_STAT, "EnvMatStatSe", "call",
+             "a block's environment settings (`last_dim`, `descriptor`, `get_stat_keys`)"),
+    SeamName(ENV_MAT_STAT, "EnvMatStatSe.load_or_compute_stats", "patch",
+             "during rank 0's action only: the merged `StatItem`s instead of a pass"),
+    SeamName(STAT_ITEM, "StatItem", "call", "the merged sums as DeePMD-kit's statistics"),
+    SeamName(DP_MAIN, "main", "call", "`mdloader dp` is DeePMD-kit's own command line"),
+)
+
+
+class UnsupportedDeepmdError(ConfigError):
+    """The installed DeePMD-kit is not one the seam holds for: nothing was patched."""
+
+
+def installed_version() -> str:
+    """The installed DeePMD-kit's version, from its distribution metadata (nothing imported)."""
+    try:
+        return importlib.metadata.version("deepmd-kit")
+    except importlib.metadata.PackageNotFoundError:
+        return str(getattr(importlib.import_module("deepmd"), "__version__", "unknown"))
+
+
+def supported(version: str) -> bool:
+    """Whether DeePMD-kit ``version`` is in :data:`SUPPORTED` (a development build of a
+    supported release, ``3.2.1.dev3+g1234567``, is too)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return SpecifierSet(SUPPORTED).contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        return False
+
+
+def owner_of(module: types.ModuleType, name: str) -> tuple[Any, str]:
+    """The object holding ``name`` (``"Class.attr"`` names a class attribute) and the attr."""
+    *path, attr = name.split(".")
+    owner: Any = module
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, attr
+
+
+def deepmd_module(name: str) -> types.ModuleType:
+    """DeePMD-kit's module ``name``, one of :data:`MODULES` (the only way mdloader imports
+    DeePMD-kit)."""
+    return importlib.import_module(name)
+
+
+def import_modules() -> dict[str, types.ModuleType]:
+    """DeePMD-kit's modules of :data:`MODULES`, imported."""
+    try:
+        return {name: deepmd_module(name) for name in MODULES}
+    except (ImportError, RuntimeError, OSError) as exc:
+        raise ConfigError(
+            f"DeePMD-kit's PyTorch backend cannot be imported ({type(exc).__name__}: {exc}); "
+            "install it next to your torch with pip install -c scripts/deepmd-constraints.txt "
+            "-e \".[deepmd]\" in mdloader's repository (docs/migrating.md: keeping your torch, "
+            "and DeePMD-kit's compiled ops)") from exc
+
+
+def check() -> dict[str, types.ModuleType]:
+    """DeePMD-kit's modules, once its version is supported and every static name resolves.
+
+    Raises
+    ------
+    UnsupportedDeepmdError
+        The version is outside :data:`SUPPORTED`, or a listed name is missing.
+    ConfigError
+        DeePMD-kit's PyTorch backend is not importable.
+    """
+    try:
+        version: str | None = installed_version()
+    except (ImportError, RuntimeError, OSError):  # import_modules says why
+        version = None
+    if version is not None and not supported(version):
+        raise UnsupportedDeepmdError(
+            f"DeePMD-kit {version} is installed, but mdloader's DeePMD-kit integration supports "
+            f"deepmd-kit{SUPPORTED}; install one of those (nothing was patched)")
+    mods = import_modules()
+    missing = []
+    for entry in SEAM:
+        if entry.static:
+            try:
+                owner, attr = owner_of(mods[entry.module], entry.name)
+                getattr(owner, attr)
+            except AttributeError:
+                missing.append(f"{entry.module}.{entry.name}")
+    if missing:
+        raise UnsupportedDeepmdError(
+            f"DeePMD-kit {version} lacks {', '.join(missing)}, which mdloader's DeePMD-kit "
+            f"integration uses; it supports deepmd-kit{SUPPORTED} (nothing was patched)")
+    return mods
+
+
+def markdown_table() -> str:
+    """:data:`SEAM` as the Markdown table of the docs (checked equal by the tests)."""
+    rows = ["| DeePMD-kit name | use | why |", "|---|---|---|"]
+    rows += [f"| `{e.module}.{e.name}` | {e.use} | {e.why} |" for e in SEAM]
+    return "\n".join(rows)
+
+
+@dataclasses.dataclass
+class StatisticsCall:
+    """What DeePMD-kit's statistics initialization computes with: the model, its sampled
+    function, the observed types given, the stat-file setting, the data and its
+    ``make_stat_input`` arguments."""
+
+    model: Any
+    get_sample: Callable[[], Any]
+    preset_observed_type: Any
+    stat_file_spec: Any
+    data: Any
+    nbatch: Any
+    min_pair_dist: Any
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, attr: str, value: Any) -> Iterator[None]:
+    had = attr in vars(owner)
+    before = vars(owner).get(attr)
+    setattr(owner, attr, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(owner, attr, before)
+        else:
+            delattr(owner, attr)
+
+
+def statistics_call(trainer: Any, action: Callable[[], None]) -> StatisticsCall | None:
+    """Run DeePMD-kit's statistics ``action`` with its callees recording their arguments.
+
+    The action is a closure of ``Trainer.__init__`` (no public hook hands its values out):
+    ``open_stat_file`` and the model's ``compute_or_load_stat`` record what the action passes,
+    then the sampled function's undecorated body runs with ``make_stat_input`` recording the
+    data. Nothing is read or computed. ``None`` when the action does not call them so.
+    """
+    training = sys.modules[TRAINING]
+    models = trainer.model
+    models = list(models.values()) if isinstance(models, dict) else [models]
+    seen: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def open_stat_file(spec: Any) -> Iterator[None]:
+        seen["spec"] = spec
+        yield None
+
+    def recorder(model: Any) -> Callable[..., None]:
+        def compute_or_load_stat(sampled_func: Any, stat_file_path: Any = None,
+                                 preset_observed_type: Any = None) -> None:
+            seen.update(model=model, get_sample=sampled_func, preset=preset_observed_type)
+        return compute_or_load_stat
+
+    def make_stat_input(datasets: Any, dataloaders: Any, nbatch: Any,
+                        min_pair_dist: Any = 0.0, **kwargs: Any) -> list[Any]:
+        seen.update(dataloaders=dataloaders, nbatch=nbatch, min_pair_dist=min_pair_dist)
+        return []
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_patched(training, "open_stat_file", open_stat_file))
+        for model in models:
+            stack.enter_context(_patched(model, "compute_or_load_stat", recorder(model)))
+        action()
+    inner = getattr(seen.get("get_sample"), "__wrapped__", None)  # functools.lru_cache's
+    if "spec" not in seen or inner is None:
+        return None
+    with _patched(training, "make_stat_input", make_stat_input):
+        inner()
+    if "dataloaders" not in seen:
+        return None
+    return StatisticsCall(seen["model"], seen["get_sample"], seen["preset"], seen["spec"],
+                          getattr(seen["dataloaders"], "loader_set", None), seen["nbatch"],
+                          seen["min_pair_dist"])
