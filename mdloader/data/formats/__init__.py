@@ -12,7 +12,6 @@ Nothing here imports a format: they load on the first look-up.
 from __future__ import annotations
 
 from mdloader.data.formats.base import Backend, FrameReader, Listing, Location
-from mdloader.data.formats.lmdb.address import LMDB_GROUP, lmdb_group_of
 from mdloader.data.formats.registry import (
     address_sort_key,
     backend_of,
@@ -25,6 +24,6 @@ from mdloader.data.formats.registry import (
     unregister_backend,
 )
 
-__all__ = ["LMDB_GROUP", "Backend", "FrameReader", "Listing", "Location", "address_sort_key",
-           "backend_of", "backends", "get_backend", "lmdb_group_of", "locate_entry",
-           "parse_address", "register_backend", "release_handles", "unregister_backend"]
+__all__ = ["Backend", "FrameReader", "Listing", "Location", "address_sort_key", "backend_of",
+           "backends", "get_backend", "locate_entry", "parse_address", "register_backend",
+           "release_handles", "unregister_backend"]
