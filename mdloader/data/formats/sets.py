@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.data.collate import batch_from_blocks
 from mdloader.data.formats.base import Backend, FrameReader, Listing, Location, frame_ids
 from mdloader.data.formats.diagnostics import DEEP_CHUNK, nonfinite_rows
 from mdloader.data.formats.geometry import degenerate_boxes
@@ -320,6 +319,8 @@ class SetReader(FrameReader):
 
     def batch(self, fids: Sequence[int]) -> dict[str, Any]:
         arrays, flags = self._read(fids)
+        from mdloader.data.collate import batch_from_blocks  # torch: only when reading batches
+
         return batch_from_blocks(arrays, flags, np.asarray(fids, dtype=np.int64).tolist())
 
     def _atom_order(self) -> AtomOrder:
