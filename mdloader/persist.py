@@ -54,8 +54,8 @@ class FileStamp(NamedTuple):
         return max(self.mtime_ns, self.ctime_ns) >= since_ns
 
     def describe(self) -> str:
-        """The stamp in words, for error messages (the status change time only where it alone
-        differs from ``other``'s: a copy put back with its old modification time)."""
+        """The stamp in words, for error messages (the status change time is left out: where it
+        alone differs, :meth:`only_ctime_differs` says so in words)."""
         return f"inode {self.ino}, {self.size} bytes, mtime {self.mtime_ns} ns"
 
     def only_ctime_differs(self, other: FileStamp) -> bool:

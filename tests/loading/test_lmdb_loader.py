@@ -178,7 +178,7 @@ def test_two_ranks_only_rank0_reads_the_database(tmp_path: Path, nlocs: str) -> 
     assert got[1]["touches"] == {"open": 0, "list": 0, "stat": 0, "h5open": 0, "lmdb_open": 0}
     assert got[0]["scanned"] == (16 if nlocs == "missing" else 0) and got[1]["scanned"] == 0
     # 40 bytes a frame here (4 groups of 4 frames), plus the database's stamp (inode, size,
-    # mtime: about 24 bytes once per database) that every read checks
+    # mtime, ctime: about 30 bytes once per database) that every read checks
     assert got[0]["bytes"] == got[1]["bytes"] and got[0]["bytes"] < 40 * got[0]["nframes"] + 32
 
 

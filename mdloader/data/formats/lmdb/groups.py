@@ -33,7 +33,7 @@ from mdloader.data.formats.lmdb.metadata import Metadata, read_metadata
 from mdloader.data.system import SystemMeta, interned
 from mdloader.errors import DataError, MissingDataError, TypeMapError
 
-_CACHE: OrderedDict[str, tuple[environment.Stamp, LmdbGroups]] = OrderedDict()
+_CACHE: OrderedDict[str, tuple[tuple[int, ...], LmdbGroups]] = OrderedDict()
 _CACHE_LIMIT = 8
 _LOCK = threading.Lock()
 _PLACEHOLDERS: dict[int, np.ndarray] = {}
@@ -49,7 +49,7 @@ class LmdbGroup:
     runs: FrameRuns
     frame_format: str
     remap: tuple[int, ...] | None
-    stamp: environment.Stamp | None = None  # data.mdb when described; every read checks it
+    stamp: tuple[int, ...] | None = None  # data.mdb when described; every read checks it
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_restore_group, (self.runs.nframes, self.runs.blob, self.frame_format,
@@ -58,7 +58,7 @@ class LmdbGroup:
 
 def _restore_group(nframes: int, blob: bytes, frame_format: str,
                    remap: tuple[int, ...] | None,
-                   stamp: environment.Stamp | None = None) -> LmdbGroup:
+                   stamp: tuple[int, ...] | None = None) -> LmdbGroup:
     return LmdbGroup("frames", nframes, FrameRuns(nframes, blob), interned(frame_format),
                      interned(remap), interned(stamp))  # one stamp per database in a broadcast
 
@@ -70,7 +70,7 @@ class LmdbGroups:
     path: str
     metadata: Metadata
     groups: dict[tuple[int, int], FrameRuns]
-    stamp: environment.Stamp | None = None  # data.mdb before its metadata was read
+    stamp: tuple[int, ...] | None = None  # data.mdb before its metadata was read
 
     def addresses(self) -> list[str]:
         return [group_address(self.path, sid, natoms) for sid, natoms in self.groups]
@@ -105,11 +105,14 @@ def cached_groups(path: str) -> LmdbGroups:
     return hit[1] if hit is not None else read_groups(path)
 
 
-def _stamp(path: str) -> environment.Stamp:
-    return environment.data_stamp(path) or (-1, -1, -1, -1)  # gone: _read_groups names the problem
+def _stamp(path: str) -> tuple[int, ...]:
+    """``data.mdb``'s stamp as a plain tuple: it travels in every broadcast description, where
+    a named tuple would pickle its class's name too."""
+    stamp = environment.data_stamp(path)
+    return tuple(stamp) if stamp is not None else (-1, -1, -1, -1)  # gone: _read_groups says
 
 
-def _read_groups(path: str, stamp: environment.Stamp) -> LmdbGroups:
+def _read_groups(path: str, stamp: tuple[int, ...]) -> LmdbGroups:
     meta = read_metadata(path)
     return LmdbGroups(path, meta, group_frames(meta.frame_nlocs, meta.frame_system_ids), stamp)
 
