@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from deepmd_env import require_deepmd_python
+from support.deepmd_env import require_deepmd_python
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"

@@ -399,7 +399,7 @@ def test_the_file_format(tmp_path: Path) -> None:
 
 
 def _index_rank(rank: int, world: int, root: str, cache: str) -> dict[str, object]:
-    from fs_audit import count_data_touches
+    from support.fs_audit import count_data_touches
 
     os.environ["MDLOADER_INDEX_SETTLE"] = str(SETTLE)
     os.environ["MDLOADER_CACHE_DIR"] = cache
@@ -417,7 +417,7 @@ def _index_rank(rank: int, world: int, root: str, cache: str) -> dict[str, objec
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_only_rank0_reads_the_index_and_the_other_ranks_touch_nothing(tmp_path: Path) -> None:
-    from distributed_utils import run_ranks, values
+    from support.distributed_utils import run_ranks, values
 
     root, cache = str(_tree(tmp_path / "data")), str(tmp_path / "cache")
     first = values(run_ranks(_index_rank, 2, root, cache))

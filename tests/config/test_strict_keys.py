@@ -8,7 +8,7 @@ import json
 import subprocess
 
 import pytest
-from deepmd_env import require_deepmd_python
+from support.deepmd_env import require_deepmd_python
 
 from mdloader.config.argcheck import DEEPMD_KEYS
 from mdloader.config.input_json import parse_config

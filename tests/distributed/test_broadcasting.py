@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from distributed_utils import run_ranks, values
+from support.distributed_utils import run_ranks, values
 
 from mdloader.distributed import broadcasting as bc
 from mdloader.distributed.packets import Kind, Packet, data_packet

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from distributed_utils import RankError, errors, run_ranks, values
+from support.distributed_utils import RankError, errors, run_ranks, values
 
 from mdloader.distributed import channel, group
 from mdloader.distributed import packets as pk

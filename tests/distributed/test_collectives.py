@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from distributed_utils import errors, run_ranks, values
+from support.distributed_utils import errors, run_ranks, values
 
 from mdloader.distributed import collectives
 from mdloader.errors import (

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from distributed_utils import errors, run_ranks, values
+from support.distributed_utils import errors, run_ranks, values
 
 from mdloader.distributed import failure, group
 from mdloader.errors import (

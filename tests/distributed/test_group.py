@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed_utils import run_ranks, values
+from support.distributed_utils import run_ranks, values
 
 from mdloader.distributed import channel, group
 from mdloader.distributed import packets as pk
@@ -48,6 +48,6 @@ def _group_cache(rank: int, world: int, port: int) -> tuple[bool, bool, bool]:
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_cpu_group_is_reused_until_the_default_group_changes() -> None:
-    from distributed_utils import free_port
+    from support.distributed_utils import free_port
 
     assert values(run_ranks(_group_cache, 2, free_port())) == [(True, True, True)] * 2

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from distributed_utils import RankError, errors, run_ranks, values
-from fs_audit import count_data_touches
+from support.distributed_utils import RankError, errors, run_ranks, values
+from support.fs_audit import count_data_touches
 
 from mdloader import fs_calls as overlap
 from mdloader.catalog import describe

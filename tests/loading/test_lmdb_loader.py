@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from distributed_utils import run_ranks, values
-from fs_audit import count_data_touches
+from support.distributed_utils import run_ranks, values
+from support.fs_audit import count_data_touches
 
 from mdloader import DpLoaderSet, get_weighted_sampler
 from mdloader.data.formats import address_sort_key

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
-from distributed_utils import run_ranks, values
+from support.distributed_utils import run_ranks, values
 
 from mdloader.testing import make_system
 

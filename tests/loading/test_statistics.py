@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from distributed_utils import RankError, run_ranks, values
+from support.distributed_utils import RankError, run_ranks, values
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.data.schema import DataRequirementItem

@@ -3,7 +3,7 @@
 The sampler in balanced mode must serve, over whole windows, exactly the batches (system, frames
 and the stream that drew them) of the unbalanced sampler, with the costs of each step's ranks
 sorted into non-overlapping chunks; it resumes exactly from its state and elastically (checked
-with the ledger of tests/elastic_ledger.py, counting each batch for its drawer).
+with the ledger of tests/support/elastic_ledger.py, counting each batch for its drawer).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from elastic_ledger import Ledger, by_drawer
+from support.elastic_ledger import Ledger, by_drawer
 
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.sampling.elastic import merge_rank_states

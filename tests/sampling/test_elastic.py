@@ -15,7 +15,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from elastic_ledger import Ledger
+from support.elastic_ledger import Ledger
 
 from mdloader.errors import StateDictError
 from mdloader.sampling.batching import batches_per_rank

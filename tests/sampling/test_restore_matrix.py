@@ -8,8 +8,8 @@ including torchdata's ``StatefulDataLoader`` driving mdloader's sampler.
 Then the elastic matrix: the states of W ranks (K workers) merged and loaded on W' ranks (K'
 workers), W, W' in {1, 2, 4}, K -> K' in {0 -> 2, 2 -> 0}; the ranks played in one process for the
 whole matrix and on real gloo groups for a subset. The same world size continues exactly; another
-one serves exactly what the old ranks owed (counted by tests/elastic_ledger.py). The classes whose
-state is per rank by nature refuse another world size.
+one serves exactly what the old ranks owed (counted by tests/support/elastic_ledger.py). The
+classes whose state is per rank by nature refuse another world size.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from distributed_utils import run_ranks, values
-from elastic_ledger import Ledger, by_drawer
+from support.distributed_utils import run_ranks, values
+from support.elastic_ledger import Ledger, by_drawer
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mdloader import (

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from distributed_utils import run_ranks, values
+from support.distributed_utils import run_ranks, values
 from torch.utils.data import DistributedSampler
 
 from mdloader import ShardedValidationSampler, reduce_sums

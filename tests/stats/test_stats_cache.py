@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import stats_data
+from support import stats_data
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.errors import CorruptFileError

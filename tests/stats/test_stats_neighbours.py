@@ -7,10 +7,9 @@ import json
 import math
 from pathlib import Path
 
-import deepmd_ref
 import numpy as np
 import pytest
-import stats_data
+from support import deepmd_ref, stats_data
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.errors import ConfigError, NonFiniteError

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from distributed_utils import run_ranks, values
+from support.distributed_utils import run_ranks, values
 
 from mdloader.config.input_json import LearningRateConfig, LossConfig, parse_config
 from mdloader.errors import ConfigError, DataError, StateDictError

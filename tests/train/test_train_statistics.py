@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from distributed_utils import errors, run_ranks, values
+from support.distributed_utils import errors, run_ranks, values
 
 from mdloader.config.input_json import parse_config
 from mdloader.data.dataset import DeepmdDataSetForLoader

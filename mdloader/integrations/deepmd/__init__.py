@@ -13,7 +13,7 @@ DeePMD-kit is an optional dependency: importing this package does not import it.
 """
 
 from mdloader.integrations.deepmd.input_stats import (
-    InputStatPlan,
+    InputStatTakeover,
     env_settings,
     mdloader_run_stat_on_chief,
     output_sampled,
@@ -32,7 +32,7 @@ from mdloader.integrations.deepmd.systems import (
 )
 
 __all__ = [
-    "SEAM", "SUPPORTED", "DeepmdDpLoaderSet", "DeferredSystems", "InputStatPlan",
+    "SEAM", "SUPPORTED", "DeepmdDpLoaderSet", "DeferredSystems", "InputStatTakeover",
     "NeighbourStatData", "UnsupportedDeepmdError", "cpu_fallback_backend", "defer_discovery",
     "env_settings", "install", "installed", "mdloader_nbor_stat", "mdloader_run_stat_on_chief",
     "neighbour_stat_data", "not_lmdb", "output_sampled", "run_dp", "uninstall",

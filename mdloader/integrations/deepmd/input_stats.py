@@ -3,7 +3,7 @@
 ``Trainer._run_stat_on_chief`` is wrapped (:func:`mdloader_run_stat_on_chief`). Unless something
 mdloader does not compute is needed (:func:`unsupported`), every rank first computes its share
 of the environment sums and energy samples and one all-gather per block merges them
-(:class:`InputStatPlan`); rank 0 then runs DeePMD-kit's own ``compute_or_load_stat`` with
+(:class:`InputStatTakeover`); rank 0 then runs DeePMD-kit's own ``compute_or_load_stat`` with
 ``EnvMatStatSe`` handed the merged ``StatItem``s and a sampled function holding only energies
 and type counts, so DeePMD-kit's code derives the values. The frames of each system are those
 of :meth:`~mdloader.sampling.plan.LoaderPlan.statistics_frames` (a one-rank job's
@@ -45,7 +45,7 @@ class StatisticsAction:
         self.action()
 
 
-class InputStatPlan:
+class InputStatTakeover:
     """The trainer's statistics action, computed by mdloader in shares when it can be.
 
     Built on every rank from what DeePMD-kit's ``initialize_statistics`` passes on (the model,
@@ -67,8 +67,8 @@ class InputStatPlan:
         self._chosen: dict[int, Any] = {}
 
     @classmethod
-    def of(cls, action: StatisticsAction) -> InputStatPlan | None:
-        """The plan for DeePMD-kit's ``action``, or ``None`` (then DeePMD-kit computes it:
+    def of(cls, action: StatisticsAction) -> InputStatTakeover | None:
+        """The takeover of DeePMD-kit's ``action``, or ``None`` (then DeePMD-kit computes it:
         a stat file is set, fparam/aparam, exclusions or ``min_pair_dist`` are used)."""
         call = statistics_call(action.trainer, action.action)
         if call is None:
@@ -246,10 +246,10 @@ def mdloader_run_stat_on_chief(original: Callable[..., Any]) -> Callable[..., An
     runs DeePMD-kit's ``compute_or_load_stat`` on the merged result."""
 
     def _run_stat_on_chief(self: Any, action: Callable[[], None], *, operation: str) -> None:
-        plan = (InputStatPlan.of(StatisticsAction(self, action)) if operation == OPERATION
-                else None)
-        if plan is not None:
-            ours = plan.action(plan.compute())
+        takeover = (InputStatTakeover.of(StatisticsAction(self, action))
+                    if operation == OPERATION else None)
+        if takeover is not None:
+            ours = takeover.action(takeover.compute())
             if ours is not None:
                 action = ours
         return original(self, action, operation=operation)

@@ -66,15 +66,15 @@ def stacked_batch(reader: LmdbGroupReader, raws: list[dict[Any, Any]],
 
 def _blocks(reader: LmdbGroupReader, raws: list[dict[Any, Any]]) -> dict[str, Any] | None:
     """One stacked array per field, or ``None`` when the records' layouts differ."""
-    plan = _plan(reader, raws[0])
-    if plan is None:
+    layout = _layout(reader, raws[0])
+    if layout is None:
         return None
-    names = plan.names
+    names = layout.names
     for raw in raws:
         if raw.keys() != names:
             return None
     blocks: dict[str, Any] = {}
-    for name, key, kind, shape, stored, per_frame, dtype, size in plan:
+    for name, key, kind, shape, stored, per_frame, dtype, size in layout:
         datas = []
         for raw in raws:
             value = raw[name]
@@ -89,7 +89,7 @@ def _blocks(reader: LmdbGroupReader, raws: list[dict[Any, Any]]) -> dict[str, An
     return blocks
 
 
-class _Plan(list):
+class _StackLayout(list):
     """How to stack each field of records laid out like one record; ``names``: their fields."""
 
     names: Any
@@ -99,29 +99,29 @@ class _Plan(list):
                    for step in self)
 
 
-_PLANS: dict[tuple[Any, ...], _Plan] = {}
-_PLANS_LIMIT = 256
+_LAYOUTS: dict[tuple[Any, ...], _StackLayout] = {}
+_LAYOUTS_LIMIT = 256
 
 
-def _plan(reader: LmdbGroupReader, first: dict[Any, Any]) -> _Plan | None:
-    """The stacking plan of records like ``first``, or ``None`` when such a record needs the
-    per-frame path. Plans are shared by the groups of equal atom count and output dtypes."""
+def _layout(reader: LmdbGroupReader, first: dict[Any, Any]) -> _StackLayout | None:
+    """The stacking layout of records like ``first``, or ``None`` when such a record needs the
+    per-frame path. Layouts are shared by the groups of equal atom count and output dtypes."""
     names = tuple(first)
     key = (names, reader.natoms, reader.dtypes_key)
-    plan = _PLANS.get(key)
-    if plan is not None and plan.fits(first):
-        return plan
-    plan = _new_plan(reader, first)
-    if plan is not None:
-        if len(_PLANS) >= _PLANS_LIMIT:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    return plan
+    layout = _LAYOUTS.get(key)
+    if layout is not None and layout.fits(first):
+        return layout
+    layout = _new_layout(reader, first)
+    if layout is not None:
+        if len(_LAYOUTS) >= _LAYOUTS_LIMIT:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = layout
+    return layout
 
 
-def _new_plan(reader: LmdbGroupReader, first: dict[Any, Any]) -> _Plan | None:
-    plan = _Plan()
-    plan.names = first.keys()
+def _new_layout(reader: LmdbGroupReader, first: dict[Any, Any]) -> _StackLayout | None:
+    layout = _StackLayout()
+    layout.names = first.keys()
     for name in first:
         if name in DROPPED:
             continue
@@ -134,10 +134,10 @@ def _new_plan(reader: LmdbGroupReader, first: dict[Any, Any]) -> _Plan | None:
         per_frame = tuple(shape) if key not in _CORE_SHAPES else _resolve(_CORE_SHAPES[key],
                                                                         count)
         dtype = np.dtype(np.int64) if key == "atype" else reader.dtypes.get(key, stored)
-        plan.append((name, key, kind, shape, stored, per_frame, dtype, count * stored.itemsize))
-    if not {"atype", "coord"} <= {step[1] for step in plan}:
+        layout.append((name, key, kind, shape, stored, per_frame, dtype, count * stored.itemsize))
+    if not {"atype", "coord"} <= {step[1] for step in layout}:
         return None
-    return plan
+    return layout
 
 
 def _resolve(shape: tuple[int, ...], count: int) -> tuple[int, ...]:

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from deepmd_env import require_deepmd_python
+from support.deepmd_env import require_deepmd_python
 
 from mdloader.testing import make_dataset, make_lmdb, make_system
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEEPMD_DP = "import sys; from deepmd.main import main; main(sys.argv[1:])"
 
 READ_MODEL = r"""
@@ -101,7 +101,7 @@ SUBSET_CASES = {
 # system's per-rank batches): today's path where mdloader does not compute them in shares
 DEEPMD_STATISTICS = """import sys
 import mdloader.integrations.deepmd as md
-md.InputStatPlan.of = classmethod(lambda cls, action: None)
+md.InputStatTakeover.of = classmethod(lambda cls, action: None)
 sys.exit(md.run_dp(sys.argv[1:]))
 """
 

@@ -20,7 +20,7 @@ import pytest
 from mdloader import DataRequirementItem, DeepmdDataSetForLoader
 from mdloader.cli.main import main
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = REPO / "tests" / "fixtures" / "deepmd-examples"
 FPARAM = EXAMPLES / "fparam" / "data" / "e3000_i2000"
 DP_MASK = REPO / "tests" / "fixtures" / "deepmd-tests" / "tf" / "data_dp_mask"

@@ -16,11 +16,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from deepmd_env import require_deepmd_python
+from support.deepmd_env import require_deepmd_python
 
 from mdloader.testing import make_dataset
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 COMPARE = r'''
 import json, sys, unittest

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from deepmd_env import require_deepmd_python
+from support.deepmd_env import require_deepmd_python
 
 from mdloader.errors import ConfigError
 from mdloader.integrations.deepmd import SUPPORTED, UnsupportedDeepmdError, install, uninstall
 from mdloader.integrations.deepmd.patching import patches
 from mdloader.integrations.deepmd.seam import MODULES, SEAM, TRAINING, markdown_table, supported
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _fake_deepmd(monkeypatch: pytest.MonkeyPatch, version: str,

@@ -18,20 +18,20 @@ import types
 from pathlib import Path
 
 import pytest
-from deepmd_env import require_deepmd_python
+from support.deepmd_env import require_deepmd_python
 
 from mdloader.errors import ConfigError
 from mdloader.integrations.deepmd import (
     DeepmdDpLoaderSet,
     DeferredSystems,
-    InputStatPlan,
+    InputStatTakeover,
     cpu_fallback_backend,
     defer_discovery,
 )
 from mdloader.integrations.deepmd.shims import trainer_dist as _TrainerDist
 from mdloader.testing import make_dataset, make_system
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 STEPS = 6
 
 SPY = r'''
@@ -98,21 +98,21 @@ def test_statistics_frames_are_a_one_rank_jobs_first_batches(tmp_path: Path) -> 
     systems = [make_system(tmp_path, f"s{i}", natoms=n, nframes=f, seed=i)
                for i, (n, f) in enumerate([(4, 6), (6, 13), (8, 20), (3, 9)])]
     data = DeepmdDpLoaderSet(systems, "auto:12", ["O", "H"], seed=[0, 11])  # sizes 3, 2, 2, 4
-    plan = InputStatPlan(None, data, lambda: None, None, [], nbatch=3)
-    counts = plan.frame_counts()
+    takeover = InputStatTakeover(None, data, lambda: None, None, [], nbatch=3)
+    counts = takeover.frame_counts()
     for sid, loader in enumerate(data.dataloaders):
         first = [f for j, _ in zip(range(3), range(len(loader)))
                  for f in data.frame_order.fids(sid, j)]
         assert counts[sid] == len(first) == len(set(first))
-        chosen = plan.frames(sid)
+        chosen = takeover.frames(sid)
         if chosen is None:
             assert sorted(first) == list(range(len(data.systems[sid])))
         else:
             assert chosen.tolist() == first and len(first) < len(data.systems[sid])
-    assert [plan.frames(i) is None for i in range(4)] == [True, False, False, True]
-    other = InputStatPlan(None, DeepmdDpLoaderSet(systems, "auto:12", ["O", "H"], seed=[0, 12]),
+    assert [takeover.frames(i) is None for i in range(4)] == [True, False, False, True]
+    other = InputStatTakeover(None, DeepmdDpLoaderSet(systems, "auto:12", ["O", "H"], seed=[0, 12]),
                           lambda: None, None, [], nbatch=3)
-    assert plan.frames(2).tolist() != other.frames(2).tolist()  # the job's seed draws them
+    assert takeover.frames(2).tolist() != other.frames(2).tolist()  # the job's seed draws them
 
 
 def test_cpu_fallback_backend() -> None:

@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from deepmd_env import require_deepmd_python
+from support.deepmd_env import require_deepmd_python
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed_utils import errors, run_ranks
+from support.distributed_utils import errors, run_ranks
 
 from mdloader.cli.main import main
 from mdloader.config.input_json import parse_config

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from distributed_utils import errors, run_ranks
+from support.distributed_utils import errors, run_ranks
 
 from mdloader.config.input_json import parse_config
 from mdloader.errors import ConfigError, DataError, NonFiniteError, StaleDataError

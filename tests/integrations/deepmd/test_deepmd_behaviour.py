@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from mdloader import DataRequirementItem, DpLoaderSet, get_sampler_from_params, get_weighted_sampler
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 WATER = REPO / "examples" / "water" / "data"
 FIXTURES = REPO / "tests" / "fixtures" / "deepmd-tests"
 SINGLE = FIXTURES / "pt" / "model" / "water" / "data" / "single"  # one frame

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from deepmd_env import require_deepmd_python
+from support.deepmd_env import require_deepmd_python
 
 from mdloader.catalog.discover import discover_systems
 from mdloader.data.dataset import DeepmdDataSetForLoader
@@ -21,7 +21,7 @@ from mdloader.data.schema import DataRequirementItem
 from mdloader.errors import DataError
 from mdloader.testing import make_lmdb, make_system
 
-HERE = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parents[3]
 MODEL_MAP = ["H", "C", "O", "N"]  # differs from every database's own order: types are remapped
 REQS = [dict(key="energy", ndof=1, high_prec=True), dict(key="force", ndof=3, atomic=True),
         dict(key="virial", ndof=9), dict(key="fparam", ndof=2, must=True),
@@ -67,7 +67,8 @@ def _reference(db: str, tmp: Path, prec: str = "high") -> dict[str, Any]:
     python = require_deepmd_python()
     out = tmp / f"ref-{prec}.pkl"
     env = dict(os.environ, DP_INTERFACE_PREC=prec, OMP_NUM_THREADS="1")
-    proc = subprocess.run([python, str(HERE / "lmdb_reference.py"), db, json.dumps(MODEL_MAP),
+    script = HERE / "support" / "lmdb_reference.py"
+    proc = subprocess.run([python, str(script), db, json.dumps(MODEL_MAP),
                            json.dumps(REQS), str(out)], env=env, capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
