@@ -182,12 +182,14 @@ def fsync_folder(folder: str) -> None:
 
 
 def write_atomic(path: str, data: bytes | memoryview | Callable[[IO[bytes]], None], *,
-                 mode: int = 0o666) -> None:
+                 mode: int = 0o666, durable: bool = True) -> None:
     """Write ``data`` (bytes, or a function writing into the open file) to ``path`` atomically.
 
     Leftovers of dead writers of ``path`` are removed first. On a failure (a full disk, no
     permission) nothing is left behind and a :class:`~mdloader.errors.WriteError` names
-    ``path``; the old file, if any, is untouched.
+    ``path``; the old file, if any, is untouched. ``durable=False`` (a cache entry, which a
+    reader computes again when it cannot decode it) skips the two flushes to disk: still
+    atomic for readers, but a crash may lose the entry, and no metadata server waits for it.
     """
     folder = os.path.dirname(os.path.abspath(path))
     temp = temporary_path(path)
@@ -202,14 +204,16 @@ def write_atomic(path: str, data: bytes | memoryview | Callable[[IO[bytes]], Non
                 else:
                     fh.write(data)
                 fh.flush()
-                os.fsync(fh.fileno())
+                if durable:
+                    os.fsync(fh.fileno())
             os.replace(temp, path)
         except BaseException:
             discard(temp)
             raise
     except OSError as exc:
         raise WriteError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    fsync_folder(folder)
+    if durable:
+        fsync_folder(folder)
 
 
 def point_link(link: str, target: str) -> None:

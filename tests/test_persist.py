@@ -37,6 +37,24 @@ def test_an_atomic_write_replaces_the_file_and_leaves_nothing_else(tmp_path: Pat
     assert os.listdir(target.parent) == ["entry.bin"]
 
 
+def test_a_durable_write_flushes_the_file_and_its_folder_and_a_cache_write_neither(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[bool] = []
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        synced.append(os.path.isdir(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    persist.write_atomic(str(tmp_path / "checkpoint.bin"), b"kept")
+    assert synced == [False, True]  # the file, then the folder that holds its new name
+    synced.clear()
+    persist.write_atomic(str(tmp_path / "entry.bin"), b"cached", durable=False)
+    assert synced == [] and (tmp_path / "entry.bin").read_bytes() == b"cached"
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.bin", "entry.bin"]
+
+
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> None:
     target = tmp_path / "entry.bin"
     persist.write_atomic(str(target), b"old")

@@ -93,11 +93,12 @@ class StatsStore:
         return payload
 
     def put(self, stamp: str, key: str, payload: bytes) -> None:
-        """Write an entry atomically; a failure costs one warning (the statistics stand)."""
+        """Write an entry atomically, not flushed to disk (an entry lost in a crash is computed
+        again); a failure costs one warning (the statistics stand)."""
         if self.folder is None:
             return
         target = self.path(stamp, key)
         try:
-            write_atomic(target, payload)
+            write_atomic(target, payload, durable=False)
         except OSError as exc:
             log.warning("statistics cache entry %s cannot be saved (%s)", target, exc)
