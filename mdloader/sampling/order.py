@@ -103,13 +103,21 @@ def rank_frames(seed: int, sid: int, pass_: int, nframes: int, rank: int, world_
     return shard_frames(frame_permutation(seed, sid, pass_, nframes, shuffle), rank, world_size)
 
 
+def statistics_frame_counts(nframes: np.ndarray | Sequence[int],
+                            batch_sizes: np.ndarray | Sequence[int], nbatch: int) -> np.ndarray:
+    """How many frames each system gives the input statistics (:func:`statistics_frames`'s
+    lengths, without drawing them): ``min(nbatch, batches) x batch size``, at most its frames."""
+    nframes = np.asarray(nframes, dtype=np.int64)
+    sizes = np.asarray(batch_sizes, dtype=np.int64)
+    return np.minimum(np.minimum(-(-nframes // sizes), int(nbatch)) * sizes, nframes)
+
+
 def statistics_frames(seed: int, sid: int, nframes: int, batch_size: int, nbatch: int,
                       shuffle: bool = True) -> np.ndarray:
     """The frames system ``sid`` gives the input statistics: its first ``nbatch`` batches of pass
     0 on one rank (DeePMD-kit's ``make_stat_input`` on a one-rank job), whatever the world size,
     so the statistics are the same on every rank count."""
-    nbatches = -(-int(nframes) // int(batch_size))
-    keep = min(int(nbatch), nbatches) * int(batch_size)
+    keep = int(statistics_frame_counts([nframes], [batch_size], nbatch)[0])
     return rank_frames(seed, sid, 0, nframes, 0, 1, shuffle)[:keep]
 
 
@@ -299,7 +307,8 @@ class FrameOrder:
 
 __all__ = [
     "STREAM_CHUNK", "Continuation", "FrameOrder", "normalize_seed", "frame_permutation",
-    "shard_frames", "rank_frames", "statistics_frames", "batch_of_shard", "occurrence_to_batch",
+    "shard_frames", "rank_frames", "statistics_frame_counts", "statistics_frames",
+    "batch_of_shard", "occurrence_to_batch",
     "weights_to_cdf",
     "stream_key", "stream_chunk", "stream_draws", "stream_counts", "sizes_digest",
 ]

@@ -29,6 +29,7 @@ from mdloader.sampling.order import (
     SEED_MOD,
     Continuation,
     FrameOrder,
+    statistics_frame_counts,
     statistics_frames,
     weights_to_cdf,
 )
@@ -292,6 +293,11 @@ class LoaderPlan:
         return FrameOrder(self.nframes, self.batch_sizes, seed=self.seed, rank=rank,
                           world_size=self.world_size, shuffle=self.shuffle,
                           continuation=continuation)
+
+    def statistics_frame_counts(self, nbatch: int) -> np.ndarray:
+        """How many frames each kept system gives the statistics (the lengths of
+        :meth:`statistics_frames`, counted without drawing a permutation)."""
+        return statistics_frame_counts(self.nframes, self.batch_sizes, nbatch)
 
     def statistics_frames(self, sid: int, nbatch: int) -> np.ndarray:
         """The frames system ``sid`` gives the statistics before training under this plan's seed

@@ -13,6 +13,7 @@ Otherwise DeePMD-kit's action runs as is.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,18 +34,6 @@ log = logging.getLogger(__name__)
 OPERATION = "statistics initialization"
 
 
-class StatisticsAction:
-    """DeePMD-kit's statistics ``action`` and the ``trainer`` that runs it (calling it runs the
-    action)."""
-
-    def __init__(self, trainer: Any, action: Callable[[], None]) -> None:
-        self.trainer = trainer
-        self.action = action
-
-    def __call__(self) -> None:
-        self.action()
-
-
 class InputStatTakeover:
     """The trainer's statistics action, computed by mdloader in shares when it can be.
 
@@ -62,15 +51,14 @@ class InputStatTakeover:
         self.nbatch = int(nbatch)
         self.get_sample = get_sample
         self.preset_observed_type = preset_observed_type
-        self.blocks = blocks
         self.settings = [env_settings(b) for b in blocks]
-        self._chosen: dict[int, Any] = {}
 
     @classmethod
-    def of(cls, action: StatisticsAction) -> InputStatTakeover | None:
-        """The takeover of DeePMD-kit's ``action``, or ``None`` (then DeePMD-kit computes it:
-        a stat file is set, fparam/aparam, exclusions or ``min_pair_dist`` are used)."""
-        call = statistics_call(action.trainer, action.action)
+    def of(cls, trainer: Any, action: Callable[[], None]) -> InputStatTakeover | None:
+        """The takeover of the ``trainer``'s statistics ``action``, or ``None`` (then DeePMD-kit
+        computes it: a stat file is set, fparam/aparam, exclusions or ``min_pair_dist`` are
+        used)."""
+        call = statistics_call(trainer, action)
         if call is None:
             return None
         reason = unsupported(call.model, call.data, call.nbatch, call.stat_file_spec,
@@ -84,24 +72,23 @@ class InputStatTakeover:
         return cls(call.model, call.data, call.get_sample, call.preset_observed_type, blocks,
                    int(call.nbatch))
 
-    def chosen(self, position: int) -> Any:
-        """The frames system ``position`` gives the statistics (the plan's, drawn once)."""
-        if position not in self._chosen:
-            self._chosen[position] = self.data.plan.statistics_frames(position, self.nbatch)
-        return self._chosen[position]
+    @functools.cached_property
+    def counts(self) -> Any:
+        """How many frames of each system enter (the plan's rule, counted without drawing)."""
+        return self.data.plan.statistics_frame_counts(self.nbatch)
 
     def frame_counts(self) -> Any:
-        """How many frames of each system enter (:meth:`chosen`'s)."""
-        import numpy as np
-
-        return np.asarray([len(self.chosen(p)) for p in range(len(self.data.systems))],
-                          dtype=np.int64)
+        """:attr:`counts`, the frames of each system that enter."""
+        return self.counts
 
     def frames(self, position: int) -> Any:
-        """The frames system ``position`` gives the statistics, ``None`` when all do (then the
-        all-frames cache entries are shared with every other ``data_stat_nbatch``)."""
-        chosen = self.chosen(position)
-        return None if len(chosen) == int(self.data.nframes[position]) else chosen
+        """The frames system ``position`` gives the statistics (the plan's), ``None`` when all
+        do (then the all-frames cache entries are shared with every other
+        ``data_stat_nbatch``, and no permutation is drawn)."""
+        plan = self.data.plan
+        if int(self.counts[position]) == int(plan.nframes[position]):
+            return None
+        return plan.statistics_frames(position, self.nbatch)
 
     def compute(self) -> tuple[list[Any], list[Any]]:
         """The merged environment sums of each block and every system's output samples
@@ -246,8 +233,7 @@ def mdloader_run_stat_on_chief(original: Callable[..., Any]) -> Callable[..., An
     runs DeePMD-kit's ``compute_or_load_stat`` on the merged result."""
 
     def _run_stat_on_chief(self: Any, action: Callable[[], None], *, operation: str) -> None:
-        takeover = (InputStatTakeover.of(StatisticsAction(self, action))
-                    if operation == OPERATION else None)
+        takeover = InputStatTakeover.of(self, action) if operation == OPERATION else None
         if takeover is not None:
             ours = takeover.action(takeover.compute())
             if ours is not None:
