@@ -14,6 +14,7 @@ python-lmdb refuses a second open of a path its process holds. Rank 0 reads the 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +23,8 @@ from mdloader.data.formats.handles import HandleCache
 from mdloader.errors import CorruptFileError, MissingDataError, StaleDataError
 from mdloader.persist import FileStamp, file_stamp
 from mdloader.settings import cached
+
+log = logging.getLogger(__name__)
 
 METADATA_KEY = b"__metadata__"
 DEFAULT_FRAME_FORMAT = "012d"
@@ -89,24 +92,38 @@ def serving_txn(path: str, stamp: Stamp | None = None) -> Any:
     return _ENVS.get(path, lambda: _Handle(_open(path, readahead=False))).txn
 
 
+#: Databases whose ``data.mdb`` changed status only (ctime) while this process reads them,
+#: with the stamp accepted since: warned about once, then read on.
+_STATUS_ONLY: dict[str, FileStamp] = {}
+
+
 def check_stamp(path: str, stamp: Stamp) -> None:
     """Raise a :class:`StaleDataError` naming the database when its ``data.mdb`` was replaced,
-    truncated or rewritten (or replaced by an older copy) since it was described with
-    ``stamp``."""
+    truncated or rewritten since it was described with ``stamp``.
+
+    A change of status alone (the same inode, size and modification time, a new ctime: a
+    ``chmod``, ``chown``, a hard link of a backup, or an older copy of the same size put back
+    with ``cp -p``) is one warning per database and process, and reading goes on: ending a
+    training for a permission change would be worse than the rare copy it could be.
+    """
     now = data_stamp(path)
-    if now == stamp:
+    if now == stamp or (now is not None and _STATUS_ONLY.get(path) == now):
         return
     stamp = FileStamp(*stamp)
     data_file = os.path.join(path, "data.mdb")
+    if now is not None and now.only_ctime_differs(stamp):
+        _STATUS_ONLY[path] = now
+        log.warning("%s: its status changed while it is read (permissions, owner, links, or a "
+                    "copy of the same size put back with its old modification time): reading "
+                    "on, as its inode, size and modification time are the ones described",
+                    data_file)
+        return
     if now is None:
         what, found = "removed", "no data.mdb"
     else:
         what = ("replaced" if now.ino != stamp.ino else
                 "truncated" if now.size < stamp.size else "rewritten")
         found = now.describe()
-        if now.only_ctime_differs(stamp):
-            found += (f", but its status changed at {now.ctime_ns} ns (a copy put back with its "
-                      "old modification time: cp -p, rsync -a)")
     raise StaleDataError(
         f"the LMDB database was {what} after it was described: its frames are not the ones "
         "described", system=path, file=data_file, expected=stamp.describe(),

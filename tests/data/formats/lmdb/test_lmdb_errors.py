@@ -228,27 +228,35 @@ def test_a_database_replaced_while_open_is_an_error_naming_it(tmp_path: Path,
     assert fresh.get_batch([0, 1])["energy"].shape == (2, 1)
 
 
-def test_a_copy_put_back_with_its_old_times_is_an_error_naming_it(tmp_path: Path,
-                                                                  sources: list[str]) -> None:
-    """``cp -p``/``rsync -a`` keeps the inode, the size and the modification time: only the
-    status change time tells that the database was rewritten."""
+@pytest.mark.parametrize("change", ["chmod", "cp -p"])
+def test_a_status_change_alone_is_one_warning_and_reading_goes_on(
+        tmp_path: Path, sources: list[str], change: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A ``chmod``, or a copy of the same size put back with ``cp -p``/``rsync -a`` (same
+    inode, size and modification time), changes only the status change time: one warning
+    naming ``data.mdb``, once, and the frames are still served."""
+    import logging
     import os
     import shutil
     import time
 
-    from mdloader.errors import StaleDataError
-
     db = _db(tmp_path, sources)
+    data = os.path.join(db, "data.mdb")
     ds = DeepmdDataSetForLoader(discover_systems(db)[0], ["O", "H"])
-    ds.get_batch([0, 1])
-    backup = tmp_path / "backup.mdb"
-    shutil.copy2(os.path.join(db, "data.mdb"), backup)
+    before = ds.get_batch([0, 1])["energy"]
     time.sleep(0.01)
-    shutil.copy2(backup, os.path.join(db, "data.mdb"))  # in place: same inode, size, mtime
-    with pytest.raises(StaleDataError, match=r"was rewritten after it was described.*"
-                                             r"but its status changed at \d+ ns \(a copy put "
-                                             r"back with its old modification time"):
-        ds.get_batch([0, 1])
+    if change == "chmod":
+        os.chmod(data, 0o640)
+    else:
+        backup = tmp_path / "backup.mdb"
+        shutil.copy2(data, backup)
+        shutil.copy2(backup, data)  # in place: same inode, size, mtime
+    with caplog.at_level(logging.WARNING, logger="mdloader"):
+        first = ds.get_batch([0, 1])["energy"]
+        again = ds.get_batch([1, 0])["energy"]
+    warned = [r for r in caplog.records if "its status changed while it is read" in r.message]
+    assert len(warned) == 1 and data in warned[0].message
+    assert (first == before).all() and again.shape == (2, 1)
 
 
 _TRUNCATE = """
