@@ -36,13 +36,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mdloader.data.formats import Listing, address_sort_key, backend_of, locate_entry, parse_address
-from mdloader.data.formats.capabilities import (
-    entry_container,
-    folder_walk,
-    systems_of_entry,
-    walks_folders,
-)
+from mdloader.data.formats.capabilities import entry_container, systems_of_entry, walks_folders
 from mdloader.data.formats.patterns import matches
+from mdloader.data.formats.registry import folder_walk
 from mdloader.errors import ConfigError, NoSystemsFoundError
 from mdloader.fs_calls import Overlap
 from mdloader.settings import resolve

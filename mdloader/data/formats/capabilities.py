@@ -1,9 +1,12 @@
 """What only some storage formats do, each a small protocol a backend has or has not.
 
-A client tests ``isinstance(backend, Capability)`` and otherwise applies the default written
-beside the protocol here: a format that implements only the core
-:class:`~mdloader.data.formats.base.Backend` still finds, describes and reads its systems.
-The diagnostics of ``check`` and the box check are in :mod:`mdloader.data.formats.diagnostics`.
+A client asks :func:`has` (``isinstance`` against the protocol, remembered per backend:
+it is asked per system) and otherwise applies the default written beside the protocol here: a
+format that implements only the core :class:`~mdloader.data.formats.base.Backend` still
+finds, describes and reads its systems. A format has a capability whole or not at all: the
+registry refuses one that implements only some of a protocol's methods
+(:func:`partly_implemented`). The diagnostics of ``check`` and the box check are in
+:mod:`mdloader.data.formats.diagnostics`.
 """
 
 from __future__ import annotations
@@ -14,8 +17,6 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 
 from mdloader.data.formats.base import Backend, Listing, Location
-from mdloader.data.formats.registry import backends
-from mdloader.errors import UnknownFormatError
 
 if TYPE_CHECKING:
     from mdloader.data.system import SystemMeta
@@ -75,37 +76,70 @@ class Diagnostics(Protocol):
         """Lines ``check`` prints about how the system is read (arrays read reshaped)."""
 
 
+CAPABILITIES = (EntryExpansion, FolderWalk, Freshness, Diagnostics)
+
+#: (id of a backend, capability) -> (the backend, whether it has it); holding the backend
+#: keeps its id from being reused while the answer is remembered.
+_HAS: dict[tuple[int, type], tuple[Backend, bool]] = {}
+
+
+def has(backend: Backend, capability: type) -> bool:
+    """Whether ``backend`` has ``capability`` (one of :data:`CAPABILITIES`), remembered per
+    backend object (the registry forgets it when the backend is unregistered)."""
+    key = (id(backend), capability)
+    found = _HAS.get(key)
+    if found is None:
+        found = _HAS[key] = (backend, isinstance(backend, capability))
+    return found[1]
+
+
+def forget(backend: Backend) -> None:
+    """Drop what :func:`has` remembers of ``backend``."""
+    for key in [k for k in _HAS if k[0] == id(backend)]:
+        del _HAS[key]
+
+
+def _methods(capability: type) -> list[str]:
+    return [n for n, v in vars(capability).items() if callable(v) and not n.startswith("_")]
+
+
+def partly_implemented(backend: Backend) -> list[str]:
+    """The capabilities ``backend`` implements only in part, each with what it lacks (a
+    format with ``deep_check`` but no ``box_blocks`` would be checked by the defaults)."""
+    partial = []
+    for capability in CAPABILITIES:
+        methods = _methods(capability)
+        missing = [m for m in methods if not callable(getattr(backend, m, None))]
+        if missing and len(missing) < len(methods):
+            partial.append(f"{capability.__name__} (missing {', '.join(missing)})")
+    return partial
+
+
 def systems_of_entry(backend: Backend, loc: Location, patterns: Sequence[str] | None,
-                 known: list[str] | None = None) -> list[str]:
+                     known: list[str] | None = None) -> list[str]:
     """The systems the ``systems`` entry at ``loc`` stands for: by default itself."""
-    if isinstance(backend, EntryExpansion):
-        return backend.expand(loc, patterns, known)
+    if has(backend, EntryExpansion):
+        return backend.expand(loc, patterns, known)  # type: ignore[attr-defined]
     return [loc.address]
 
 
 def entry_container(backend: Backend, loc: Location) -> str | None:
     """The file whose freshness tells whether an entry's expansion still holds (``None``:
     expanded again at every start, the default)."""
-    return backend.container(loc) if isinstance(backend, EntryExpansion) else None
+    if has(backend, EntryExpansion):
+        return backend.container(loc)  # type: ignore[attr-defined]
+    return None
 
 
 def walks_folders(backend: Backend) -> bool:
     """Whether the systems of ``backend`` are folders found by walking (:class:`FolderWalk`)."""
-    return isinstance(backend, FolderWalk)
-
-
-def folder_walk() -> FolderWalk:
-    """The registered format whose systems are folders found by walking (npy)."""
-    for backend in backends():
-        if isinstance(backend, FolderWalk):
-            return backend
-    raise UnknownFormatError("no registered storage format walks folders for systems")
+    return has(backend, FolderWalk)
 
 
 def freshness_paths(backend: Backend, address: str, layout: tuple[bool, tuple[str, ...]]
                     ) -> list[str] | None:
     """The paths a saved description of ``address`` depends on; ``None`` (the default):
     never saved as fresh, described again at every start."""
-    if isinstance(backend, Freshness):
-        return backend.freshness_paths(address, layout)
+    if has(backend, Freshness):
+        return backend.freshness_paths(address, layout)  # type: ignore[attr-defined]
     return None

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mdloader.data.formats.capabilities import Diagnostics
+from mdloader.data.formats.capabilities import Diagnostics, has
 from mdloader.data.formats.registry import backend_of
 from mdloader.errors import DataError
 
@@ -32,7 +32,7 @@ def deep_check(meta: SystemMeta) -> list[str]:
     """Every problem found by reading every frame (``check --deep``): the format's own check,
     else unreadable frames and NaN/inf values per key, read through the reader."""
     backend = backend_of(meta.location)
-    if isinstance(backend, Diagnostics):
+    if has(backend, Diagnostics):
         return backend.deep_check(meta)
     reader = backend.reader(meta, ())
     found: list[str] = []
@@ -59,21 +59,21 @@ def deep_check(meta: SystemMeta) -> list[str]:
 def layout_notes(meta: SystemMeta) -> list[str]:
     """Lines ``check`` prints about how the system is read (none by default)."""
     backend = backend_of(meta.location)
-    return backend.notes(meta) if isinstance(backend, Diagnostics) else []
+    return backend.notes(meta) if has(backend, Diagnostics) else []
 
 
 def frame_file(meta: SystemMeta, key: str, fid: int) -> str | None:
     """The file (or entry) holding ``key`` of the frame whose ``fid`` is ``fid`` (what a read
     frame carries), for messages; ``None`` when the format does not say."""
     backend = backend_of(meta.location)
-    return backend.frame_file(meta, key, fid) if isinstance(backend, Diagnostics) else None
+    return backend.frame_file(meta, key, fid) if has(backend, Diagnostics) else None
 
 
 def position_file(meta: SystemMeta, key: str, position: int) -> str | None:
     """As :func:`frame_file` for the frame at ``position`` among the system's frames (for an
     LMDB group, its database frame, not the group's first frames)."""
     backend = backend_of(meta.location)
-    if not isinstance(backend, Diagnostics):
+    if not has(backend, Diagnostics):
         return None
     fid = backend.reader(meta, ()).fids([position])[0]
     return backend.frame_file(meta, key, fid)
@@ -83,7 +83,7 @@ def box_blocks(meta: SystemMeta) -> Iterator[tuple[str | None, int, np.ndarray]]
     """(file, first frame id, ``(n, 9)`` boxes) for every stored block of a periodic system,
     for the box check before training: the format's own, else read through the reader."""
     backend = backend_of(meta.location)
-    if isinstance(backend, Diagnostics):
+    if has(backend, Diagnostics):
         yield from backend.box_blocks(meta)
         return
     from mdloader.data.schema import DataRequirementItem

@@ -11,6 +11,7 @@ import os
 import threading
 
 from mdloader.data.formats.base import Backend, Location
+from mdloader.data.formats.capabilities import FolderWalk, forget, has, partly_implemented
 from mdloader.errors import UnknownFormatError
 
 #: The built-in formats, imported on first use; asked in this order, after registered ones.
@@ -30,12 +31,18 @@ def register_backend(name: str, backend: Backend) -> Backend:
     if not isinstance(backend, Backend):
         raise TypeError(f"a storage backend must be a {Backend.__qualname__}, got "
                         f"{type(backend).__name__}")
+    partial = partly_implemented(backend)
+    if partial:
+        raise TypeError(f"the storage backend {name!r} implements only part of "
+                        f"{'; '.join(partial)}: implement all of a capability's methods, or "
+                        "none (then the defaults apply)")
     _load_builtins()
     with _LOCK:
         backend.name = name
         old = _REGISTRY.pop(name, None)
         if old is not None:
             _ORDER.remove(old)
+            forget(old)
         _REGISTRY[name] = backend
         _ORDER.insert(0, backend)
     return backend
@@ -47,6 +54,7 @@ def unregister_backend(name: str) -> None:
         backend = _REGISTRY.pop(name, None)
         if backend is not None:
             _ORDER.remove(backend)
+            forget(backend)
 
 
 def backends() -> list[Backend]:
@@ -143,3 +151,11 @@ def _load_builtins() -> None:
             _REGISTRY.setdefault(name, backend)
             _ORDER.append(backend)
         _loaded = True
+
+
+def folder_walk() -> FolderWalk:
+    """The registered format whose systems are folders found by walking (npy)."""
+    for backend in backends():
+        if has(backend, FolderWalk):
+            return backend  # type: ignore[return-value]
+    raise UnknownFormatError("no registered storage format walks folders for systems")

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from mdloader.data.formats.base import Backend, FrameReader, Listing, Location, frame_ids
-from mdloader.data.formats.diagnostics import DEEP_CHUNK, nonfinite_rows
+from mdloader.data.formats.diagnostics import DEEP_CHUNK, SHOWN, nonfinite_rows
 from mdloader.data.formats.geometry import degenerate_boxes
 from mdloader.data.frames import AtomOrder, default_block, expected_widths, transform
 from mdloader.data.layout import frames_and_width, known_width, stored_flat
@@ -135,8 +135,9 @@ class SetBackend(Backend):
                 for what, frames in (("NaN/inf", bad), ("a box of volume 0 (degenerate "
                                                          "cell)", flat)):
                     if len(frames):
-                        shown = ", ".join(str(start + int(f)) for f in frames[:10])
-                        more = f" and {len(frames) - 10} more" if len(frames) > 10 else ""
+                        shown = ", ".join(str(start + int(f)) for f in frames[:SHOWN])
+                        more = (f" and {len(frames) - SHOWN} more" if len(frames) > SHOWN
+                                else "")
                         found.append(f"{what} in {where}: {len(frames)} frame(s), system frame "
                                      f"ids {shown}{more}")
             start += s.nframes

@@ -174,6 +174,17 @@ def test_each_real_format_has_the_capabilities_its_clients_use() -> None:
     assert all(isinstance(b, Diagnostics) for b in (npy, hdf5, lmdb))
 
 
+def test_a_format_with_part_of_a_capability_is_refused_naming_what_it_lacks() -> None:
+    class HalfChecked(NpzBackend):
+        def deep_check(self, meta: object) -> list[str]:  # Diagnostics without its other three
+            return []
+
+    with pytest.raises(TypeError, match=r"'half' implements only part of Diagnostics \(missing "
+                                        r"box_blocks, frame_file, notes\)"):
+        register_backend("half", HalfChecked())
+    assert "half" not in [b.name for b in backends()]
+
+
 def test_an_unknown_address_is_named() -> None:
     with pytest.raises(UnknownFormatError, match=r"no storage format recognises the address"):
         backend_of("#/grp")

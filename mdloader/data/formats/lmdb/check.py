@@ -12,12 +12,11 @@ from collections import defaultdict
 
 import numpy as np
 
+from mdloader.data.formats.diagnostics import SHOWN
 from mdloader.data.formats.geometry import degenerate_boxes
 from mdloader.data.formats.lmdb.reader import LmdbGroupReader
 from mdloader.data.system import SystemMeta
 from mdloader.errors import MdloaderError
-
-SHOWN = 10  # frames named per problem
 
 
 def check_group(meta: SystemMeta) -> list[str]:
