@@ -71,12 +71,6 @@ def file_stamp(path: str) -> FileStamp | None:
         return None
 
 
-def last_change_ns(path: str) -> int | None:
-    """The later of the modification and status change times of ``path`` (``None``: gone)."""
-    stamp = file_stamp(path)
-    return None if stamp is None else max(stamp.mtime_ns, stamp.ctime_ns)
-
-
 # -- temporaries ------------------------------------------------------------------------------
 
 def temporary_path(target: str) -> str:
@@ -277,17 +271,27 @@ def remove_entry(path: str) -> bool:
     return True
 
 
-def mark_used(path: str) -> None:
-    """Record that ``path`` was just used, as its modification time: one ``utime``, because
-    access times are not kept on ``noatime`` mounts; read-only files are left alone."""
+USE_RESOLUTION = 86400.0
+"""Seconds: an entry's last use is recorded at most once in this time, so that reading it at
+every start costs no metadata write on a shared file system (its age is what pruning asks)."""
+
+
+def mark_used(path: str, opened: IO[bytes] | None = None) -> None:
+    """Record that ``path`` was just used, as its modification time (access times are not kept
+    on ``noatime`` mounts): one ``utime``, only when the last record is older than
+    :data:`USE_RESOLUTION`. ``opened``: the file, already open (its ``fstat`` is asked, not the
+    path's); read-only files are left alone."""
     with contextlib.suppress(OSError):
-        os.utime(path)
+        st = os.fstat(opened.fileno()) if opened is not None else os.stat(path)
+        if time.time() - st.st_mtime > USE_RESOLUTION:
+            os.utime(path)
 
 
-def last_used(path: str) -> float | None:
-    """When ``path`` was last written or :func:`mark_used` (seconds since the epoch; ``None``:
-    gone)."""
+def usage(path: str) -> tuple[float, int] | None:
+    """(last use in seconds since the epoch: written or :func:`mark_used`, size in bytes) of
+    ``path``, from one ``stat``; ``None``: gone."""
     try:
-        return os.stat(path).st_mtime
+        st = os.stat(path)
     except OSError:
         return None
+    return st.st_mtime, st.st_size

@@ -159,6 +159,6 @@ def cache_folder(kind: str, root: str | None = None) -> str:
     """The folder of ``kind`` (one of :data:`CACHE_KINDS`) in the cache ``root`` (default:
     ``$MDLOADER_CACHE_DIR``), absolute."""
     if kind not in CACHE_KINDS:
-        raise ConfigError(f"no cache kind {kind!r}: expected one of {', '.join(CACHE_KINDS)}")
+        raise ValueError(f"no cache kind {kind!r}: expected one of {', '.join(CACHE_KINDS)}")
     base = str(resolve("cache_dir", root, argument="cache_dir"))
     return os.path.join(os.path.abspath(os.path.expanduser(base)), kind)

@@ -145,8 +145,12 @@ def test_an_entry_is_removed_whole_and_marked_used(tmp_path: Path) -> None:
     old = time.time() - 10 * 86400
     os.utime(entry, (old, old))
     with open(entry, "rb") as reader:  # a reader that has it open keeps reading it
-        persist.mark_used(str(entry))
-        used = persist.last_used(str(entry))
-        assert used is not None and used > old + 86400
+        persist.mark_used(str(entry), reader)
+        facts = persist.usage(str(entry))
+        assert facts is not None and facts[0] > old + 86400 and facts[1] == 1
+        recent = time.time() - 3600
+        os.utime(entry, (recent, recent))
+        persist.mark_used(str(entry), reader)  # used within the day: no metadata write
+        assert persist.usage(str(entry)) == (recent, 1)
         assert persist.remove_entry(str(entry)) and reader.read() == b"x"
     assert os.listdir(tmp_path) == [] and not persist.remove_entry(str(entry))

@@ -34,6 +34,7 @@ from mdloader.catalog.index_file import (
     read_index,
     write_index,
 )
+from mdloader.persist import mark_used
 from mdloader.settings import cache_folder
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ def load(request: IndexRequest) -> SavedIndex | None:
     if header.get("mdloader") != __version__:
         return _unusable(f"the index {request.path} was made by mdloader "
                          f"{header.get('mdloader')}, this is {__version__}")
+    mark_used(request.path)  # a start used it (``mdloader cache prune --older-than``)
     return saved
 
 

@@ -8,8 +8,8 @@ unpickled, so an index file from someone else cannot run code.
 
 A file is written atomically (:func:`mdloader.persist.write_atomic`): a reader sees the old file
 or the new one, never a part of either, and a writer killed half-way leaves only a temporary
-file, which the next writer removes. Reading an index marks it used
-(:func:`mdloader.persist.mark_used`), for ``mdloader cache``.
+file, which the next writer removes. A start that uses an index marks it used
+(:func:`mdloader.catalog.index.load`), for ``mdloader cache``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 from mdloader.catalog.table import SystemTable, TableBuilder
 from mdloader.data.formats import backend_of
 from mdloader.data.system import SetMeta, restore_set
-from mdloader.persist import mark_used, write_atomic
+from mdloader.persist import write_atomic
 
 MAGIC = b"MDLINDEX"
 FORMAT = 2
@@ -95,7 +95,6 @@ def read_index(path: str) -> tuple[dict[str, Any], SavedIndex]:
     """
     with open_index(path) as fh:
         data = fh.read()
-    mark_used(path)
     fixed = data[:_HEAD.size]
     digest, head_len, body_len, blob_len = _check_fixed(fixed, path, len(data))
     rest = memoryview(data)[_HEAD.size:]

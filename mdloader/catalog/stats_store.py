@@ -83,13 +83,13 @@ class StatsStore:
         try:
             with open(path, "rb") as fh:
                 payload = fh.read()
+                mark_used(path, fh)
         except FileNotFoundError:
             return None
         except OSError as exc:
             log.warning("statistics cache entry %s cannot be read (%s): computing it again",
                         path, exc)
             return None
-        mark_used(path)
         return payload
 
     def put(self, stamp: str, key: str, payload: bytes) -> None:

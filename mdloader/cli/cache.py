@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from mdloader.errors import ConfigError
-from mdloader.persist import is_temporary, last_used, remove_entry
+from mdloader.persist import is_temporary, remove_entry, usage
 from mdloader.settings import CACHE_KINDS, cache_folder
 
 #: The file name ending of an entry of each kind.
@@ -51,13 +52,11 @@ def cache_entries(root: str | None = None) -> list[CacheEntry]:
                 if is_temporary(name) or not name.endswith(SUFFIXES[kind]):
                     continue
                 path = os.path.join(base, name)
-                used = last_used(path)
-                try:
-                    size = os.path.getsize(path)
-                except OSError:  # removed meanwhile
+                facts = usage(path)
+                if facts is None:  # removed meanwhile
                     continue
                 owner = path if kind == "index" else os.path.basename(base)
-                found.append(CacheEntry(kind, path, size, used or time.time(), owner))
+                found.append(CacheEntry(kind, path, facts[1], facts[0], owner))
     return found
 
 
@@ -94,11 +93,11 @@ def prune_cache(root: str | None = None, *, older_than: float | None = None,
     if older_than is None and not unmatched:
         raise ConfigError("say what to prune: --older-than DAYS, --unmatched INPUT_JSON..., "
                           "or both", path="mdloader cache prune")
-    if older_than is not None and older_than < 0:
-        raise ConfigError(f"expected a number of days of at least 0, found {older_than:g}",
-                          path="--older-than")
+    if older_than is not None and not (math.isfinite(older_than) and older_than >= 0):
+        raise ConfigError(f"expected a finite number of days of at least 0, found "
+                          f"{older_than:g}", path="--older-than")
+    used = _used(unmatched) if unmatched else None  # first: it may take a while
     entries = cache_entries(root)
-    used = _used(unmatched) if unmatched else None
     now = time.time()
     doomed = [e for e in entries
               if (older_than is not None and now - e.last_use > older_than * DAY)
@@ -118,26 +117,37 @@ def prune_cache(root: str | None = None, *, older_than: float | None = None,
 
 
 def _used(inputs: Sequence[str]) -> set[str]:
-    """What the data sets of ``inputs`` use: their index paths and their systems' stamps."""
-    from mdloader.catalog.index import index_request
+    """What the data sets of ``inputs`` use: their index paths and their systems' stamps.
+
+    Their catalogs are obtained as a job's rank 0 would (from the index while it holds), but
+    nothing is saved: pruning writes no index.
+    """
+    from mdloader.catalog.catalog import catalog_for
+    from mdloader.catalog.describe import SystemFailed
     from mdloader.catalog.stats_store import system_stamp
     from mdloader.config.input_json import load_config
-    from mdloader.loading.build import build_systems
+    from mdloader.loading.build import resolve_workers
     from mdloader.loading.statistics import layout_of
 
     used: set[str] = set()
     for input_json in inputs:
         config = load_config(input_json)
+        type_map = list(config.type_map) if config.type_map else None
         for data in (config.training_data, config.validation_data):
             if data is None:
                 continue
-            used.add(index_request(list(data.systems), data.rglob_patterns, config.type_map,
-                                   data.index_file).path)
-            type_map = list(config.type_map) if config.type_map else None
-            datasets = build_systems(list(data.systems), type_map,
-                                     rglob_patterns=data.rglob_patterns,
-                                     index_file=data.index_file, key=data.json_path + ".systems")
-            used.update(system_stamp(ds.meta.address, layout_of(ds.meta)) for ds in datasets)
+            try:
+                catalog = catalog_for(list(data.systems), type_map, data.rglob_patterns,
+                                      workers=resolve_workers(), progress=False,
+                                      index_file=data.index_file, mode="check",
+                                      key=data.json_path + ".systems")
+            except SystemFailed as failed:
+                raise failed.original() from None
+            if catalog.index_file is not None:
+                used.add(catalog.index_file)
+            table = catalog.table
+            used.update(system_stamp(address, layout_of(table.meta(row)))
+                        for row, address in enumerate(table.addresses()))
     return used
 
 

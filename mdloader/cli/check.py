@@ -191,7 +191,8 @@ def _build_all(data: DataConfig, type_map: tuple[str, ...] | None, section: Sect
 def _inspect(address: str, listing: object = None, *, type_map: tuple[str, ...] | None = None
              ) -> tuple[SystemMeta | None, list[MdloaderError]]:
     try:
-        return inspect_system(address, type_map)  # type: ignore[return-value]
+        return inspect_system(address, type_map,  # type: ignore[return-value]
+                              listing=listing)  # type: ignore[arg-type]
     except MdloaderError as exc:  # not a data problem of the system (e.g. a config error)
         return None, [exc]
 

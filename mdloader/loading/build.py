@@ -24,7 +24,7 @@ import pickle
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mdloader.catalog.catalog import Catalog, catalog_for
@@ -71,7 +71,7 @@ class BuildReport:
     payload_bytes: int
     num_workers: int  # the most threads the build may use (it runs serially on a fast disk)
     world_size: int
-    catalog: Catalog | None = None  # rank 0's catalog
+    catalog: Catalog | None = field(default=None, repr=False, compare=False)  # rank 0's
 
     discovery_seconds = _FromCatalog(0.0)
     build_seconds = _FromCatalog(0.0)

@@ -200,27 +200,28 @@ def save_checkpoint(output: str, prefix: str, step: int, state: dict[str, Any]) 
     buffer = io.BytesIO()
     torch.save(content, buffer)
     _write_atomically(path, buffer.getbuffer(), f"no checkpoint of step {step} was written; "
-                      + kept, error=WriteError)
+                      + kept)
     try:
         point_link(latest, os.path.basename(path))
         _write_atomically(os.path.join(output, "checkpoint"),
-                          (os.path.basename(path) + "\n").encode(), "", error=WriteError)
+                          (os.path.basename(path) + "\n").encode(), "")
     except OSError as exc:
+        cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
         raise WriteError(f"wrote checkpoint {path}, but could not point {latest} at it: "
-                         f"{exc.strerror or exc}; restart with --restart {path}") from None
+                         f"{cause.strerror or cause}; restart with --restart {path}") from None
     _prune(output, prefix)
     return path
 
 
-def _write_atomically(path: str, data: bytes | memoryview, kept: str,
-                      error: type[Exception] = WriteError) -> None:
+def _write_atomically(path: str, data: bytes | memoryview, kept: str) -> None:
     """``data`` into ``path`` atomically (:func:`mdloader.persist.write_atomic`); on an error
-    nothing partial is left and ``error`` names the file and says what was ``kept``."""
+    nothing partial is left and a :class:`WriteError` names the file and says what was
+    ``kept``."""
     try:
         write_atomic(path, data)
     except OSError as exc:
         cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
-        raise error(f"cannot write {path}: {cause.strerror or cause}"
+        raise WriteError(f"cannot write {path}: {cause.strerror or cause}"
                     + (f"; {kept}" if kept else "")) from None
 
 

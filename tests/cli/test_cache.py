@@ -89,6 +89,26 @@ def test_prune_keeps_what_the_given_data_sets_use_and_removes_the_rest(
     assert gone["kind"] == "statistics" and _counts(capsys)["statistics"] == 3
 
 
+def test_prune_by_the_data_sets_in_use_writes_nothing_to_the_cache(
+        tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    kept, other = _input(tmp_path, "a", 2), _input(tmp_path, "b", 2)
+    _stat(capsys, other)
+    assert _counts(capsys) == {"index": 1, "statistics": 2}
+    # ``a`` has no index yet: finding what it uses describes it, and saves no index for it
+    would = _cache(capsys, "prune", "--unmatched", str(kept), "--dry-run")
+    assert sorted(e["kind"] for e in would) == ["index", "statistics", "statistics"]
+    assert _counts(capsys) == {"index": 1, "statistics": 2}
+    assert _cache(capsys, "prune", "--unmatched", str(kept)) != []
+    assert _counts(capsys) == {"index": 0, "statistics": 0}
+
+
+def test_prune_refuses_an_age_that_is_not_a_finite_number_of_days(
+        cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for days in ("nan", "inf", "-1"):
+        assert main(["cache", "prune", "--older-than", days]) == 2
+        assert "expected a finite number of days of at least 0" in capsys.readouterr().err
+
+
 def test_prune_by_age_removes_only_old_entries_and_never_a_writers_file(
         tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _input(tmp_path, "a", 3)
