@@ -79,6 +79,10 @@ def show_cache(root: str | None = None, *, as_json: bool = False) -> str:
                 if r["entries"] else "empty")
         lines.append(f"{r['kind']}: {r['entries']} entries, {_size(r['bytes'])} in "
                      f"{r['folder']} ({used})")
+    legacy = os.path.join(cache_folder("index", root), "stats")
+    if os.path.isdir(legacy):
+        lines.append(f"{legacy} holds the statistics of an older mdloader, which are not read "
+                     "any more: it can be deleted")
     return "\n".join(lines)
 
 
