@@ -63,7 +63,7 @@ def dp_with_deepmd_statistics(argv: list[str]) -> int:
     """``mdloader dp`` whose input statistics take DeePMD-kit's own path (its fall-back)."""
     import mdloader.integrations.deepmd as md
 
-    md.InputStatTakeover.of = classmethod(lambda cls, action: None)  # type: ignore[assignment]
+    md.InputStatTakeover.of = classmethod(lambda cls, *args: None)  # type: ignore[assignment]
     return md.run_dp(argv)
 
 

@@ -101,7 +101,7 @@ SUBSET_CASES = {
 # system's per-rank batches): today's path where mdloader does not compute them in shares
 DEEPMD_STATISTICS = """import sys
 import mdloader.integrations.deepmd as md
-md.InputStatTakeover.of = classmethod(lambda cls, action: None)
+md.InputStatTakeover.of = classmethod(lambda cls, *args: None)
 sys.exit(md.run_dp(sys.argv[1:]))
 """
 
