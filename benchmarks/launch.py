@@ -227,13 +227,25 @@ def run_logged(cmd: list[str], cwd: str, env: dict[str, str], timeout: float) ->
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
+    """Stop ``proc``'s process group (SIGTERM, then SIGKILL), then any descendant left: torchrun
+    starts each rank in a session of its own and stops them on SIGTERM, but not when killed."""
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
     for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(timeout=wait)
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    _, alive = psutil.wait_procs(descendants, timeout=5)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
