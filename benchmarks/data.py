@@ -17,9 +17,10 @@ Four kinds, one place:
 * a synthetic system index (:func:`synthesize_index`) of many systems that exist only in the
   index, and unwrapped water-like systems (:func:`water_like`) for the neighbour statistics.
 
-A data set is generated into a ``.partial`` folder renamed at the end; a manifest *beside* the
-tree (so reading it is not a file-system call under the tree) marks it complete, so an
-interrupted run is redone.
+The npy and water data sets are generated into a ``.partial`` folder renamed at the end; the
+two databases of ``lmdb`` are packed and copied in place (an interrupted run's are overwritten).
+Each has a manifest *beside* the tree (so reading it is not a file-system call under the tree),
+written last, that marks it complete, so an interrupted run is redone.
 
 Usage: ``python -m benchmarks.data npy --nsys 100 2000``, ``python -m benchmarks.data water
 --nsys 200``, ``python -m benchmarks.data lmdb --nsys 10000 --nframes 100`` (``--base DIR``).
@@ -300,13 +301,15 @@ def synthesize_index(root: str, nsys: int, cache_dir: str, seed: int = 0) -> str
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("kind", choices=("npy", "water", "lmdb"))
-    p.add_argument("--nsys", type=int, nargs="+", default=[100, 2000])
+    p.add_argument("--nsys", type=int, nargs="+",
+                   help="systems per data set (default: 10000 for lmdb, 100 and 2000 otherwise)")
     p.add_argument("--nframes", type=int, help="frames per system (default: the kind's)")
     p.add_argument("--base", default=DEFAULT_BASE)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for n in args.nsys:
+    nsys = args.nsys or ([10000] if args.kind == "lmdb" else [100, 2000])
+    for n in nsys:
         if args.kind == "npy":
             print(ensure_dataset(n, base=args.base, seed=args.seed,
                                  nframes=args.nframes or NFRAMES))

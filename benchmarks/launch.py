@@ -63,12 +63,12 @@ def run_ranks(python: str, worker_args: list[str], world: int, *, timeout: float
     if strace_to:
         cmd = ["strace", "-f", "-y", "-ttt", "--seccomp-bpf", "-e", "trace=%file,%process",
                "-o", strace_to] + cmd
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=rank_env(**(env or {})), capture_output=True,
-                              text=True, timeout=timeout)
-        tail = (proc.stdout + proc.stderr)[-TAIL_CHARS:] if proc.returncode else ""
-    except subprocess.TimeoutExpired as exc:
-        tail = f"timeout after {timeout} s: {exc}"
+    code, stdout, stderr = _run_group(cmd, env=rank_env(**(env or {})), timeout=timeout)
+    if code is None:
+        tail = (f"timeout after {timeout} s (process group stopped): "
+                f"{(stdout + stderr)[-TAIL_CHARS:]}")
+    else:
+        tail = (stdout + stderr)[-TAIL_CHARS:] if code else ""
     recs = []
     for r in range(world):
         path = f"{out}.rank{r}.json"
@@ -102,11 +102,33 @@ def run_job(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None
             what: str = "job") -> str:
     """Run ``cmd`` from the checkout; its standard output (``RuntimeError`` with the tail of its
     errors when it fails)."""
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env or rank_env(), cwd=REPO,
-                          timeout=timeout, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{what} failed:\n{done.stderr[-TAIL_CHARS:]}")
-    return done.stdout
+    code, stdout, stderr = _run_group(cmd, env=env or rank_env(), timeout=timeout)
+    if code is None:
+        raise RuntimeError(f"{what} failed: timeout after {timeout} s (process group stopped):\n"
+                           f"{stderr[-TAIL_CHARS:]}")
+    if code != 0:
+        raise RuntimeError(f"{what} failed:\n{stderr[-TAIL_CHARS:]}")
+    return stdout
+
+
+def _run_group(cmd: list[str], *, env: dict[str, str],
+               timeout: float) -> tuple[int | None, str, str]:
+    """Run ``cmd`` from the checkout in its own session, output captured; its return code (None
+    when it ran past ``timeout``: then its whole process group, ``torchrun``'s ranks included,
+    is stopped with :func:`_stop`), standard output and standard error."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, errors="replace",
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process that left the group holds the pipes
+            stdout, stderr = "", ""
+        return None, stdout or "", stderr or ""
+    return proc.returncode, stdout, stderr
 
 
 def last_json(stdout: str) -> Any:
@@ -205,13 +227,25 @@ def run_logged(cmd: list[str], cwd: str, env: dict[str, str], timeout: float) ->
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
+    """Stop ``proc``'s process group (SIGTERM, then SIGKILL), then any descendant left: torchrun
+    starts each rank in a session of its own and stops them on SIGTERM, but not when killed."""
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
     for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(timeout=wait)
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    _, alive = psutil.wait_procs(descendants, timeout=5)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from benchmarks import plots, report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,14 +23,18 @@ def test_benchmarks_page_is_regenerated_from_the_results() -> None:
         "python -m benchmarks.report benchmarks/results/*.jsonl --keep-plots")
 
 
-def test_benchmarks_page_names_no_tracker_numbers() -> None:
+@pytest.mark.parametrize("page", ["docs/benchmarks.md", "README.md"])
+def test_benchmarks_page_names_no_tracker_numbers(page: str) -> None:
     """Only DeePMD-kit's own pull requests and issues may be cited by number."""
-    text = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
-    assert not re.search(r"\bissues?\b[ -]?#?\d", text, re.IGNORECASE)
+    text = (REPO / page).read_text(encoding="utf-8")
+    for m in re.finditer(r"\bissues?\b[ -]?#?\d", text, re.IGNORECASE):
+        before = text[max(0, m.start() - 20):m.start()]
+        assert re.search(r"(DeePMD-kit|deepmd-kit) *$", before), (
+            f"an issue number in {page}: {text[m.start() - 40:m.end()]!r}")
     for m in re.finditer(r"#\d+", text):
         before = text[max(0, m.start() - 20):m.start()]
-        assert re.search(r"(DeePMD-kit|deepmd-kit|PR) *$", before), (
-            f"a bare tracker number in docs/benchmarks.md: {text[m.start() - 40:m.end()]!r}")
+        assert re.search(r"(DeePMD-kit|deepmd-kit)( PR| issue)? *$", before), (
+            f"a tracker number not DeePMD-kit's in {page}: {text[m.start() - 40:m.end()]!r}")
 
 
 def test_kept_plots_are_listed_in_page_order(tmp_path: Path) -> None:

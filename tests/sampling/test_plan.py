@@ -230,8 +230,14 @@ def test_the_elastic_resume_reads_the_plan():
     rule = StyleRule.of("prob_sys_size")
     plan = LoaderPlan.of_sizes(nframes, sizes, seed=5, probabilities=rule)
     assert job_seed(plan) == 5
-    for world in (1, 2, 4):
-        assert np.array_equal(plan.cdf_on(world), plan.on_world(world).cdf)
+    cdfs = {}
+    for world in (1, 2, 4):  # prob_sys_size on the batch counts of one rank of ``world``
+        nbatch = batches_per_rank(nframes, sizes, world)
+        direct = weights_to_cdf(system_probabilities(nbatch, "prob_sys_size"))
+        assert np.allclose(direct, np.cumsum(nbatch / nbatch.sum()))
+        assert np.array_equal(plan.cdf_on(world), direct)
+        cdfs[world] = direct
+    assert not np.allclose(cdfs[1], cdfs[4])  # the world changes the draws
     old = [WeightedSystemSampler(nframes, sizes, rule, seed=5, rank=r, world_size=2)
            for r in range(2)]
     for sampler, steps in zip(old, (9, 14)):

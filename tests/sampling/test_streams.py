@@ -9,6 +9,7 @@ tells every subscriber of an adopted seed once, keeps no sampler alive, and a co
 from __future__ import annotations
 
 import gc
+import itertools
 import pickle
 import weakref
 
@@ -54,6 +55,33 @@ def test_a_stream_serves_the_samplers_keys_and_seeks_anywhere(window, kind):
         assert set(stream.identity()) == ({"balance_window", "balance_cost_digest"} if window
                                           else set())
         assert all(state[key] == value for key, value in stream.identity().items())
+
+
+# Recorded from the sampler before it delegated to the streams: (sid, fids, step, drawer) of the
+# first 12 keys (one 8-step epoch and 4 steps into the next) of rank 1 of 2.
+GOLDEN_CONFIG = dict(nframes=[7, 5, 9, 4], batch_sizes=[2, 1, 3, 2], probs=[0.25] * 4, seed=11,
+                     rank=1, world_size=2)
+GOLDEN_KEYS = {
+    0: [(3, (2, 0), 0, 1), (0, (5, 4), 1, 1), (0, (2, 1), 2, 1), (0, (0, 3), 3, 1),
+        (2, (5, 6, 2), 4, 1), (2, (0, 4), 5, 1), (1, (4,), 6, 1), (2, (1, 3, 0), 7, 1),
+        (3, (0, 3), 8, 1), (3, (3, 0), 9, 1), (1, (2,), 10, 1), (1, (3,), 11, 1)],
+    2: [(0, (5, 4), 0, 1), (0, (1, 6), 1, 0), (0, (0, 3), 2, 0), (3, (1, 3), 3, 0),
+        (3, (2, 1), 4, 0), (2, (4, 7, 3), 5, 0), (1, (4,), 6, 1), (1, (0,), 7, 0),
+        (3, (3, 0), 8, 1), (0, (2, 1), 9, 0), (1, (3,), 10, 1), (0, (4, 5), 11, 0)],
+}
+
+
+@pytest.mark.parametrize("window", sorted(GOLDEN_KEYS))
+def test_the_sampler_draws_the_keys_it_drew_before_the_streams(window):
+    def plain(key):
+        return (int(key.sid), tuple(int(f) for f in key.fids), int(key.step), int(key.drawer))
+
+    extra = dict(balance_window=window, natoms=[3, 5, 2, 4]) if window else {}
+    sampler = WeightedSystemSampler(**GOLDEN_CONFIG, **extra)
+    assert [plain(sampler.next_key()) for _ in range(12)] == GOLDEN_KEYS[window]
+    epoch = [plain(k) for k in itertools.islice(iter(WeightedSystemSampler(**GOLDEN_CONFIG,
+                                                                           **extra)), 12)]
+    assert epoch == GOLDEN_KEYS[window][:8]
 
 
 def test_each_stream_refuses_the_other_strategys_state():
