@@ -22,6 +22,7 @@ from typing import Any
 from mdloader.catalog.describe import SystemFailed, fan_out
 from mdloader.catalog.discover import discover_systems
 from mdloader.config.input_json import Config, DataConfig, parse_config
+from mdloader.config.multitask import JobConfig, weights_rule
 from mdloader.data.formats import backend_of, diagnostics
 from mdloader.data.system import SystemMeta, inspect_system
 from mdloader.errors import ConfigError, MdloaderError
@@ -100,6 +101,89 @@ class CheckReport:
             "statistics": self.statistics}, indent=2)
 
 
+#: Rows of a section's table shown by default; ``--all`` (or ``--json``) lists every system.
+TABLE_ROWS = 20
+
+
+@dataclass
+class JobCheckReport:
+    """``check`` of a multi-task input: one :class:`CheckReport` per task, in ``model_dict``
+    order, and the job's task weights (``None`` when a task's data could not be planned)."""
+
+    tasks: dict[str, CheckReport]
+    weights: dict[str, float] | None
+    weights_rule: str
+    problems: list[Problem] = field(default_factory=list)  # of the job, not of one task
+    shared_descriptors: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(r.ok for r in self.tasks.values())
+
+    @property
+    def exit_code(self) -> int:
+        """As :attr:`CheckReport.exit_code`, over every task and the job."""
+        if self.ok:
+            return 0
+        config = any(p.config for p in self.problems) or any(
+            r.exit_code == 2 for r in self.tasks.values())
+        return 2 if config else 1
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "ok": self.ok, "weights": self.weights, "weights_rule": self.weights_rule,
+            "shared_descriptors": {k: list(v) for k, v in self.shared_descriptors.items()},
+            "tasks": {name: json.loads(r.to_json()) for name, r in self.tasks.items()},
+            "problems": [asdict(p) for p in self.problems]}, indent=2)
+
+
+def check_job(job: JobConfig, *, deep: bool = False, threads: int = 4) -> JobCheckReport:
+    """Check every task of a multi-task input as :func:`check_input` checks one input (with
+    the task's own descriptor), then the job's task weights by DeePMD-kit's rule."""
+    reports = {task.name: check_input(task.config, deep=deep, threads=threads,
+                                      descriptor=task.descriptor,
+                                      descriptor_path=f"model.model_dict.{task.name}.descriptor")
+               for task in job.tasks}
+    nsystems: dict[str, int] = {}
+    nbatches: dict[str, int] = {}
+    for name, report in reports.items():
+        training = report.sections[0].totals()
+        nsystems[name] = training["systems"]
+        if training["batches"] is not None:
+            nbatches[name] = training["batches"]
+    problems: list[Problem] = []
+    weights = None
+    if job.model_prob or len(nbatches) == len(reports):
+        try:
+            weights = job.weights(nsystems=nsystems, nbatches=nbatches)
+        except ConfigError as exc:
+            problems.append(Problem("job", str(exc), config=True))
+    return JobCheckReport(reports, weights, weights_rule(job), problems,
+                          job.shared_descriptors())
+
+
+def format_job_report(report: JobCheckReport, *, rows: int | None = TABLE_ROWS) -> str:
+    """The human summary of a multi-task input: the job's tasks and weights, then each task's
+    report under its heading."""
+    lines = [f"multi-task input: {len(report.tasks)} task(s); weights by {report.weights_rule}"]
+    for name in report.tasks:
+        weight = "-" if report.weights is None else f"{report.weights[name]:.3f}"
+        lines.append(f"  {name:<20} weight {weight}")
+    for key, users in report.shared_descriptors.items():
+        lines.append(f"  descriptor {key!r} shared by {', '.join(users)}")
+    for name, task in report.tasks.items():
+        lines += ["", f"=== task {name}", format_check_report(task, rows=rows)]
+    lines.append("")
+    if report.ok:
+        lines.append(f"OK: no problem found in {len(report.tasks)} task(s)")
+    else:
+        count = len(report.problems) + sum(len(r.problems) for r in report.tasks.values())
+        bad = [n for n, r in report.tasks.items() if not r.ok]
+        lines.append(f"{count} problem(s)" + (f" in task(s) {', '.join(bad)}" if bad else ""))
+        lines += [f"  [{p.section}] {p.message}" for p in report.problems]
+    return "\n".join(lines)
+
+
 def config_for_paths(paths: list[str], *, type_map: list[str] | None = None,
                      batch_size: int | str = "auto") -> Config:
     """The configuration ``check`` uses for bare system paths, folders, globs or HDF5 files."""
@@ -109,7 +193,8 @@ def config_for_paths(paths: list[str], *, type_map: list[str] | None = None,
 
 
 def check_input(config: Config, *, deep: bool = False, threads: int = 4,
-                descriptor: Mapping[str, Any] | None = None) -> CheckReport:
+                descriptor: Mapping[str, Any] | None = None,
+                descriptor_path: str = "model.descriptor") -> CheckReport:
     """Check the training and validation data of ``config``; never stops at the first problem.
 
     With the model's ``descriptor`` section, also say per neighbour-list block whether the
@@ -132,7 +217,8 @@ def check_input(config: Config, *, deep: bool = False, threads: int = 4,
         if not any(p.section == name for p in problems):
             _plan(data, metas, section, problems)
         if descriptor is not None and name == "training_data":
-            statistics = statistics_status(metas, descriptor, config.type_map)
+            statistics = statistics_status(metas, descriptor, config.type_map,
+                                           path=descriptor_path)
         if deep:
             for meta in dict.fromkeys(metas):
                 problems.extend(Problem(name, msg, meta.address) for msg in deep_check(meta))
@@ -140,7 +226,8 @@ def check_input(config: Config, *, deep: bool = False, threads: int = 4,
 
 
 def statistics_status(metas: list[SystemMeta], descriptor: Mapping[str, Any],
-                      type_map: tuple[str, ...] | None) -> list[dict[str, Any]]:
+                      type_map: tuple[str, ...] | None, *, path: str = "model.descriptor"
+                      ) -> list[dict[str, Any]]:
     """Per descriptor block: systems, how many have cached neighbour statistics, and the
     estimated seconds (one rank) to compute the others at ``NEIGHBOUR_RATE``."""
     from mdloader.cli.stat import descriptor_blocks
@@ -150,7 +237,7 @@ def statistics_status(metas: list[SystemMeta], descriptor: Mapping[str, Any],
     ntypes = max([len(type_map or ())] + [m.ntypes for m in unique])
     work = sum(m.nframes * m.natoms for m in unique)
     try:
-        blocks = descriptor_blocks(descriptor)
+        blocks = descriptor_blocks(descriptor, path)
     except ConfigError:  # a descriptor mdloader stat does not know: nothing to say
         return []
     rows = []
@@ -225,10 +312,6 @@ def deep_check(meta: SystemMeta) -> list[str]:
     """Every problem found by reading every frame of the system: NaN/inf frames, unreadable or
     short data (:func:`mdloader.data.formats.diagnostics.deep_check`)."""
     return diagnostics.deep_check(meta)
-
-
-#: Rows of a section's table shown by default; ``--all`` (or ``--json``) lists every system.
-TABLE_ROWS = 20
 
 
 def format_check_report(report: CheckReport, *, rows: int | None = TABLE_ROWS) -> str:
@@ -329,10 +412,16 @@ def run(args: argparse.Namespace) -> int:
     """Check, print the report (rank 0); the exit code of :attr:`CheckReport.exit_code`."""
     from mdloader.world import World
 
-    report = check_input(_check_config(args), deep=args.deep, descriptor=_descriptor(args))
+    rows = None if args.all else TABLE_ROWS
+    config = _check_config(args)
+    if isinstance(config, JobConfig):
+        job = check_job(config, deep=args.deep)
+        if World.from_env().is_main:
+            print(job.to_json() if args.json else format_job_report(job, rows=rows))
+        return job.exit_code
+    report = check_input(config, deep=args.deep, descriptor=_descriptor(args))
     if World.from_env().is_main:  # under torchrun, one copy of the report
-        print(report.to_json() if args.json else
-              format_check_report(report, rows=None if args.all else TABLE_ROWS))
+        print(report.to_json() if args.json else format_check_report(report, rows=rows))
     return report.exit_code
 
 
@@ -347,9 +436,10 @@ def _descriptor(args: argparse.Namespace) -> Mapping[str, Any] | None:
     return descriptor if isinstance(descriptor, Mapping) else None
 
 
-def _check_config(args: argparse.Namespace) -> Config:
-    """One ``*.json`` file is an input.json; anything else is a list of system paths."""
-    from mdloader.config.input_json import load_config
+def _check_config(args: argparse.Namespace) -> Config | JobConfig:
+    """One ``*.json`` file is an input.json (single- or multi-task); anything else is a list
+    of system paths."""
+    from mdloader.config.multitask import load_job
 
     inputs = list(args.input)
     if len(inputs) == 1 and inputs[0].endswith(".json") and not os.path.isdir(inputs[0]):
@@ -357,7 +447,7 @@ def _check_config(args: argparse.Namespace) -> Config:
             raise ConfigError("--type-map and --batch-size apply to system paths; an "
                               "input.json gives model.type_map and its batch_size",
                               path="--type-map" if args.type_map is not None else "--batch-size")
-        return load_config(inputs[0])
+        return load_job(inputs[0])
     if any(i.endswith(".json") and os.path.isfile(i) for i in inputs):
         raise ConfigError("give either one input.json or system paths, not both", path="INPUT")
     batch: int | str = int(args.batch_size) if args.batch_size.isdigit() else args.batch_size

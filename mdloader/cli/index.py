@@ -21,7 +21,8 @@ from mdloader.catalog.catalog import catalog_for
 from mdloader.catalog.freshness import check_saved
 from mdloader.catalog.index import index_request, inspect, load
 from mdloader.catalog.index_file import MAGIC, IndexFileError, open_index, read_index
-from mdloader.config.input_json import Config, DataConfig, load_config
+from mdloader.config.input_json import Config, DataConfig
+from mdloader.config.multitask import JobConfig, load_job
 from mdloader.data.formats import backend_of
 from mdloader.fs_calls import Overlap
 from mdloader.settings import resolve
@@ -55,19 +56,20 @@ def run_index(action: str, target: str, *, as_json: bool) -> int:
         rows = inspect_target(target)
         print(format_summaries(rows, as_json))
         return 0 if all(r["state"] == "unchanged" for r in rows) else 1
-    summaries = build_indexes(load_config(target), refresh=action == "refresh",
+    summaries = build_indexes(load_job(target), refresh=action == "refresh",
                               progress=sys.stderr.isatty())
     print(format_summaries(summaries, as_json))
     return 0
 
 
-def build_indexes(config: Config, *, refresh: bool = False,
+def build_indexes(config: Config | JobConfig, *, refresh: bool = False,
                   progress: bool = False) -> list[IndexSummary]:
-    """Describe the systems of every data section and save their indexes (rank 0's job)."""
+    """Describe the systems of every data section and save their indexes (rank 0's job); for
+    a multi-task input, those of :func:`job_index_sections`."""
     out = []
-    for data in _sections(config):
+    for data, type_map in _sections(config):
         start = time.monotonic()
-        catalog = catalog_for(list(data.systems), config.type_map, data.rglob_patterns,
+        catalog = catalog_for(list(data.systems), type_map, data.rglob_patterns,
                               workers=int(resolve("build_workers")), progress=progress,
                               index_file=data.index_file,
                               mode="refresh" if refresh else "check",
@@ -88,10 +90,10 @@ def inspect_target(target: str) -> list[dict[str, Any]]:
     """Header and freshness of an index file, or of every index of an ``input.json``."""
     if _is_index(target):
         return [_inspect_file(target, section=None)]
-    config = load_config(target)
+    config = load_job(target)
     rows = []
-    for data in _sections(config):
-        request = index_request(list(data.systems), data.rglob_patterns, config.type_map,
+    for data, type_map in _sections(config):
+        request = index_request(list(data.systems), data.rglob_patterns, type_map,
                                 data.index_file)
         if not os.path.exists(request.path):
             rows.append(asdict(IndexSummary(data.json_path, request.path, "missing")))
@@ -142,8 +144,20 @@ def format_summaries(rows: list[IndexSummary] | list[dict[str, Any]], as_json: b
     return "\n".join(lines)
 
 
-def _sections(config: Config) -> list[DataConfig]:
-    return [d for d in (config.training_data, config.validation_data) if d is not None]
+def job_index_sections(job: JobConfig) -> list[tuple[DataConfig, tuple[str, ...] | None]]:
+    """The data sections whose indexes a multi-task job reads, each with its type map: every
+    distinct training and validation section of every task, once (two tasks on the same
+    section share its index). ``index build`` and ``index inspect`` of a multi-task input go
+    through this one function, which is where the job's single catalog, over every task's
+    systems, plugs in."""
+    return job.data_sections()
+
+
+def _sections(config: Config | JobConfig) -> list[tuple[DataConfig, tuple[str, ...] | None]]:
+    if isinstance(config, JobConfig):
+        return job_index_sections(config)
+    return [(d, config.type_map) for d in (config.training_data, config.validation_data)
+            if d is not None]
 
 
 def _is_index(path: str) -> bool:

@@ -1,12 +1,12 @@
 """``mdloader stat``: the neighbour statistics of an input.json's training data, before a job.
 
-For each descriptor block of the model section (its ``rcut``, ``sel``, mixed type or not) it
-prints what ``dp --pt train`` will find before step 1: the minimal pair distance
-(``min_nbor_dist``), the most neighbours of each type within ``rcut``, and the ``sel`` DeePMD-kit
-resolves from them (``"auto"``, ``"auto:R"``, or the user's list with its warnings). The
-per-system cache of :mod:`mdloader.loading.statistics` is used and filled, so a later ``dp``
-job reuses the work; ``--refresh`` computes everything again. Under ``torchrun`` the systems
-are shared out over the ranks as in training.
+For each descriptor block of the model section (its ``rcut``, ``sel``, mixed type or not; of
+each task's model for a multi-task input) it prints what ``dp --pt train`` will find before step
+1: the minimal pair distance (``min_nbor_dist``), the most neighbours of each type within
+``rcut``, and the ``sel`` DeePMD-kit resolves from them (``"auto"``, ``"auto:R"``, or the user's
+list with its warnings). The per-system cache of :mod:`mdloader.loading.statistics` is used and
+filled, so a later ``dp`` job reuses the work; ``--refresh`` computes everything again. Under
+``torchrun`` the systems are shared out over the ranks as in training.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mdloader.config.input_json import load_config
+from mdloader.config.input_json import Config
 from mdloader.errors import ConfigError
 
 #: Descriptor types whose neighbour list does not distinguish types (one ``sel``).
@@ -56,38 +56,75 @@ def descriptor_blocks(descriptor: Mapping[str, Any], path: str = "model.descript
 
 
 def run_stat(input_json: str, *, refresh: bool = False, as_json: bool = False) -> int:
-    """Compute (or read from the cache) and print the neighbour statistics; exit code 0."""
+    """Compute (or read from the cache) and print the neighbour statistics; exit code 0.
+
+    A multi-task input gives them per task, each under its own descriptor; statistics are
+    cached per system, so tasks on the same systems compute them once (``--refresh``
+    recomputes each system once per job, not once per task)."""
+    from mdloader.config.multitask import JobConfig, load_job
     from mdloader.distributed.group import current_world
+
+    config = load_job(input_json)
+    if isinstance(config, JobConfig):
+        refreshed: set[Any] = set()
+        tasks = {}
+        for task in config.tasks:
+            descriptor = task.descriptor
+            if descriptor is None:
+                raise ConfigError("the task has no descriptor section",
+                                  path=f"model.model_dict.{task.name}.descriptor")
+            tasks[task.name] = stat_rows(task.config, descriptor, refresh=refresh,
+                                         path=f"model.model_dict.{task.name}.descriptor",
+                                         refreshed=refreshed)
+        if current_world().is_main:
+            print(json.dumps({"tasks": tasks}, indent=2) if as_json else "\n\n".join(
+                f"=== task {name}\n" + format_rows(t["blocks"], t["type_map"], t["systems"])
+                for name, t in tasks.items()))
+        return 0
+    with open(input_json, encoding="utf-8") as fh:
+        raw = json.load(fh)
+    descriptor = raw.get("model", {}).get("descriptor")
+    if not isinstance(descriptor, Mapping):
+        raise ConfigError("no descriptor section", path="model.descriptor")
+    result = stat_rows(config, descriptor, refresh=refresh)
+    if current_world().is_main:
+        print(json.dumps(result, indent=2) if as_json else
+              format_rows(result["blocks"], result["type_map"], result["systems"]))
+    return 0
+
+
+def stat_rows(config: Config, descriptor: Mapping[str, Any], *, refresh: bool = False,
+              path: str = "model.descriptor", refreshed: set[Any] | None = None
+              ) -> dict[str, Any]:
+    """The neighbour statistics of ``config``'s training systems for each block of
+    ``descriptor``: ``{"systems", "type_map", "blocks"}``. With ``refresh``, a (systems,
+    block) already in ``refreshed`` reads the cache that was just refreshed."""
     from mdloader.loading.build import build_systems
     from mdloader.loading.statistics import neighbour_statistics
     from mdloader.stats.neighbours import min_nbor_dist, resolve_sel
 
-    with open(input_json, encoding="utf-8") as fh:
-        raw = json.load(fh)
-    config = load_config(input_json)
-    descriptor = raw.get("model", {}).get("descriptor")
-    if not isinstance(descriptor, Mapping):
-        raise ConfigError("no descriptor section", path="model.descriptor")
-    blocks = descriptor_blocks(descriptor)
+    blocks = descriptor_blocks(descriptor, path)
     type_map = list(config.type_map) if config.type_map else None
     data = config.training_data
     datasets = build_systems(list(data.systems), type_map, rglob_patterns=data.rglob_patterns,
                              index_file=data.index_file, key=data.json_path + ".systems")
     rows = []
     for block in blocks:
+        key = (data.systems, data.rglob_patterns, tuple(type_map or ()), block.rcut,
+               block.mixed_type)
+        again = refresh and (refreshed is None or key not in refreshed)
+        if refreshed is not None and refresh:
+            refreshed.add(key)
         stats = neighbour_statistics(datasets, block.rcut, type_map=type_map,
                                      mixed_type=block.mixed_type,
-                                     mode="refresh" if refresh else None)
+                                     mode="refresh" if again else None)
         sel, warnings = resolve_sel(block.sel, stats)
         rows.append({"block": block.path, "rcut": block.rcut, "mixed_type": block.mixed_type,
                      "min_nbor_dist": min_nbor_dist(stats),
                      "max_neighbours": [int(n) for n in stats.max_neighbours],
                      "sel": sel if not block.mixed_type else int(sum(sel)),
                      "sel_given": block.sel, "warnings": warnings})
-    if current_world().is_main:
-        print(json.dumps({"systems": len(datasets), "type_map": type_map, "blocks": rows},
-                         indent=2) if as_json else format_rows(rows, type_map, len(datasets)))
-    return 0
+    return {"systems": len(datasets), "type_map": type_map, "blocks": rows}
 
 
 def format_rows(rows: Sequence[Mapping[str, Any]], type_map: Sequence[str] | None,

@@ -7,9 +7,10 @@ one :class:`~mdloader.errors.ConfigError` whose ``path`` is the dotted JSON path
 (``training.training_data.batch_size``), whatever dargs called it.
 
 As in DeePMD-kit, every key starting with ``_`` (``_comment``, ...) is dropped before checking.
-Inputs for what mdloader does not serve (multi-task training, TensorFlow-only spin models and
-batch rules) are refused by :func:`~mdloader.config.unsupported.refuse_unsupported` with one
-line naming the feature and its JSON path.
+A multi-task input is read per task by :mod:`mdloader.config.multitask`; here (one
+``Config``) it is refused, as are TensorFlow-only spin models and batch rules, by
+:func:`~mdloader.config.unsupported.refuse_unsupported` with one line naming the feature and
+its JSON path.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from mdloader.sampling.batching import parse_rule
 from mdloader.sampling.probability import check_style
 
 __all__ = ["Config", "DataConfig", "LearningRateConfig", "LossConfig", "load_config",
-           "parse_config", "schema_markdown"]
+           "parse_config", "read_input_json", "schema_markdown"]
 
 _KEY_RE = re.compile(r"key `([^`]+)`")
 
@@ -108,18 +109,23 @@ class Config:
 def load_config(path: str | os.PathLike[str]) -> Config:
     """Read, check and normalise ``input.json``; relative systems resolve against its folder."""
     path = os.fspath(path)
+    data = read_input_json(path)
+    base = os.path.dirname(os.path.abspath(path))
+    return parse_config(data, base_dir=base, source=os.path.abspath(path))
+
+
+def read_input_json(path: str) -> Any:
+    """The parsed JSON of ``path``; a ConfigError naming the file when it cannot be read."""
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except OSError as exc:
         raise ConfigError(f"cannot read the input file {path}: {exc.strerror}") from exc
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} "
                           f"column {exc.colno}") from exc
-    base = os.path.dirname(os.path.abspath(path))
-    return parse_config(data, base_dir=base, source=os.path.abspath(path))
 
 
 def parse_config(data: Any, *, base_dir: str = ".", source: str | None = None) -> Config:

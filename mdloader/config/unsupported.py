@@ -14,12 +14,18 @@ from mdloader.errors import ConfigError
 #: Keys of ``model.spin`` that only DeePMD-kit's TensorFlow spin model reads.
 TF_SPIN_KEYS = ("spin_norm", "virtual_len")
 
+#: Why one single-task configuration (``mdloader train``'s) cannot hold a multi-task input.
+MULTITASK_REFUSED = ("a multi-task input: mdloader train trains one task; train it with "
+                     "`mdloader dp --pt train` (mdloader check, stat, index and bench read "
+                     "it per task)")
+
 
 def refuse_unsupported(data: dict) -> None:
     """Raise one ConfigError naming the first feature of ``data`` that mdloader does not serve.
 
-    Multi-task training (``model.model_dict``, ``training.data_dict``); a TensorFlow spin model
-    (``model.spin`` with ``spin_norm``/``virtual_len``: its data put virtual spin atoms in
+    Multi-task training (``model.model_dict``, ``training.data_dict``: one ``Config`` is one
+    task; :mod:`mdloader.config.multitask` reads such an input as its tasks); a TensorFlow spin
+    model (``model.spin`` with ``spin_norm``/``virtual_len``: its data put virtual spin atoms in
     ``type.raw``, while DeePMD-kit's PyTorch backend reads ``spin.npy``); the TensorFlow-only
     ``mixed:N`` batch rule.
     """
@@ -27,7 +33,7 @@ def refuse_unsupported(data: dict) -> None:
     for path, section, key in (("model.model_dict", model, "model_dict"),
                                ("training.data_dict", training, "data_dict")):
         if key in section:
-            raise ConfigError("multi-task training is not supported by mdloader", path=path)
+            raise ConfigError(MULTITASK_REFUSED, path=path)
     spin = _section(model, "spin")
     tf_keys = [k for k in TF_SPIN_KEYS if k in spin]
     if tf_keys:
