@@ -5,7 +5,9 @@ pulls N batches through the outer ``DataLoader`` with the stateful weighted samp
 labels the training job requests. Reported per rank: the build phases (discovery, build, broadcast)
 and the broadcast bytes from :class:`~mdloader.loading.build.BuildReport`, the time to the first
 batch (worker start-up), batches/frames/atoms per second after the first batch, and the peak
-resident memory of the rank and of its DataLoader workers. Rows are gathered on rank 0.
+resident memory of the rank and of its DataLoader workers. Rows are gathered on rank 0. A
+multi-task input is benched task by task (each task's own loader), not as the job's mix of tasks,
+which depends on the task schedule of the trainer.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from mdloader.world import World
 
 if TYPE_CHECKING:
     from mdloader.config.input_json import Config
+    from mdloader.config.multitask import JobConfig
     from mdloader.loading.stateful_loader import StatefulLoader
 
 #: Labels read as the training job reads them, but optional: bench also runs on unlabeled data.
@@ -54,6 +57,23 @@ def run_bench(config: Config, *, batches: int = 200, num_workers: int | None = N
     with process_group() as world:
         row = bench_rank(config, world, batches=batches, num_workers=num_workers)
         return gather_to_main(row)
+
+
+def run_job_bench(job: JobConfig, *, batches: int = 200, num_workers: int | None = None
+                  ) -> dict[str, list[dict[str, Any]]] | None:
+    """Bench each task of a multi-task input in turn, as its own loader (each task has its
+    own stream and loader in the job); every rank's rows per task on rank 0."""
+    from mdloader.distributed.collectives import gather_to_main
+    from mdloader.distributed.group import process_group
+
+    out: dict[str, list[dict[str, Any]]] = {}
+    with process_group() as world:
+        for task in job.tasks:
+            rows = gather_to_main(bench_rank(task.config, world, batches=batches,
+                                             num_workers=num_workers))
+            if rows is not None:
+                out[task.name] = rows
+    return out if world.is_main else None
 
 
 def bench_rank(config: Config, world: World, *, batches: int, num_workers: int | None
@@ -148,6 +168,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     """``mdloader bench``'s parser."""
     p = sub.add_parser("bench", parents=[common], help="time the loader on an input.json",
                        description="Build the loader as training would and pull N batches "
+                       "(per task, one task after the other, for a multi-task input) "
                        "through the outer DataLoader; report per rank. The rates count from the "
                        "first batch on; first_s, the wait for it, is mostly the start-up of the "
                        "DataLoader workers.")
@@ -162,10 +183,16 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 def run(args: argparse.Namespace) -> int:
     """Bench; rank 0 prints every rank's row."""
-    from mdloader.config.input_json import load_config
+    from mdloader.config.multitask import JobConfig, load_job
 
-    rows = run_bench(load_config(args.input), batches=args.batches,
-                     num_workers=args.num_workers)
+    config = load_job(args.input)
+    if isinstance(config, JobConfig):
+        tasks = run_job_bench(config, batches=args.batches, num_workers=args.num_workers)
+        if tasks is not None:
+            print(json.dumps(tasks, indent=2) if args.json else "\n\n".join(
+                f"=== task {name}\n" + format_bench_rows(rows) for name, rows in tasks.items()))
+        return 0
+    rows = run_bench(config, batches=args.batches, num_workers=args.num_workers)
     if rows is not None:  # rank 0 only: the gathered rows of every rank
         print(format_bench_rows(rows, as_json=args.json))
     return 0

@@ -69,12 +69,13 @@ class JobConfig:
         return tuple(t.name for t in self.tasks)
 
     def shared_descriptors(self) -> dict[str, tuple[str, ...]]:
-        """Each ``shared_dict`` descriptor and the tasks that share it (two or more)."""
+        """Each ``shared_dict`` descriptor (or hybrid item) and the tasks that share it (two
+        or more)."""
         users: dict[str, list[str]] = {}
         for task in self.tasks:
-            key = task.shared.get("descriptor")
-            if key is not None:
-                users.setdefault(key, []).append(task.name)
+            for item, key in task.shared.items():
+                if item.split(".", 1)[0] == "descriptor" and task.name not in users.get(key, []):
+                    users.setdefault(key, []).append(task.name)
         return {k: tuple(v) for k, v in users.items() if len(v) > 1}
 
     def weights(self, *, nsystems: Mapping[str, int] | None = None,

@@ -211,9 +211,9 @@ BAD_CASES = [
      r"^training\.numb_steps: given more than once, as numb_steps and stop_batch$"),
     ("training.numb_epoch", 2,
      r"^training\.numb_steps: numb_steps and numb_epoch are mutually exclusive"),
-    ("training.data_dict", {}, r"^training\.data_dict: multi-task training is not supported "
-     r"by mdloader$"),
-    ("model.model_dict", {}, r"^model\.model_dict: multi-task training is not supported"),
+    ("training.data_dict", {}, r"^training\.data_dict: a multi-task input: mdloader train "
+     r"trains one task; train it with `mdloader dp --pt train`"),
+    ("model.model_dict", {}, r"^model\.model_dict: a multi-task input: mdloader train"),
     ("model.spin", {"use_spin": [True, False], "spin_norm": [1.27], "virtual_len": [0.4]},
      r"^model\.spin\.spin_norm: TensorFlow spin models \(virtual spin atoms in type\.raw\) are "
      r"not supported by mdloader"),

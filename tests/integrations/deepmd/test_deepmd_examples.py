@@ -30,12 +30,17 @@ ACCEPTED = ["water/se_e2_a/input.json", "water/linear/input.json",
 REFUSED = {
     "nopbc/mixed/input.json":
         "training.training_data.batch_size: the batch-size rule 'mixed:4' is TensorFlow-only",
-    "water_multi_task/pytorch_example/input_torch.json":
-        "model.model_dict: multi-task training is not supported by mdloader",
     "spin/se_e2_a/input_tf.json":
         "model.spin.spin_norm: TensorFlow spin models (virtual spin atoms in type.raw) are not "
         "supported by mdloader",
 }
+
+
+MULTITASK = ["water_multi_task/pytorch_example/input_torch.json",
+             "water_multi_task/pytorch_example/input_torch_num_epoch_dict.json",
+             "water_multi_task/pytorch_example/input_torch_sharefit.json",
+             "water_multi_task/pytorch_example/input_torch_with_alias.json",
+             "water/dpa4/input_multitask.json"]
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +58,22 @@ def test_supported_example_inputs_pass(examples: Path, name: str,
     assert "_comment" in (examples / name).read_text()  # DeePMD-kit drops them; so must we
     assert main(["check", str(examples / name)]) == 0, capsys.readouterr()
     assert capsys.readouterr().out.rstrip().endswith("OK: no problem found")
+
+
+@pytest.mark.parametrize("name", MULTITASK)
+def test_multitask_example_inputs_report_every_task(examples: Path, name: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    tasks = list(json.loads((examples / name).read_text())["model"]["model_dict"])
+    assert main(["check", str(examples / name), "--json"]) == 0, capsys.readouterr()
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["tasks"]) == tasks and report["ok"]
+    assert sum(report["weights"].values()) == pytest.approx(1.0)
+    for task in report["tasks"].values():
+        assert task["sections"]["training_data"]["totals"]["systems"] == 3
+    assert main(["check", str(examples / name)]) == 0
+    out = capsys.readouterr().out
+    assert all(f"=== task {t}" in out for t in tasks)
+    assert out.rstrip().endswith(f"OK: no problem found in {len(tasks)} task(s)")
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
