@@ -60,7 +60,7 @@ def run_stat(input_json: str, *, refresh: bool = False, as_json: bool = False) -
 
     A multi-task input gives them per task, each under its own descriptor; statistics are
     cached per system, so tasks on the same systems compute them once (``--refresh``
-    recomputes each system once per job, not once per task)."""
+    recomputes a training section shared by several tasks once)."""
     from mdloader.config.multitask import JobConfig, load_job
     from mdloader.distributed.group import current_world
 
