@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -228,6 +229,23 @@ def test_example_input_json_is_accepted_by_deepmd_kit() -> None:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.split()[-1]) > 0
+
+
+def test_multitask_example_trains_under_mdloader_dp(tmp_path: Path) -> None:
+    """``examples/water/multitask.json`` (two heads sharing a descriptor) trains its few steps
+    with DeePMD-kit's trainer under ``mdloader dp``, every head in ``lcurve.out``."""
+    python = require_deepmd_python()
+    shutil.copy(REPO / "examples" / "water" / "multitask.json", tmp_path / "multitask.json")
+    (tmp_path / "data").symlink_to(REPO / "examples" / "water" / "data")
+    env = dict(_env(), MDLOADER_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([python, "-m", "mdloader", "dp", "--pt", "train", "multitask.json"],
+                         cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, timeout=COMMAND_TIMEOUT)
+    assert out.returncode == 0, out.stdout[-4000:]
+    rows = (tmp_path / "lcurve.out").read_text().splitlines()
+    assert "rmse_trn_water_a" in rows[0] and "rmse_trn_water_b" in rows[0]
+    assert [r.split()[0] for r in rows if not r.startswith("#")] == ["1", "2", "4"]
+    assert (tmp_path / "model.ckpt-4.pt").exists()
 
 
 # -- running commands ----------------------------------------------------------------------
