@@ -331,9 +331,11 @@ def schema_markdown() -> str:
             "its data sections; DeePMD-kit 3.2's other keys of these sections (descriptor, "
             "fitting net, optimizer, ...) are accepted and passed through unread, and the "
             "sections mdloader does not read (`model.descriptor`, `optimizer`, `validating`, "
-            "`nvnmd`, ...) unchecked, so a complete DeePMD-kit input.json is accepted. Inputs "
-            "for what mdloader does not serve are refused in one line naming the key: "
-            "multi-task training (`model.model_dict`, `training.data_dict`), TensorFlow spin "
-            "models (`model.spin.spin_norm`, `model.spin.virtual_len`) and the TensorFlow-only "
-            "batch rule `mixed:N`.")
+            "`nvnmd`, ...) unchecked, so a complete DeePMD-kit input.json is accepted. A "
+            "multi-task input (`model.model_dict`, `training.data_dict`) is read per task: "
+            "each task's data sections are checked as the sections above (see Multi-task "
+            "training); `mdloader train` refuses it. Inputs for what mdloader does not serve "
+            "are refused in one line naming the key: TensorFlow spin models "
+            "(`model.spin.spin_norm`, `model.spin.virtual_len`) and the TensorFlow-only batch "
+            "rule `mixed:N`.")
     return "\n".join(head + _rows(input_schema(), "")) + "\n\n" + note + "\n"
