@@ -153,7 +153,7 @@ def check_job(job: JobConfig, *, deep: bool = False, threads: int = 4) -> JobChe
             nbatches[name] = training["batches"]
     problems: list[Problem] = []
     weights = None
-    if job.model_prob or len(nbatches) == len(reports):
+    if not job.num_epoch_dict or job.model_prob or len(nbatches) == len(reports):
         try:
             weights = job.weights(nsystems=nsystems, nbatches=nbatches)
         except ConfigError as exc:
