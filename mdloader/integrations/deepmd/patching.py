@@ -26,6 +26,11 @@ from mdloader.integrations.deepmd.systems import (
     neighbour_stat_data,
     not_lmdb,
 )
+from mdloader.integrations.deepmd.training import (
+    SCHEDULED_TASKS,
+    recording_step_schedule,
+    scheduled_trainer_run,
+)
 from mdloader.loading.loader import get_sampler_from_params, get_weighted_sampler
 
 log = logging.getLogger(__name__)
@@ -59,6 +64,11 @@ def patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
         (TRAINING, "get_sampler_from_params"): get_sampler_from_params,
         (TRAINING, "Trainer._run_stat_on_chief"): mdloader_run_stat_on_chief(
             _original(mods, TRAINING, "Trainer._run_stat_on_chief")),
+        (TRAINING, "dp_random"): SCHEDULED_TASKS,
+        (TRAINING, "resolve_step_schedule"): recording_step_schedule(
+            _original(mods, TRAINING, "resolve_step_schedule")),
+        (TRAINING, "Trainer.run"): scheduled_trainer_run(
+            _original(mods, TRAINING, "Trainer.run")),
     }
     import torch
 
