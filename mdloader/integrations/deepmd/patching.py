@@ -121,9 +121,10 @@ def install() -> None:
     """
     mods = seam.check()
     for (module, name), value in patches(mods).items():
+        if (module, name) in _saved:  # installed already: what is bound now stays (a wrap
+            continue                  # made after the first install keeps its place)
         owner, attr = owner_of(mods[module], name)
-        if (module, name) not in _saved:
-            _saved[(module, name)] = owner.__dict__[attr]
+        _saved[(module, name)] = owner.__dict__[attr]
         setattr(owner, attr, value)
     if not _saved_logger:
         _route_logs_to_deepmd()
