@@ -119,3 +119,22 @@ def test_same_task_on_every_rank_on_request(tmp_path: Path) -> None:
     job = multitask_job(tmp_path, {"numb_steps": 6, "model_prob": {"a": 0.5, "b": 0.5}})
     ranks = _train(job, 2, MDLOADER_TASK_DRAW="same")
     assert ranks[0]["tasks"] == ranks[1]["tasks"]
+
+
+def test_schedule_of_reads_deepmd_kit_training_section(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mdloader.errors import ConfigError, MdloaderError
+    from mdloader.integrations.deepmd.training import ScheduledTasks, schedule_of
+
+    monkeypatch.delenv("MDLOADER_TASK_DRAW", raising=False)
+    drawn = schedule_of({"seed": 7}, [0.25, 0.75], 10)
+    assert (drawn.seed, drawn.window, drawn.same_task_across_ranks) == (7, 0, False)
+    exact = schedule_of({"seed": None, "num_epoch_dict": {"a": 1, "b": 1}}, [0.6, 0.4], 5)
+    assert (exact.seed, exact.window) == (0, 5)
+    assert exact.counts(0, 0, 5).tolist() == [3, 2]
+    monkeypatch.setenv("MDLOADER_TASK_DRAW", "same")
+    assert schedule_of({"seed": 7}, [0.5, 0.5], 4).same_task_across_ranks
+    monkeypatch.setenv("MDLOADER_TASK_DRAW", "both")
+    with pytest.raises(ConfigError, match="MDLOADER_TASK_DRAW"):
+        schedule_of({"seed": 7}, [0.5, 0.5], 4)
+    with pytest.raises(MdloaderError, match="outside Trainer.run"):
+        ScheduledTasks().choice(2, p=[0.5, 0.5])
