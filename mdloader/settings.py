@@ -67,6 +67,11 @@ SETTINGS: dict[str, Setting] = {
         "MDLOADER_STOP_CHECK_STEPS", lambda: 10, int, 1, "step",
         "How often the ranks of `mdloader train` exchange a stop flag (SIGTERM, SIGUSR1): "
         "every this many steps; the checkpoint comes at most this many steps after the signal."),
+    "task_draw": Setting(
+        "MDLOADER_TASK_DRAW", lambda: "per-rank", str, None, "mode",
+        "How `mdloader dp` picks the task of each multi-task step: each rank its own draw "
+        "(per-rank, DeePMD-kit's rule) or the same task on every rank (same).",
+        choices=("per-rank", "same")),
     "build_workers": Setting(
         "MDLOADER_BUILD_WORKERS", lambda: 32, int, 1, "thread",
         "Most threads rank 0 uses to walk the tree, describe systems and check an index when "

@@ -26,6 +26,11 @@ from mdloader.integrations.deepmd.systems import (
     neighbour_stat_data,
     not_lmdb,
 )
+from mdloader.integrations.deepmd.training import (
+    SCHEDULED_TASKS,
+    recording_step_schedule,
+    scheduled_trainer_run,
+)
 from mdloader.loading.loader import get_sampler_from_params, get_weighted_sampler
 
 log = logging.getLogger(__name__)
@@ -59,6 +64,11 @@ def patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
         (TRAINING, "get_sampler_from_params"): get_sampler_from_params,
         (TRAINING, "Trainer._run_stat_on_chief"): mdloader_run_stat_on_chief(
             _original(mods, TRAINING, "Trainer._run_stat_on_chief")),
+        (TRAINING, "dp_random"): SCHEDULED_TASKS,
+        (TRAINING, "resolve_step_schedule"): recording_step_schedule(
+            _original(mods, TRAINING, "resolve_step_schedule")),
+        (TRAINING, "Trainer.run"): scheduled_trainer_run(
+            _original(mods, TRAINING, "Trainer.run")),
     }
     import torch
 
@@ -111,9 +121,10 @@ def install() -> None:
     """
     mods = seam.check()
     for (module, name), value in patches(mods).items():
+        if (module, name) in _saved:  # installed already: what is bound now stays (a wrap
+            continue                  # made after the first install keeps its place)
         owner, attr = owner_of(mods[module], name)
-        if (module, name) not in _saved:
-            _saved[(module, name)] = owner.__dict__[attr]
+        _saved[(module, name)] = owner.__dict__[attr]
         setattr(owner, attr, value)
     if not _saved_logger:
         _route_logs_to_deepmd()

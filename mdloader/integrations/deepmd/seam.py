@@ -72,6 +72,13 @@ SEAM: tuple[SeamName, ...] = (
     SeamName(TRAINING, "get_sampler_from_params", "patch", "mdloader's stateful sampler"),
     SeamName(TRAINING, "Trainer._run_stat_on_chief", "wrap",
              "input statistics in shares before rank 0's own action (no public hook)"),
+    SeamName(TRAINING, "dp_random", "patch",
+             "the task of each multi-task step from mdloader's schedule: a function of (seed, "
+             "step, rank), unlike the unseeded global generator"),
+    SeamName(TRAINING, "resolve_step_schedule", "wrap",
+             "records the training section (seed, `num_epoch_dict`) for the task schedule"),
+    SeamName(TRAINING, "Trainer.run", "wrap",
+             "sets the task schedule at the trainer's first step (`start_step` on a restart)"),
     SeamName(TRAINING, "torch", "patch", "CPU only: `torch.cuda.set_device` does nothing"),
     SeamName(TRAINING, "DDP", "patch", "CPU only: DDP without `device_ids`"),
     SeamName(TRAINING, "open_stat_file", "patch",
