@@ -11,13 +11,16 @@ The walk. A folder holding ``type.raw`` is a system. The roots of all entries ar
 together, one listing per folder and no ``stat`` per entry: each folder is listed once, even
 when it lies below several roots, and a system's listing is kept, so that describing it does
 not list it again. All folders of a level are listed together, in threads when the first
-listings waited on the file system (:mod:`mdloader.fs_calls`). The walk descends neither into
-symbolic links to folders (as ``os.walk``) nor into the ``set.*`` folders of a system: they
-hold frames. The one difference this makes: a ``type.raw`` *inside* a system's ``set.*`` folder
-is no longer taken for a system (DeePMD-kit's ``rglob`` would take it; such a tree mixes a set
-and a system). Systems nested in a system's other subfolders are found. Given the folders of an
-earlier walk that have not changed since (:class:`KnownTree`), the walk lists only the others:
-an unchanged folder has the same entries, hence the same subfolders.
+listings waited on the file system (:mod:`mdloader.fs_calls`). A symbolic link to a folder is
+followed as DeePMD-kit's ``Path.rglob`` follows it: the linked folder is a system when it holds
+``type.raw``, and the walk does not descend below it (so a link loop ends there; a link that
+cannot be resolved is ignored with a warning). The walk does not descend into the ``set.*``
+folders of a system: they hold frames. The one difference this makes: a ``type.raw``
+*inside* a system's ``set.*`` folder is no longer taken for a system (DeePMD-kit's ``rglob``
+would take it; such a tree mixes a set and a system). Systems nested in a system's other
+subfolders are found. Given the folders of an earlier walk that have not changed since
+(:class:`KnownTree`), the walk lists only the others: an unchanged folder has the same entries,
+hence the same subfolders.
 
 An entry that a storage format holds as a file or a database (an HDF5 file, an LMDB database:
 a path ending in ``.lmdb`` or a folder holding ``data.mdb``) is expanded by its format
@@ -214,19 +217,23 @@ def walk(roots: Sequence[str], patterns: Sequence[str] | None, overlap: Overlap,
     level = list(dict.fromkeys((root, i) for i, root in enumerate(roots)))
     seen = set(level)
     walked: dict[str, bool] = {}
+    links: set[str] = set()  # looked at, not descended into
     while level:
         todo = list(dict.fromkeys(f for f, _ in level if f not in known.unchanged
                                   and f not in listed))
         listed.update(zip(todo, overlap.map(_listing_or_none, todo)))
         below = []
         for folder, i in level:
-            is_system, children = _entries(folder, listed, known)
+            is_system, children, linked = _entries(folder, listed, known)
             if is_system is None:
                 continue
             walked[folder] = is_system
             if is_system and matches(os.path.relpath(folder, roots[i]), patterns):
                 found[i].add(folder)
-            for child in children:
+            if folder in links:
+                continue
+            links.update(linked)
+            for child in children + linked:
                 if (child, i) not in seen:
                     seen.add((child, i))
                     below.append((child, i))
@@ -235,16 +242,18 @@ def walk(roots: Sequence[str], patterns: Sequence[str] | None, overlap: Overlap,
     return Walk([sorted(systems) for systems in found], listings, walked)
 
 
-def _entries(folder: str, listed: dict[str, Listing | None],
-             known: KnownTree) -> tuple[bool | None, list[str]]:
-    """(is it a system? -- ``None`` when it cannot be listed, subfolders to walk)."""
+def _entries(folder: str, listed: dict[str, Listing | None], known: KnownTree
+             ) -> tuple[bool | None, list[str], list[str]]:
+    """(is it a system? -- ``None`` when it cannot be listed, subfolders to walk, links to
+    folders to look at without walking below them)."""
     if folder not in listed:  # unchanged since the known walk: same entries
-        return known.walked[folder], known.children(folder)
+        return known.walked[folder], known.children(folder), []
     listing = listed[folder]
     if listing is None:
-        return None, []
-    is_system, subfolders = folder_walk().walk_step(listing)
-    return is_system, [os.path.join(folder, d) for d in subfolders]
+        return None, [], []
+    is_system, subfolders, linked = folder_walk().walk_step(listing)
+    return (is_system, [os.path.join(folder, d) for d in subfolders],
+            [os.path.join(folder, d) for d in linked])
 
 
 def _listing_or_none(folder: str) -> Listing | None:

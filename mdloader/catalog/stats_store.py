@@ -13,7 +13,10 @@ Entries are files ``<folder>/<stamp[:2]>/<stamp>/<key>.mdlstat``
 (:func:`mdloader.persist.write_atomic`), so ranks writing their own shares on a shared file
 system never see a partial entry; reading one marks it used (:func:`mdloader.persist.mark_used`),
 for ``mdloader cache prune --older-than``. An entry removed meanwhile (by ``mdloader cache
-prune``) is simply computed again. The store holds bytes; what they mean is
+prune``) is simply computed again. An entry that cannot be read or saved (the folder is a file,
+read-only, full) costs nothing but time; the failures are counted by cause and reported once a
+pass, one line per cause with the count (:meth:`StatsStore.report_failures`), never one line per
+entry. The store holds bytes; what they mean is
 :mod:`mdloader.stats.cache`'s.
 """
 
@@ -30,6 +33,12 @@ from mdloader.persist import file_stamp, mark_used, write_atomic
 log = logging.getLogger(__name__)
 
 SUFFIX = ".mdlstat"
+
+#: (folder, action, cause) already reported by this process: later passes do not repeat them.
+_REPORTED: set[tuple[str, str, str]] = set()
+
+_CONSEQUENCE = {"read": "they are computed again",
+                "saved": "the statistics stand, and are computed again at the next start"}
 
 
 def _stat_line(path: str) -> str:
@@ -70,6 +79,24 @@ class StatsStore:
 
     def __init__(self, folder: str | None) -> None:
         self.folder = folder
+        self.failures: dict[tuple[str, str], list[str]] = {}
+
+    def _failed(self, action: str, path: str, exc: OSError) -> None:
+        cause = os.strerror(exc.errno) if exc.errno else type(exc).__name__
+        self.failures.setdefault((action, cause), []).append(path)
+
+    def report_failures(self) -> None:
+        """One warning per cause of the entries that could not be read or saved since the last
+        report, with their count and one of them; a cause this process reported before is not
+        repeated (it is logged at debug level)."""
+        for (action, cause), paths in self.failures.items():
+            reported = (str(self.folder), action, cause)
+            level = logging.DEBUG if reported in _REPORTED else logging.WARNING
+            _REPORTED.add(reported)
+            entries = "1 entry" if len(paths) == 1 else f"{len(paths)} entries"
+            log.log(level, "statistics cache %s: %s cannot be %s (%s; e.g. %s): %s", self.folder,
+                    entries, action, cause, paths[0], _CONSEQUENCE[action])
+        self.failures.clear()
 
     def path(self, stamp: str, key: str) -> str:
         """Where the entry ``key`` of the system stamped ``stamp`` is kept."""
@@ -87,18 +114,17 @@ class StatsStore:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            log.warning("statistics cache entry %s cannot be read (%s): computing it again",
-                        path, exc)
+            self._failed("read", path, exc)
             return None
         return payload
 
     def put(self, stamp: str, key: str, payload: bytes) -> None:
         """Write an entry atomically, not flushed to disk (an entry lost in a crash is computed
-        again); a failure costs one warning (the statistics stand)."""
+        again); a failure is counted for :meth:`report_failures` (the statistics stand)."""
         if self.folder is None:
             return
         target = self.path(stamp, key)
         try:
             write_atomic(target, payload, durable=False)
         except OSError as exc:
-            log.warning("statistics cache entry %s cannot be saved (%s)", target, exc)
+            self._failed("saved", target, exc)

@@ -6,6 +6,11 @@ does not set it; here the world size decides.
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -101,10 +106,62 @@ def subgroup(ranks: list[int]) -> Any:
     return dist.new_group(sorted(ranks), use_local_synchronization=True)
 
 
+#: Signals that end a rank still joining the group: nothing has started, nothing is to be saved.
+JOINING_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+@contextmanager
+def stop_while_joining(rank: int) -> Iterator[None]:
+    """Within, a stop signal ends the process at once with one line and exit code 128 + signal.
+
+    Joining the group blocks in torch's C++ rendezvous, where Python signal handlers do not run:
+    a SIGTERM (torchrun's, after it lost a peer or was told to stop) was only honoured once the
+    rank that starts the store had joined, or at torchrun's SIGKILL 30 s later. The signal's
+    C-level handler writes to a wakeup file descriptor even then, and a thread reading it ends
+    the rank. Outside the main thread, or for signals left at their default action, it does
+    nothing (a default SIGTERM already ends the process).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    joined = threading.Event()
+    start = time.monotonic()
+
+    def watch() -> None:
+        while not joined.is_set():
+            data = os.read(read_end, 1)
+            if joined.is_set() or not data:
+                return
+            if data[0] in JOINING_STOP_SIGNALS:
+                name = signal.Signals(data[0]).name
+                os.write(2, (f"mdloader: rank {rank} stopped by {name} while joining the process"
+                             f" group ({time.monotonic() - start:.1f} s after it began to wait): "
+                             "nothing had started, nothing to save\n").encode())
+                sys.stderr.flush()
+                os._exit(128 + data[0])
+
+    watcher = threading.Thread(target=watch, name="mdloader-join-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        joined.set()
+        signal.set_wakeup_fd(previous)
+        os.write(write_end, b"\0")
+        watcher.join(timeout=1.0)
+        os.close(write_end)
+        os.close(read_end)
+
+
 def init_from_env() -> World:
     """Start the default group when ``WORLD_SIZE`` > 1 and none runs; return this rank's world.
 
-    NCCL when CUDA is available, else gloo, with the timeout ``$MDLOADER_GROUP_TIMEOUT``.
+    NCCL when CUDA is available, else gloo, with the timeout ``$MDLOADER_GROUP_TIMEOUT`` (a
+    rank that starts late is waited for; a stop signal while waiting ends the rank at once,
+    :func:`stop_while_joining`).
     DeePMD-kit keys on ``LOCAL_RANK`` and silently runs W serial trainings under a launcher that
     does not set it; here the world size decides.
     """
@@ -113,8 +170,9 @@ def init_from_env() -> World:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(world.local_rank)
-        dist.init_process_group(backend=backend,
-                                timeout=timedelta(seconds=resolve("group_timeout")))
+        with stop_while_joining(world.rank):
+            dist.init_process_group(backend=backend,
+                                    timeout=timedelta(seconds=resolve("group_timeout")))
     return current_world() if dist.is_initialized() else world
 
 

@@ -118,6 +118,7 @@ def sharded_pass(datasets: Sequence[Any], kind: str, settings: Mapping[str, Any]
         if not isinstance(exc, MdloaderError) and dataset is not None:  # a bug: say where
             exc.add_note(f"while computing the {kind} statistics of {dataset.meta.address}")
         error = exc
+    store.report_failures()
     gathered = gather_from_every_rank((parts, cached), error, context=f"{kind} statistics")
     ordered = sorted((p for rank_parts, _ in gathered for p in rank_parts), key=lambda p: p[0])
     results = [cache.loads(payload) for _, payload in ordered]

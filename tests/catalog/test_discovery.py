@@ -3,6 +3,7 @@ walk, HDF5 aware."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from mdloader.catalog.discover import discover, discover_systems
 from mdloader.data.system import build_system_meta
 from mdloader.errors import ConfigError, NoSystemsFoundError
 from mdloader.testing import make_system
+from tests.support.deepmd_env import require_deepmd_python
 
 
 @pytest.fixture
@@ -168,9 +170,9 @@ def test_systems_nested_in_a_system_are_found_but_set_folders_are_not_walked(tmp
     assert os.path.join("outer", "more", "inner", "sub") in walked
 
 
-def test_links_to_folders_are_not_followed_but_linked_sets_are_read(tmp_path):
+def test_links_to_folders_are_not_descended_into_but_linked_sets_are_read(tmp_path):
     real = make_system(tmp_path / "data", "real", nframes=2)
-    os.symlink(tmp_path / "data", tmp_path / "link")  # a link below the root: not walked
+    os.symlink(tmp_path / "data", tmp_path / "link")  # a link below the root: not walked below
     linked_set = make_system(tmp_path / "data", "linked", nframes=3)
     os.rename(os.path.join(linked_set, "set.000"), tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", os.path.join(linked_set, "set.000"))
@@ -209,3 +211,43 @@ def test_a_busy_cpu_alone_does_not_look_like_a_slow_disk():
     assert not waiting_but_rare.io_bound
     assert (fast.threads(32), slow.threads(32), slow.threads(3), slow.threads(1)) == (1, 5, 3, 1)
     assert overlap.Measurement(wall=1.0, in_calls=0.99, calls=100).threads(32) == 32
+
+
+def _linked_tree(tmp_path):
+    """A data root mixing folders and links: to a system, to a folder of systems, to a folder
+    holding a link, into an ancestor, to itself, a link loop, and a root that is only a link."""
+    ext = tmp_path / "ext"
+    for name in ["b", "c/d", "e/f"]:
+        make_system(ext, name, nframes=2)
+    root = tmp_path / "root"
+    make_system(root, "a", nframes=2)
+    make_system(root, "g/h", nframes=2)
+    links = {"root/lb": "ext/b", "root/lc": "ext/c", "root/lext": "ext", "root/g/le": "ext/e",
+             "root/a/up": "root", "root/g/back": "root/g", "root/self": "root/self",
+             "root/g/x": "root/g/y", "root/g/y": "root/g/x", "ext/c/lf": "ext/e/f",
+             "only/link": "ext/b", "root/a/set.001": "ext/b/set.000"}
+    (tmp_path / "only").mkdir()
+    for link, target in links.items():
+        os.symlink(tmp_path / target, tmp_path / link)
+    return tmp_path
+
+
+@pytest.mark.parametrize("patterns", [None, ["*"], ["l*"]])
+def test_links_to_system_folders_are_followed_as_deepmd_process_systems_follows_them(
+        tmp_path, patterns, caplog):
+    """The systems DeePMD-kit 3.2's ``process_systems`` finds on a tree mixing links and
+    folders, run in its own interpreter; loops are ignored with a warning."""
+    python = require_deepmd_python()
+    tree = _linked_tree(tmp_path)
+    entries = [str(tree / "root"), str(tree / "only")]
+    script = ("import json, sys\nfrom deepmd.utils.data_system import process_systems\n"
+              "print(json.dumps(process_systems(json.loads(sys.argv[1]), "
+              "json.loads(sys.argv[2]))))")
+    out = subprocess.run([python, "-c", script, json.dumps(entries), json.dumps(patterns)],
+                         capture_output=True, text=True, timeout=300, check=True)
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    with caplog.at_level("WARNING"):
+        ours = discover_systems(entries, patterns)
+    assert sorted(set(ours)) == sorted(set(theirs))
+    assert str(tree / "root" / "lb") in ours and str(tree / "only" / "link") in ours
+    assert str(tree / "root" / "self") in caplog.text

@@ -3,6 +3,7 @@ the per-system cache (hit, miss, stale, refresh, off) and failures as one line o
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -217,3 +218,32 @@ def test_input_statistics_of_chosen_frames_share_the_all_frames_cache(tmp_path: 
         assert sorted(computed) == sorted((systems[i], None) for i in chosen)  # the rest: cached
     finally:
         st.system_env_sums = real
+
+
+@pytest.mark.parametrize("cause", ["a file", "read-only"])
+def test_a_cache_that_cannot_be_written_costs_one_line_per_cause(tmp_path: Path, cause,
+                                                                 caplog) -> None:
+    """20 systems, two settings: one warning per cause with the count, not one per entry."""
+    systems = [make_system(tmp_path / "d", f"s{i:02d}", natoms=5, nframes=2, seed=i)
+               for i in range(20)]
+    cache = tmp_path / "cache"
+    if cause == "a file":
+        cache.write_text("not a folder")
+    else:
+        cache.mkdir()
+        cache.chmod(0o500)
+        if os.access(cache, os.W_OK):
+            pytest.skip("running as root: a read-only folder is still writable")
+    datasets = [DeepmdDataSetForLoader(s, TYPE_MAP) for s in systems]
+    try:
+        with caplog.at_level("WARNING"):
+            for rcut in (3.0, 4.0):
+                neighbour_statistics(datasets, rcut, type_map=TYPE_MAP, mixed_type=False,
+                                     folder=str(cache), mode="check")
+    finally:
+        if cause == "read-only":
+            cache.chmod(0o700)
+    lines = [r.getMessage() for r in caplog.records if "statistics cache" in r.getMessage()]
+    assert lines and len(lines) <= 2, lines  # one per cause (a file: reading and saving)
+    assert any("20 entries cannot be saved" in line for line in lines), lines
+    assert all(str(cache) in line for line in lines)

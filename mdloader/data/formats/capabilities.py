@@ -44,8 +44,9 @@ class FolderWalk(Protocol):
     def list_folder(self, path: str) -> Listing:
         """(file names, folder names, folders that are links) of a folder the walk visits."""
 
-    def walk_step(self, listing: Listing) -> tuple[bool, list[str]]:
-        """(is the listed folder a system?, names of its subfolders the walk descends into)."""
+    def walk_step(self, listing: Listing) -> tuple[bool, list[str], list[str]]:
+        """(is the listed folder a system?, names of its subfolders the walk descends into,
+        names of those it only looks at: links to folders, systems themselves or not)."""
 
 
 @runtime_checkable

@@ -89,8 +89,9 @@ def list_dir(path: str) -> Listing:
 
     One listing (the entry types come with it); the tuples are shared between folders with the
     same entries. A symbolic link to a folder counts as a folder (its ``set.*`` is read), and a
-    walk does not descend into it (as ``os.walk``); an entry whose type cannot be known (a
-    symbolic link loop) is left out with a warning, as DeePMD-kit's ``rglob`` ignores it.
+    walk looks at it without descending into it (as ``Path.rglob``); an entry whose type cannot
+    be known (a symbolic link loop) is left out with a warning, as DeePMD-kit's ``rglob``
+    ignores it.
     """
     files, dirs, links = [], [], []
     with timed(os.scandir, path) as listing:
@@ -303,13 +304,15 @@ class NpyBackend(SetBackend):
     def list_folder(self, path: str) -> Listing:
         return list_dir(path)
 
-    def walk_step(self, listing: Listing) -> tuple[bool, list[str]]:
-        """A folder holding ``type.raw`` is a system; its ``set.*`` folders hold frames and
-        links to folders are not followed (as ``os.walk``)."""
+    def walk_step(self, listing: Listing) -> tuple[bool, list[str], list[str]]:
+        """A folder holding ``type.raw`` is a system; its ``set.*`` folders hold frames; a link
+        to a folder is looked at (a system when it holds ``type.raw``) but not descended into,
+        as DeePMD-kit's ``Path.rglob`` does."""
         files, dirs, links = listing
         is_system = "type.raw" in files
-        return is_system, [d for d in dirs
-                           if d not in links and not (is_system and d.startswith("set."))]
+        walked = [d for d in dirs if not (is_system and d.startswith("set."))]
+        return (is_system, [d for d in walked if d not in links],
+                [d for d in walked if d in links])
 
     def parse(self, address: str) -> Location | None:
         if "#" in address or not address:

@@ -12,6 +12,9 @@ import logging
 import types
 from typing import Any
 
+from mdloader.distributed.group import stop_while_joining
+from mdloader.world import World
+
 log = logging.getLogger(__name__)
 
 
@@ -41,13 +44,15 @@ def cpu_fallback_backend(backend: Any, dist_module: Any) -> Any:
 
 def trainer_dist(real: types.ModuleType) -> ModuleProxy:
     """DeePMD-kit's ``torch.distributed``: a gloo fallback for NCCL, a group created earlier
-    (for mdloader's neighbour statistics) kept, a barrier before ``destroy_process_group``
-    (gloo may otherwise abort a rank at exit)."""
+    (for mdloader's neighbour statistics) kept, a stop signal honoured while joining it
+    (:func:`~mdloader.distributed.group.stop_while_joining`), a barrier before
+    ``destroy_process_group`` (gloo may otherwise abort a rank at exit)."""
 
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
         if real.is_initialized():
             return None
-        return real.init_process_group(cpu_fallback_backend(backend, real), *args, **kwargs)
+        with stop_while_joining(World.from_env().rank):
+            return real.init_process_group(cpu_fallback_backend(backend, real), *args, **kwargs)
 
     def destroy_process_group(group: Any = None) -> None:
         if group is None and real.is_initialized() and real.get_world_size() > 1:
