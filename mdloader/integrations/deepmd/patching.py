@@ -25,6 +25,8 @@ from mdloader.integrations.deepmd.systems import (
     mdloader_nbor_stat,
     neighbour_stat_data,
     not_lmdb,
+    recording_normalize,
+    recording_shared_params,
 )
 from mdloader.loading.loader import get_sampler_from_params, get_weighted_sampler
 
@@ -53,6 +55,9 @@ def patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
         (MAIN, "dist"): trainer_dist(_original(mods, MAIN, "dist")),
         (MAIN, "is_lmdb"): not_lmdb,
         (MAIN, "get_data"): neighbour_stat_data,
+        (MAIN, "normalize"): recording_normalize(_original(mods, MAIN, "normalize")),
+        (MAIN, "preprocess_shared_params"): recording_shared_params(
+            _original(mods, MAIN, "preprocess_shared_params")),
         (UPDATE_SEL, "BaseUpdateSel.get_nbor_stat"): mdloader_nbor_stat(
             _original(mods, UPDATE_SEL, "BaseUpdateSel.get_nbor_stat")),
         (TRAINING, "DpLoaderSet"): DeepmdDpLoaderSet,
