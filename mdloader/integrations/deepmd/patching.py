@@ -22,6 +22,7 @@ from mdloader.integrations.deepmd.shims import cpu_ddp, trainer_dist, trainer_to
 from mdloader.integrations.deepmd.systems import (
     DeepmdDpLoaderSet,
     defer_discovery,
+    forget_job,
     mdloader_nbor_stat,
     neighbour_stat_data,
     not_lmdb,
@@ -131,6 +132,7 @@ def uninstall() -> None:
         owner, attr = owner_of(sys.modules[module], name)
         setattr(owner, attr, value)
         del _saved[(module, name)]
+    forget_job()
     _restore_logs()
 
 

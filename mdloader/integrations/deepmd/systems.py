@@ -5,6 +5,11 @@ before the build), its ``is_lmdb`` :func:`not_lmdb` (an LMDB path is a ``systems
 other) and its ``get_data`` :func:`neighbour_stat_data`: data that reads nothing, whose neighbour
 statistics (``sel: "auto"``, ``min_nbor_dist``) :func:`mdloader_nbor_stat` computes with
 mdloader, in shares over the ranks, with DeePMD-kit's values.
+
+``main``'s ``normalize`` and ``preprocess_shared_params`` are wrapped to record the job
+(:class:`JobRecord`): every task's ``systems`` lists, built once for all of them by
+:func:`mdloader.loading.job.build_job` when first needed, and the heads that share a
+descriptor, whose neighbour statistics are taken over the union of their training systems.
 """
 
 from __future__ import annotations
@@ -162,7 +167,8 @@ class JobRecord:
         self.shared = {}
         for item in (shared_links or {}).values():
             tasks = tuple(link["model_key"] for link in item["links"]
-                          if str(link.get("shared_type", "")).startswith("descriptor"))
+                          if str(link.get("shared_type", "")).startswith("descriptor")
+                          and link.get("shared_level", 0) == 0)  # whole descriptor shared
             for task in tasks:
                 self.shared[task] = tasks
 
@@ -227,6 +233,11 @@ class JobRecord:
 
 
 _JOB = JobRecord()
+
+
+def forget_job() -> None:
+    """Drop the recorded job (its sections and built systems): a later set builds its own."""
+    _JOB.clear()
 
 
 def recording_normalize(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -88,3 +88,25 @@ def test_shared_auto_sel_over_different_data_trains_on_two_ranks(tmp_path: Path)
     sels = {t: model[t]["descriptor"]["sel"] for t in ("sparse", "dense")}
     assert sels["sparse"] == sels["dense"]  # one sel for the shared descriptor
     assert (job / f"model.ckpt-{STEPS}.pt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(320)
+def test_single_task_builds_its_systems_once(tmp_path: Path) -> None:
+    peer = require_deepmd_python()
+    job = _multitask_job(tmp_path)
+    config = json.loads((job / "input.json").read_text())
+    shared = config["model"]["shared_dict"]
+    data = config["training"]["data_dict"]
+    config["model"] = {"type_map": shared["my_type_map"], "descriptor": shared["my_descriptor"],
+                       "fitting_net": {"neuron": [8], "seed": 1}}
+    config["loss"] = config.pop("loss_dict")["sparse"]
+    config["training"] = {"training_data": data["sparse"]["training_data"],
+                          "validation_data": data["dense"]["validation_data"],
+                          "numb_steps": STEPS, "seed": 7, "disp_freq": 1, "save_freq": STEPS}
+    (job / "input.json").write_text(json.dumps(config))
+    out = _run([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], job)
+    # the neighbour statistics and both loader sets take their systems from one build
+    assert out.count("job systems: one build of 2 sections (2 distinct requests") == 1
+    assert re.search(r"(built|loaded) \d+ systems \(", out) is None
+    assert (job / f"model.ckpt-{STEPS}.pt").exists()
