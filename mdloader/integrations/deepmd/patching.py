@@ -22,9 +22,12 @@ from mdloader.integrations.deepmd.shims import cpu_ddp, trainer_dist, trainer_to
 from mdloader.integrations.deepmd.systems import (
     DeepmdDpLoaderSet,
     defer_discovery,
+    forget_job,
     mdloader_nbor_stat,
     neighbour_stat_data,
     not_lmdb,
+    recording_normalize,
+    recording_shared_params,
 )
 from mdloader.integrations.deepmd.training import (
     SCHEDULED_TASKS,
@@ -58,6 +61,9 @@ def patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
         (MAIN, "dist"): trainer_dist(_original(mods, MAIN, "dist")),
         (MAIN, "is_lmdb"): not_lmdb,
         (MAIN, "get_data"): neighbour_stat_data,
+        (MAIN, "normalize"): recording_normalize(_original(mods, MAIN, "normalize")),
+        (MAIN, "preprocess_shared_params"): recording_shared_params(
+            _original(mods, MAIN, "preprocess_shared_params")),
         (UPDATE_SEL, "BaseUpdateSel.get_nbor_stat"): mdloader_nbor_stat(
             _original(mods, UPDATE_SEL, "BaseUpdateSel.get_nbor_stat")),
         (TRAINING, "DpLoaderSet"): DeepmdDpLoaderSet,
@@ -137,6 +143,7 @@ def uninstall() -> None:
         owner, attr = owner_of(sys.modules[module], name)
         setattr(owner, attr, value)
         del _saved[(module, name)]
+    forget_job()
     _restore_logs()
 
 

@@ -5,6 +5,11 @@ before the build), its ``is_lmdb`` :func:`not_lmdb` (an LMDB path is a ``systems
 other) and its ``get_data`` :func:`neighbour_stat_data`: data that reads nothing, whose neighbour
 statistics (``sel: "auto"``, ``min_nbor_dist``) :func:`mdloader_nbor_stat` computes with
 mdloader, in shares over the ranks, with DeePMD-kit's values.
+
+``main``'s ``normalize`` and ``preprocess_shared_params`` are wrapped to record the job
+(:class:`JobRecord`): every task's ``systems`` lists, built once for all of them by
+:func:`mdloader.loading.job.build_job` when first needed, and the heads that share a
+descriptor, whose neighbour statistics are taken over the union of their training systems.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 from mdloader.errors import ConfigError
 from mdloader.integrations.deepmd.seam import MAIN
 from mdloader.loading.build import build_systems
+from mdloader.loading.job import JobSection, JobSystems, build_job
 from mdloader.loading.loader import DpLoaderSet, LazySystemBatches
 from mdloader.loading.statistics import neighbour_statistics
 
@@ -65,7 +71,8 @@ class DeepmdDpLoaderSet(DpLoaderSet):
                  modifier: Any = None) -> None:
         patterns = getattr(systems, "patterns", None)
         if isinstance(systems, DeferredSystems):
-            systems = list(systems)
+            view = _JOB.datasets(systems, patterns, type_map)
+            systems = list(systems) if view is None else view
         super().__init__(systems, batch_size, type_map, seed, shuffle, modifier,
                          rglob_patterns=patterns)
         self.dataloaders = LoaderSetBatches(self)
@@ -97,9 +104,11 @@ class NeighbourStatData:
         if self._datasets is None:
             if os.environ.get("LOCAL_RANK") is not None and not self._dist.is_initialized():
                 self._dist.init_process_group(backend="cuda:nccl,cpu:gloo")  # DeePMD-kit's
-            self._datasets = build_systems(
-                self.systems, self.type_map, rglob_patterns=self.patterns,
-                key="training.training_data.systems")
+            self._datasets = _JOB.datasets(self.systems, self.patterns, self.type_map)
+            if self._datasets is None:
+                self._datasets = build_systems(
+                    self.systems, self.type_map, rglob_patterns=self.patterns,
+                    key="training.training_data.systems")
         return self._datasets
 
 
@@ -110,8 +119,10 @@ def neighbour_stat_data(jdata: Any, rcut: Any, type_map: Any, modifier: Any, *ar
         raise ConfigError("data modifiers are not supported by mdloader",
                           path="model.modifier")
     dist_module = sys.modules[MAIN].dist
-    return NeighbourStatData(jdata["systems"], jdata.get("rglob_patterns"), type_map,
+    data = NeighbourStatData(jdata["systems"], jdata.get("rglob_patterns"), type_map,
                              dist_module)
+    data.task = _JOB.task_of(jdata)
+    return data
 
 
 def mdloader_nbor_stat(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -128,8 +139,124 @@ def mdloader_nbor_stat(original: Callable[..., Any]) -> Callable[..., Any]:
 
         if type_map is not None and len(type_map) == 0:
             type_map = None
-        datasets = train_data.datasets()
+        own = train_data.datasets()  # creates the process group under torchrun first
+        datasets = _JOB.sharing_datasets(train_data) or own
         stats = neighbour_statistics(datasets, rcut, type_map=type_map, mixed_type=mixed_type)
         return min_nbor_dist(stats), np.asarray(stats.max_neighbours, dtype=int)
 
     return get_nbor_stat
+
+
+class JobRecord:
+    """The job ``main.train`` runs: its ``systems`` sections (from the normalized input) and
+    which tasks share a descriptor (from ``preprocess_shared_params``), built once when first
+    needed, by every rank at the same point (the first statistics or loader set)."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.sections: list[JobSection] = []
+        self.tasks_of_data: dict[int, str | None] = {}
+        self.shared: dict[str, tuple[str, ...]] = {}
+        self.section_of_task: dict[str | None, JobSection] = {}
+        self.built: JobSystems | None = None
+
+    def record_links(self, shared_links: Any) -> None:
+        """The tasks whose descriptors are one (``shared_links`` of type descriptor)."""
+        self.shared = {}
+        for item in (shared_links or {}).values():
+            tasks = tuple(link["model_key"] for link in item["links"]
+                          if str(link.get("shared_type", "")).startswith("descriptor")
+                          and link.get("shared_level", 0) == 0)  # whole descriptor shared
+            for task in tasks:
+                self.shared[task] = tasks
+
+    def record_config(self, config: Any) -> None:
+        """Every ``systems`` list of the normalized input; no I/O."""
+        self.sections, self.tasks_of_data, self.section_of_task = [], {}, {}
+        self.built = None
+        model, training = config.get("model", {}), config.get("training", {})
+        if "model_dict" in model:
+            tasks = [(t, model["model_dict"][t], training["data_dict"][t],
+                      f"training.data_dict.{t}") for t in model["model_dict"]]
+        else:
+            self.shared = {}
+            tasks = [(None, model, training, "training")]
+        for task, params, data, path in tasks:
+            for role in ("training", "validation"):
+                part = data.get(f"{role}_data")
+                if not part or not part.get("systems"):
+                    continue
+                section = JobSection.of(task, role, part["systems"], part.get("rglob_patterns"),
+                                        params.get("type_map"),
+                                        key=f"{path}.{role}_data.systems")
+                self.sections.append(section)
+                if role == "training":
+                    self.tasks_of_data[id(part)] = task
+                    self.section_of_task[task] = section
+
+    def task_of(self, jdata: Any) -> str | None:
+        return self.tasks_of_data.get(id(jdata))
+
+    def datasets(self, systems: Any, patterns: Any, type_map: Any) -> Any:
+        """The job's datasets for these values (the job built on first use), else ``None``."""
+        if not self.sections:
+            return None
+        probe = JobSection.of(None, "", list(systems), patterns, type_map)
+        if all(s.request != probe.request for s in self.sections):
+            return None
+        if self.built is None:
+            self.built = build_job(self.sections)
+        return self.built.find(list(systems), patterns, type_map)
+
+    def sharing_datasets(self, data: NeighbourStatData) -> list[Any] | None:
+        """The union of the training systems of every task sharing ``data``'s descriptor,
+        or ``None`` when its descriptor is its own."""
+        task = getattr(data, "task", None)
+        group = self.shared.get(task) if task is not None else None
+        if not group or len(group) < 2:
+            return None
+        union: list[Any] = []
+        seen: set[int] = set()
+        for member in group:
+            section = self.section_of_task.get(member)
+            if section is None or section.type_map != self.section_of_task[task].type_map:
+                return None  # different type maps: per-task statistics, as DeePMD-kit
+            view = self.datasets(list(section.systems), section.rglob_patterns,
+                                 section.type_map)
+            if view is None or id(view) in seen:
+                continue
+            seen.add(id(view))
+            union.extend(view)
+        return union
+
+
+_JOB = JobRecord()
+
+
+def forget_job() -> None:
+    """Drop the recorded job (its sections and built systems): a later set builds its own."""
+    _JOB.clear()
+
+
+def recording_normalize(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``main.normalize``: DeePMD-kit's, then the job's sections are recorded for one build."""
+
+    def normalize(data: Any, *args: Any, **kwargs: Any) -> Any:
+        config = original(data, *args, **kwargs)
+        _JOB.record_config(config)
+        return config
+
+    return normalize
+
+
+def recording_shared_params(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``main.preprocess_shared_params``: DeePMD-kit's, then the shared descriptors noted."""
+
+    def preprocess_shared_params(model_config: Any, *args: Any, **kwargs: Any) -> Any:
+        model, links = original(model_config, *args, **kwargs)
+        _JOB.record_links(links)
+        return model, links
+
+    return preprocess_shared_params
