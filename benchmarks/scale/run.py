@@ -5,9 +5,9 @@
 
 Every rank computes its plan, keys and resume alone, so rank 0 and rank W - 1 are built alone
 and the larger of their figures is reported. Each cell (row, mode, N, W, rank) runs in a fresh
-subprocess (``--cell``; in this process with ``--quick`` or ``--inline``); its peak memory is
-what ``tracemalloc`` sees Python and numpy allocate from the cell's start. A cell that runs past
-``--budget`` seconds is killed (subprocesses only) and the larger W of the same row, mode and N
+subprocess (``--cell``; forked from this one with ``--quick`` or ``--inline``); its peak memory
+is what ``tracemalloc`` sees Python and numpy allocate from the cell's start. A cell that runs
+past ``--budget`` seconds is killed and the larger W of the same row, mode and N
 are then skipped ("over budget"). Synthetic sizes: 3-200 atoms and
 10-1000 frames per system, ``batch_size: auto``, probabilities by batch count
 (``prob_sys_size``), ``balance_window: 32`` in the balanced mode. The table ends with the growth
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import pickle
 import platform
@@ -94,6 +95,8 @@ def cell(row: str, nsys: int, world: int, rank: int, balanced: bool) -> dict[str
         prepared = pickle.dumps(_table(natoms, nframes))
     elif row in ("key", "chunk_step", "state", "resume", "elastic"):
         prepared = _sampler(natoms, nframes, world, rank, balanced)
+        if row == "state":
+            prepared.seek(RESUME_STEP)
     value = None
     tracemalloc.start()
     started = time.perf_counter()
@@ -108,7 +111,6 @@ def cell(row: str, nsys: int, world: int, rank: int, balanced: bool) -> dict[str
         tracemalloc.reset_peak()
         prepared.next_key()  # step 4096: the first of the next chunk
     elif row == "state":
-        prepared.seek(RESUME_STEP)
         value = len(json.dumps(prepared.state_dict()))
     elif row == "resume":
         state = prepared.state_dict(consumed=RESUME_STEP)
@@ -143,16 +145,38 @@ def cell(row: str, nsys: int, world: int, rank: int, balanced: bool) -> dict[str
     return {"seconds": seconds, "peak_bytes": peak, "value": value}
 
 
+def _forked_cell(row: str, nsys: int, world: int, rank: int, balanced: bool,
+                 budget: float) -> dict[str, Any] | None:
+    """:func:`cell` in a forked child (modules already imported), killed past ``budget``."""
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=lambda: send.send(cell(row, nsys, world, rank, balanced)))
+    child.start()
+    send.close()
+    try:
+        got = recv.recv() if recv.poll(budget) else None
+    except EOFError:  # the cell raised: the child's traceback is on stderr
+        got = {"error": f"the cell failed (exit code {child.exitcode})"}
+    child.kill()
+    child.join()
+    return got
+
+
 def run_cell(row: str, nsys: int, world: int, balanced: bool, budget: float,
              inline: bool = False) -> dict[str, Any]:
-    """The row on rank 0 and rank W - 1, each in a fresh process (``inline``: in this one, not
-    killed at the budget); the larger figures."""
+    """The row on rank 0 and rank W - 1, each in a fresh process (``inline``: forked from this
+    one, which imported everything already); the larger figures."""
     out: dict[str, Any] = {"row": row, "nsys": nsys, "world": world,
                            "mode": "balanced" if balanced else "unbalanced"}
     results = []
     for rank in sorted({0, world - 1}):
         if inline:
-            results.append(cell(row, nsys, world, rank, balanced))
+            got = _forked_cell(row, nsys, world, rank, balanced, budget)
+            if got is None:
+                return {**out, "over_budget": True}
+            if "error" in got:
+                return {**out, **got}
+            results.append(got)
             continue
         cmd = [sys.executable, "-m", "benchmarks.scale.run", "--cell",
                json.dumps([row, nsys, world, rank, balanced])]
@@ -190,10 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=60.0, help="seconds per cell")
     p.add_argument("--out", default=None, help="results file (jsonl)")
     p.add_argument("--inline", action="store_true",
-                   help="cells in this process (the default of --quick): faster start, a cell "
-                        "past the budget is not killed")
+                   help="cells forked from this process (the default of --quick): no start-up per "
+                        "cell, but memory that this process holds is shared")
     p.add_argument("--cell", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    import mdloader.sampling.samplers  # noqa: F401  (imported once, before the forks)
+    import mdloader.sampling.validation  # noqa: F401
+
     if args.cell:
         row, nsys, world, rank, balanced = json.loads(args.cell)
         print(json.dumps(cell(row, nsys, world, rank, balanced)))
