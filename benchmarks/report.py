@@ -218,12 +218,14 @@ def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
             f"{e.get('impl')} nsys={e.get('nsys')} W={e.get('world')}" for e in errs)
     figs = "\n\n".join(f"![{os.path.basename(i)}](img/{os.path.basename(i)})" for i in images)
     from benchmarks.lmdb import report as lmdb_report
+    from benchmarks.scale import report as scale_report
 
     return text.format(run=run, startup=startup_section(rows or []),
                        targets="\n".join(targets(med)),
                        setup="\n".join(setup_table(med)), costs="\n".join(cost_table(med)),
                        throughput="\n".join(throughput_table(med)), figures=figs,
-                       lmdb=lmdb_report.section(), first_step=first_step_section())
+                       lmdb=lmdb_report.section(), first_step=first_step_section(),
+                       scale=scale_report.section())
 
 
 if __name__ == "__main__":
