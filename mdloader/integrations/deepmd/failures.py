@@ -1,0 +1,49 @@
+"""How a failure on one rank ends a ``mdloader dp`` job: every rank at once, with one line.
+
+DeePMD-kit's trainer knows nothing of mdloader's failure channel: a rank whose read fails (or
+whose DataLoader worker dies) raised its error alone, and its peers, inside DDP's all-reduce,
+ended with gloo's "Connection closed by peer". :func:`ending_together` runs DeePMD-kit's ``dp``
+so that the first failure of the job is published in the store of the default group and raised
+on every rank as the same :class:`~mdloader.errors.RankFailedError`
+(:mod:`mdloader.distributed.failure`); the command line then prints it and leaves at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from mdloader.distributed.failure import (
+    Activity,
+    fail_alone,
+    group_ended,
+    next_job,
+    published_failure,
+)
+from mdloader.errors import StopRequested
+from mdloader.loading.stateful_loader import lost_worker
+
+T = TypeVar("T")
+
+ACTIVITY = Activity("DeePMD-kit's training")
+
+
+def ending_together(run: Callable[[], T]) -> T:
+    """``run()``; when it raises on a rank of a started group, the job's first published
+    failure (this rank's own, when it is the first) is raised instead, on every rank."""
+    job = next_job()
+    try:
+        return run()
+    except (SystemExit, KeyboardInterrupt, StopRequested):
+        raise
+    except BaseException as exc:
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            raise
+        group_ended()  # the group is left as it is: a peer may still be inside a collective
+        failure = published_failure(job)
+        if failure is not None:
+            raise failure from exc
+        lost = lost_worker(exc) if isinstance(exc, RuntimeError) else None
+        raise fail_alone(lost or exc, job=job, activity=ACTIVITY) from exc
