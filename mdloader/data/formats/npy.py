@@ -33,6 +33,7 @@ from mdloader.errors import (
     UnreadableFileError,
 )
 from mdloader.fs_calls import timed
+from mdloader.persist import FileStamp
 from mdloader.settings import cached
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 _MAPS: HandleCache[np.ndarray] = HandleCache(lambda: int(cached("max_open_files")))
-_MAPPED: dict[str, tuple[int, int, int]] = {}  # path -> (device, inode, size) when it was mapped
+_MAPPED: dict[str, FileStamp] = {}  # path -> its stamp when this process mapped it
 
 
 def file_of(loc: Location, set_name: str | None, name: str) -> str:
@@ -236,7 +237,7 @@ def _still_mapped_file(path: str, loc: Location) -> bool:
     if known is None:
         return True
     try:
-        st = os.stat(path)
+        now = FileStamp.of(os.stat(path))
     except FileNotFoundError as exc:
         _forget(path)
         raise MissingDataError("the npy file is gone (moved or deleted while it was read)",
@@ -245,14 +246,14 @@ def _still_mapped_file(path: str, loc: Location) -> bool:
         _forget(path)
         raise UnreadableFileError("cannot read the npy file", system=loc.address, file=path,
                                   found=f"{type(exc).__name__}: {exc.strerror or exc}") from exc
-    if (st.st_dev, st.st_ino) != known[:2]:
+    if now.ino != known.ino:
         return False
-    if st.st_size < known[2]:
+    if now.size < known.size:
         _forget(path)
         raise CorruptFileError("the npy file shrank while it was read (truncated during "
                                "training?)", system=loc.address, file=path,
-                               expected=f"{known[2]} bytes, as when it was opened",
-                               found=f"{st.st_size} bytes")
+                               expected=f"{known.size} bytes, as when it was opened",
+                               found=f"{now.size} bytes")
     return True
 
 
@@ -288,14 +289,14 @@ def _open_map(path: str, loc: Location, nframes: int, width: int | None) -> np.n
         shape, dtype, offset, fortran = _mapped_header(loc, path, fd)
         count = math.prod(shape)
         size = os.lseek(fd, 0, os.SEEK_END)
-        st = os.fstat(fd)
+        stamp = FileStamp.of(os.fstat(fd))
         _check_unchanged(loc, path, shape, nframes, width, size - offset,
                          count * dtype.itemsize)
         if count == 0:
             return np.empty(shape, dtype=dtype)
         # a plain ndarray over an mmap: np.memmap's Python-level hooks cost more per read
         buffer = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-        _MAPPED[path] = (st.st_dev, st.st_ino, size)
+        _MAPPED[path] = stamp
     finally:
         os.close(fd)
     return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(

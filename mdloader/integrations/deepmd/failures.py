@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch.distributed as dist
-
 from mdloader.distributed.failure import (
     Activity,
     fail_alone,
@@ -22,6 +20,7 @@ from mdloader.distributed.failure import (
     next_job,
     published_failure,
 )
+from mdloader.distributed.group import current_world
 from mdloader.errors import StopRequested
 from mdloader.loading.stateful_loader import lost_worker
 
@@ -39,7 +38,7 @@ def ending_together(run: Callable[[], T]) -> T:
     except (SystemExit, KeyboardInterrupt, StopRequested):
         raise
     except BaseException as exc:
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if not current_world().distributed:
             raise
         group_ended()  # the group is left as it is: a peer may still be inside a collective
         failure = published_failure(job)
