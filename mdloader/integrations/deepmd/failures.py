@@ -21,7 +21,7 @@ from mdloader.distributed.failure import (
     published_failure,
 )
 from mdloader.distributed.group import current_world
-from mdloader.errors import StopRequested
+from mdloader.errors import MdloaderError, StopRequested
 from mdloader.loading.stateful_loader import lost_worker
 
 T = TypeVar("T")
@@ -45,4 +45,22 @@ def ending_together(run: Callable[[], T]) -> T:
         if failure is not None:
             raise failure from exc
         lost = lost_worker(exc) if isinstance(exc, RuntimeError) else None
-        raise fail_alone(lost or exc, job=job, activity=ACTIVITY) from exc
+        raise fail_alone(lost or worker_error(exc), job=job, activity=ACTIVITY) from exc
+
+
+def worker_error(exc: BaseException) -> BaseException:
+    """An mdloader error raised in a DataLoader worker of DeePMD-kit's trainer, with its own
+    message: torch re-raises it as the same type whose message is "Caught ... in DataLoader
+    worker process N." and the traceback text, whose last line holds the original message
+    (system and file included). Anything else unchanged."""
+    text = str(exc)
+    head = text.split("\n", 1)[0]
+    if not (isinstance(exc, MdloaderError) and head.startswith("Caught ")
+            and "DataLoader worker" in head):
+        return exc
+    last = text.rstrip().splitlines()[-1]
+    said = last.split(": ", 1)[1] if ": " in last else last
+    try:
+        return type(exc)(said)
+    except TypeError:  # a type whose constructor takes more: the message alone, typed
+        return MdloaderError(said)
