@@ -39,10 +39,21 @@ def _input(root: Path) -> list[Path]:
     return [Path(s) / "set.000" / "force.npy" for s in systems]
 
 
+FAULTS = {
+    "truncated": (lambda target: os.truncate(target, target.stat().st_size // 3),
+                  "CorruptFileError: the npy file shrank while it was read"),
+    "moved away": (lambda target: target.rename(target.with_name("away.npy")),
+                   "MissingDataError: the npy file is gone (moved or deleted while it was read)"),
+}
+
+
 @pytest.mark.timeout(400)
-def test_a_force_file_truncated_mid_training_is_one_line_on_every_rank(tmp_path: Path) -> None:
-    """It used to kill a DataLoader worker with SIGBUS (torch's shared-memory hint) and the
-    other rank with gloo's "Connection closed by peer"."""
+@pytest.mark.parametrize("case", list(FAULTS))
+def test_a_force_file_changed_mid_training_is_one_line_on_every_rank(tmp_path: Path,
+                                                                      case: str) -> None:
+    """Truncated, it used to kill a DataLoader worker with SIGBUS (torch's shared-memory hint)
+    and the other rank with gloo's "Connection closed by peer"; moved away, it trained on."""
+    damage, said = FAULTS[case]
     peer = require_deepmd_python()
     targets = _input(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", NUM_WORKERS="1",
@@ -58,17 +69,17 @@ def test_a_force_file_truncated_mid_training_is_one_line_on_every_rank(tmp_path:
             assert time.monotonic() - start < DEADLINE, "training never started"
             time.sleep(0.1)
         for target in targets:
-            os.truncate(target, target.stat().st_size // 3)
+            damage(target)
         fault = time.monotonic()
         out, _ = proc.communicate(timeout=DEADLINE)
-        print(f"truncated under mdloader dp: every rank ended {time.monotonic() - fault:.1f} s "
+        print(f"{case} under mdloader dp: every rank ended {time.monotonic() - fault:.1f} s "
               "after the fault")  # shown with -s
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("the job did not end after the fault")
     errors = [line for line in out.splitlines() if line.startswith("mdloader: error:")]
     assert proc.returncode != 0 and len(errors) == 2 and errors[0] == errors[1], out[-4000:]
-    assert "CorruptFileError: the npy file shrank while it was read" in errors[0], errors[0]
+    assert said in errors[0], errors[0]
     assert "failed (DeePMD-kit's training)" in errors[0]
     assert any(f"file: {target}" in errors[0] for target in targets), errors[0]
     assert "Bus error" not in out and "shared memory" not in out, out[-4000:]
