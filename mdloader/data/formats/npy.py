@@ -33,6 +33,7 @@ from mdloader.errors import (
     UnreadableFileError,
 )
 from mdloader.fs_calls import timed
+from mdloader.persist import FileStamp
 from mdloader.settings import cached
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 _MAPS: HandleCache[np.ndarray] = HandleCache(lambda: int(cached("max_open_files")))
+_MAPPED: dict[str, FileStamp] = {}  # path -> its stamp when this process mapped it
 
 
 def file_of(loc: Location, set_name: str | None, name: str) -> str:
@@ -212,12 +214,53 @@ def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray, set_nfr
     """
     path = os.path.join(loc.path, set_name, stem + ".npy")
     arr = _MAPS.get(path, lambda: _open_map(path, loc, set_nframes, width))
+    if not _still_mapped_file(path, loc):  # replaced: map the new file (and check it) anew
+        _MAPS.discard(path)
+        arr = _MAPS.get(path, lambda: _open_map(path, loc, set_nframes, width))
     try:
         return as_rows(arr, rows, set_nframes)
     except ValueError:  # a map kept from an older description of a replaced file: map it anew
         _MAPS.discard(path)
         return as_rows(_MAPS.get(path, lambda: _open_map(path, loc, set_nframes, width)), rows,
                        set_nframes)
+
+
+def _still_mapped_file(path: str, loc: Location) -> bool:
+    """Whether ``path`` is still the file this process mapped, at its full size; ``False``
+    when it was replaced by another file.
+
+    Reading a map past the end of a file truncated since it was mapped raises SIGBUS, which
+    kills the process (a DataLoader worker: torch then blames the shared memory). One ``stat``
+    before each read turns a file that shrank or vanished into an error naming it; a
+    truncation between the ``stat`` and the copy of the rows can still raise SIGBUS.
+    """
+    known = _MAPPED.get(path)
+    if known is None:
+        return True
+    try:
+        now = FileStamp.of(os.stat(path))
+    except FileNotFoundError as exc:
+        _forget(path)
+        raise MissingDataError("the npy file is gone (moved or deleted while it was read)",
+                               system=loc.address, file=path) from exc
+    except OSError as exc:
+        _forget(path)
+        raise UnreadableFileError("cannot read the npy file", system=loc.address, file=path,
+                                  found=f"{type(exc).__name__}: {exc.strerror or exc}") from exc
+    if now.ino != known.ino:
+        return False
+    if now.size < known.size:
+        _forget(path)
+        raise CorruptFileError("the npy file shrank while it was read (truncated during "
+                               "training?)", system=loc.address, file=path,
+                               expected=f"{known.size} bytes, as when it was opened",
+                               found=f"{now.size} bytes")
+    return True
+
+
+def _forget(path: str) -> None:
+    _MAPS.discard(path)
+    _MAPPED.pop(path, None)
 
 
 def as_rows(arr: np.ndarray, rows: np.ndarray, set_nframes: int) -> np.ndarray:
@@ -232,8 +275,8 @@ def _open_map(path: str, loc: Location, nframes: int, width: int | None) -> np.n
     """Map ``path`` after checking that the file still holds every byte its header announces.
 
     A map over a file shorter than its header says raises SIGBUS at the first read past the
-    end; the size check turns that into an error naming the file. A file truncated after this
-    check, while it is mapped, can still raise SIGBUS.
+    end; the size check turns that into an error naming the file, and each later read checks
+    the file again (:func:`_still_mapped_file`).
     """
     try:
         fd = os.open(path, os.O_RDONLY | O_CLOEXEC)
@@ -247,12 +290,14 @@ def _open_map(path: str, loc: Location, nframes: int, width: int | None) -> np.n
         shape, dtype, offset, fortran = _mapped_header(loc, path, fd)
         count = math.prod(shape)
         size = os.lseek(fd, 0, os.SEEK_END)
+        stamp = FileStamp.of(os.fstat(fd))
         _check_unchanged(loc, path, shape, nframes, width, size - offset,
                          count * dtype.itemsize)
         if count == 0:
             return np.empty(shape, dtype=dtype)
         # a plain ndarray over an mmap: np.memmap's Python-level hooks cost more per read
         buffer = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        _MAPPED[path] = stamp
     finally:
         os.close(fd)
     return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(
@@ -295,6 +340,7 @@ def _check_unchanged(loc: Location, path: str, shape: tuple[int, ...], nframes: 
 def release() -> None:
     """Close every map of this process (:func:`mdloader.data.formats.release_handles`)."""
     _MAPS.clear()
+    _MAPPED.clear()
 
 
 class NpyBackend(SetBackend):

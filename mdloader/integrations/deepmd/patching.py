@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mdloader.integrations.deepmd import seam
+from mdloader.integrations.deepmd.failures import ending_together
 from mdloader.integrations.deepmd.input_stats import mdloader_run_stat_on_chief
 from mdloader.integrations.deepmd.seam import MAIN, TRAINING, UPDATE_SEL, owner_of
 from mdloader.integrations.deepmd.shims import cpu_ddp, trainer_dist, trainer_torch
@@ -156,12 +157,15 @@ def run_dp(argv: Sequence[str] | None = None) -> int:
     """``dp`` with mdloader underneath: ``run_dp(["--pt", "train", "input.json"])``.
 
     Works under ``torchrun`` like ``dp`` itself. Returns the exit code (argparse exits of
-    DeePMD-kit's parser become return values; other exceptions propagate).
+    DeePMD-kit's parser become return values; other exceptions propagate, under a started
+    group as the job's first failure on every rank:
+    :func:`~mdloader.integrations.deepmd.failures.ending_together`).
     """
     install()
     dp_main = seam.deepmd_module(seam.DP_MAIN).main
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        dp_main(list(sys.argv[1:] if argv is None else argv))
+        ending_together(lambda: dp_main(args))
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return 0
