@@ -240,6 +240,16 @@ def test_open_memory_maps_are_bounded(tmp_path, monkeypatch):
     assert npy_backend.open_map_count() <= 4
 
 
+def test_stamps_of_mapped_files_stay_bounded(tmp_path, monkeypatch):
+    monkeypatch.setenv("MDLOADER_MAX_OPEN_FILES", "2")
+    npy_backend.release()
+    for i in range(40):  # 5 mapped files each: 200 paths mapped in turn
+        ds = DeepmdDataSetForLoader(make_system(tmp_path, f"s{i}", natoms=3, seed=i))
+        ds.add_data_requirement(ENERGY_FORCE)
+        ds[0]
+    assert npy_backend.mapped_stamp_count() <= 2 * 2 + 64 + 1
+
+
 def test_frame_index_out_of_range(tmp_path):
     ds = DeepmdDataSetForLoader(make_system(tmp_path, nframes=3))
     with pytest.raises(IndexError, match=r"frame index out of range \[0, 3\)"):

@@ -258,6 +258,13 @@ def _still_mapped_file(path: str, loc: Location) -> bool:
     return True
 
 
+def _bound_stamps(keep: str) -> None:
+    """Keep the stamps of open maps (and of ``keep``, being mapped) only: as bounded as the maps."""
+    if len(_MAPPED) > 2 * max(len(_MAPS), 1) + 64:
+        for path in [p for p in _MAPPED if p != keep and _MAPS.peek(p) is None]:
+            del _MAPPED[path]
+
+
 def _forget(path: str) -> None:
     _MAPS.discard(path)
     _MAPPED.pop(path, None)
@@ -298,6 +305,7 @@ def _open_map(path: str, loc: Location, nframes: int, width: int | None) -> np.n
         # a plain ndarray over an mmap: np.memmap's Python-level hooks cost more per read
         buffer = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         _MAPPED[path] = stamp
+        _bound_stamps(keep=path)
     finally:
         os.close(fd)
     return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(
@@ -393,3 +401,8 @@ BACKEND = NpyBackend()
 def open_map_count() -> int:
     """How many memory maps this process holds (for tests of the bound)."""
     return len(_MAPS)
+
+
+def mapped_stamp_count() -> int:
+    """File stamps kept to check mapped files before each read (bounded with the maps)."""
+    return len(_MAPPED)
