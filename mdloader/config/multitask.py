@@ -22,6 +22,7 @@ from typing import Any
 
 from mdloader.config.input_json import Config, DataConfig, parse_config
 from mdloader.errors import ConfigError
+from mdloader.sampling import tasks
 
 __all__ = ["JobConfig", "Task", "is_multitask", "load_job", "parse_multitask", "task_weights",
            "weights_rule"]
@@ -102,7 +103,8 @@ def task_weights(names: Sequence[str], *, model_prob: Mapping[str, float] | None
                  num_epoch_dict: Mapping[str, float] | None = None,
                  nsystems: Mapping[str, int] | None = None,
                  nbatches: Mapping[str, int] | None = None) -> dict[str, float]:
-    """Normalised task weights: ``model_prob`` if given; else ``num_epoch_dict`` times each
+    """Normalised task weights by DeePMD-kit's rule (:mod:`mdloader.sampling.tasks`, which the
+    task schedule uses too): ``model_prob`` if given; else ``num_epoch_dict`` times each
     task's batches per epoch (``nbatches``); else the systems per task (``nsystems``).
 
     Raises
@@ -112,26 +114,16 @@ def task_weights(names: Sequence[str], *, model_prob: Mapping[str, float] | None
         needs not given.
     """
     if model_prob:
-        raw, path = _per_task(names, model_prob, "training.model_prob"), "training.model_prob"
-    elif num_epoch_dict:
-        path = "training.num_epoch_dict"
-        epochs = _per_task(names, num_epoch_dict, path)
+        model_prob = _per_task(names, model_prob, "training.model_prob")
+    if not model_prob and num_epoch_dict:
+        num_epoch_dict = _per_task(names, num_epoch_dict, "training.num_epoch_dict")
         if nbatches is None:
-            raise ConfigError("the batches per epoch of each task are needed", path=path)
-        raw = {n: epochs[n] * float(nbatches[n]) for n in names}
+            raise ConfigError("the batches per epoch of each task are needed",
+                              path="training.num_epoch_dict")
+        probs, _ = tasks.epoch_steps(names, num_epoch_dict, nbatches)
     else:
-        path = "training.model_prob"
-        if nsystems is None:
-            raise ConfigError("no model_prob: the systems of each task are needed", path=path)
-        raw = {n: float(nsystems[n]) for n in names}
-    bad = [n for n, w in raw.items() if not (w >= 0 and w != float("inf"))]
-    if bad:
-        raise ConfigError(f"the weight of task {bad[0]!r} must be a finite number >= 0",
-                          path=f"{path}.{bad[0]}")
-    total = sum(raw.values())
-    if total <= 0:
-        raise ConfigError("the weights of the tasks sum to 0", path=path)
-    return {n: raw[n] / total for n in names}
+        probs = tasks.task_weights(names, model_prob=model_prob or None, nsystems=nsystems)
+    return {n: float(p) for n, p in zip(names, probs)}
 
 
 def _per_task(names: Sequence[str], given: Mapping[str, Any], path: str) -> dict[str, float]:

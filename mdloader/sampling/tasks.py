@@ -65,10 +65,12 @@ def task_weights(tasks: Sequence[str], model_prob: Mapping[str, float] | None = 
                               path="training.model_prob")
         raw = np.array([float(nsystems[t]) for t in tasks], dtype=np.float64)
         where = "training.data_dict"
-    if (len(raw) == 0 or not np.all(np.isfinite(raw)) or np.any(raw < 0)
-            or raw.sum() <= 0):
-        raise ConfigError(f"task weights must be finite, >= 0 and not all 0, got {raw}",
-                          path=where)
+    bad = [t for t, w in zip(tasks, raw) if not (np.isfinite(w) and w >= 0)]
+    if bad:
+        raise ConfigError(f"the weight of task {bad[0]!r} must be a finite number >= 0",
+                          path=f"{where}.{bad[0]}")
+    if len(raw) == 0 or raw.sum() <= 0:
+        raise ConfigError("the weights of the tasks sum to 0", path=where)
     return raw / raw.sum()
 
 
