@@ -87,14 +87,15 @@ def frame_permutation(seed: int, sid: int, pass_: int, nframes: int,
 def shard_frames(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     """Rank ``rank``'s part of ``order``, padded by wrapping like ``DistributedSampler``.
 
-    Every rank gets ``ceil(len(order) / world_size)`` entries.
+    Every rank gets ``ceil(len(order) / world_size)`` entries, in an array of its own (a copy,
+    so holding a shard does not keep the whole padded permutation alive).
     """
     n = len(order)
     per_rank = -(-n // world_size)
     total = per_rank * world_size
     if total > n:
         order = np.resize(order, total)   # repeats from the start: DistributedSampler's padding
-    return order[rank:total:world_size]
+    return order[rank:total:world_size].copy()
 
 
 def rank_frames(seed: int, sid: int, pass_: int, nframes: int, rank: int, world_size: int,
@@ -240,8 +241,9 @@ class FrameOrder:
     draws first read this rank's share of the leftover frames, then passes from its base pass.
     Shards of recently used
     (system, pass) pairs are kept in a small LRU cache bounded by ``cache_frames`` frame ids and
-    ``cache_entries`` shards, so memory does not grow with the number of systems; a miss costs
-    one permutation.
+    ``cache_entries`` shards (one shard larger than ``cache_frames`` is kept alone), so memory
+    does not grow with the number of systems; each cached shard owns its frames (no view of the
+    permutation), and a miss costs one permutation.
     """
 
     def __init__(self, nframes: Sequence[int] | np.ndarray, batch_sizes: Sequence[int] | np.ndarray,

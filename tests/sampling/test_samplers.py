@@ -229,6 +229,15 @@ def test_frame_order_cache_is_bounded():
     assert order.fids(0, 0) == FrameOrder([1000], [10], seed=0).fids(0, 0)
 
 
+def test_cached_shard_owns_its_frames():
+    # A view would keep the whole padded permutation of the system alive while cached.
+    for world in (1, 4):
+        order = FrameOrder([1001], [10], seed=0, rank=world - 1, world_size=world)
+        shard = order.shard(0, 0)
+        assert shard.base is None and shard.flags.owndata
+        assert len(shard) == -(-1001 // world)
+
+
 def test_adopt_seed_for_unseeded_runs():
     a = make(seed=123)
     [a.next_key() for _ in range(17)]
