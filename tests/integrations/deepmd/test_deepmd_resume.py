@@ -1,8 +1,9 @@
-"""Exact resume under DeePMD-kit's own trainer (``mdloader dp --pt train``).
+"""Exact resume and a stream per task under DeePMD-kit's own trainer (``mdloader dp``).
 
 A run stopped at step N and restarted from its checkpoint writes, after step N, the same
 ``lcurve.out`` rows as an uninterrupted run (a constant learning rate, so that ``numb_steps``
 does not change the schedule). A checkpoint without a loader state restarts with a warning.
+Each task draws its own stream: adding a task leaves another task's batches unchanged.
 """
 
 from __future__ import annotations
@@ -26,9 +27,34 @@ DESCRIPTOR = {"type": "se_e2_a", "sel": [12, 24], "rcut_smth": 0.5, "rcut": 4.0,
 LR = {"type": "exp", "decay_steps": 5, "start_lr": 1e-3, "stop_lr": 1e-3}
 
 
+SPY = r'''
+import json, sys
+import numpy as np
+import mdloader.integrations.deepmd as md
+from mdloader.integrations.deepmd import seam
+md.install()
+trainer = sys.modules[seam.TRAINING].Trainer
+drawn = {}
+_get_data = trainer.get_data
+def get_data(self, is_train=True, task_key="Default"):
+    batch = _get_data(self, is_train, task_key)
+    if is_train and batch[2]:
+        key = [int(np.asarray(batch[2]["sid"]).reshape(-1)[0]),
+               np.asarray(batch[2]["fid"]).reshape(-1).tolist()]
+        drawn.setdefault(task_key, []).append(key)
+    return batch
+trainer.get_data = get_data
+code = md.run_dp(sys.argv[1:])
+with open("drawn.json", "w") as fh:
+    json.dump(drawn, fh)
+sys.exit(code)
+'''
+
+
 def _data(tmp_path: Path, name: str, seed: int) -> dict:
-    make_dataset(tmp_path / f"train_{name}", 2, nframes=4, seed=seed)
-    make_dataset(tmp_path / f"valid_{name}", 1, nframes=4, seed=seed + 50)
+    if not (tmp_path / f"train_{name}").exists():
+        make_dataset(tmp_path / f"train_{name}", 2, nframes=4, seed=seed)
+        make_dataset(tmp_path / f"valid_{name}", 1, nframes=4, seed=seed + 50)
     return {"training_data": {"systems": [str(tmp_path / f"train_{name}")], "batch_size": 1},
             "validation_data": {"systems": [str(tmp_path / f"valid_{name}")], "batch_size": 1,
                                 "numb_btch": 2}}
@@ -43,30 +69,37 @@ def single_task_input(tmp_path: Path) -> dict:
                          "save_freq": 100}}
 
 
-def multi_task_input(tmp_path: Path, tasks: tuple[str, ...] = ("a", "b")) -> dict:
-    """A multi-head se_e2_a input sharing one descriptor, each head its own data."""
+def multi_task_input(tmp_path: Path, tasks: tuple[str, ...] = ("a", "b"),
+                     data: dict[str, str] | None = None) -> dict:
+    """A multi-head se_e2_a input sharing one descriptor, each head its own data (or the data
+    ``data`` names for it)."""
+    data = data or {}
     head = {"type_map": "type_map_all", "descriptor": "shared_descriptor",
             "fitting_net": {"neuron": [8], "seed": 1}}
     return {"model": {"shared_dict": {"type_map_all": ["O", "H"],
                                       "shared_descriptor": DESCRIPTOR},
                       "model_dict": {t: dict(head) for t in tasks}},
             "learning_rate": LR, "loss_dict": dict.fromkeys(tasks, LOSS),
-            "training": {"data_dict": {t: _data(tmp_path, t, 3 + i)
+            "training": {"data_dict": {t: _data(tmp_path, data.get(t, t), 3 + i)
                                        for i, t in enumerate(tasks)},
                          "model_prob": dict.fromkeys(tasks, 1.0),
                          "seed": 7, "disp_freq": 1, "save_freq": 100}}
 
 
-def train(job: Path, config: dict, steps: int, *extra: str, world: int = 1) -> str:
-    """Write ``config`` with ``numb_steps`` = ``steps`` and run ``mdloader dp`` on it."""
+def train(job: Path, config: dict, steps: int, *extra: str, world: int = 1,
+          spy: bool = False) -> str:
+    """Write ``config`` with ``numb_steps`` = ``steps`` and run ``mdloader dp`` on it (``spy``:
+    recording each task's training batches in ``drawn.json``)."""
     config["training"]["numb_steps"] = steps
     job.mkdir(parents=True, exist_ok=True)
     (job / "input.json").write_text(json.dumps(config))
+    (job / "spy.py").write_text(SPY)
     peer = require_deepmd_python()
     launch = ([peer] if world == 1 else
               [peer, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"])
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", NUM_WORKERS="0")
-    proc = subprocess.run([*launch, "-m", "mdloader", "dp", "--pt", "train", "input.json",
+    command = ["spy.py"] if spy else ["-m", "mdloader", "dp"]
+    proc = subprocess.run([*launch, *command, "--pt", "train", "input.json",
                            "--skip-neighbor-stat", *extra], cwd=job, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -111,3 +144,32 @@ def test_a_multi_task_restart_on_two_ranks_equals_an_uninterrupted_run(tmp_path:
     train(parts, multi_task_input(tmp_path), 6, "--restart", "model.ckpt.pt", world=2)
     assert rows_after(parts, 3) == rows_after(whole, 3)
     assert len(rows_after(whole, 3)) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_adding_a_task_leaves_another_tasks_batches_unchanged(tmp_path: Path) -> None:
+    two = tmp_path / "two"
+    train(two, multi_task_input(tmp_path), 4, spy=True)
+    three = tmp_path / "three"
+    train(three, multi_task_input(tmp_path, ("a", "b", "c"), data={"c": "a"}), 4, spy=True)
+    before = json.loads((two / "drawn.json").read_text())
+    after = json.loads((three / "drawn.json").read_text())
+    for task in ("a", "b"):
+        common = min(len(before[task]), len(after[task]))
+        assert common >= 4
+        assert after[task][:common] == before[task][:common]
+    # c trains on a's systems, from a stream of its own
+    common = min(len(after["a"]), len(after["c"]))
+    assert after["c"][:common] != after["a"][:common]
+
+
+def test_a_tasks_seed_folds_in_its_key_and_a_single_task_keeps_the_job_seed() -> None:
+    from mdloader.integrations.deepmd.systems import task_seed
+    from mdloader.sampling.tasks import task_stream_seed
+
+    assert task_seed([1, 7], "a") == [1, task_stream_seed(7, "a")]
+    assert task_seed(7, "a") == task_stream_seed(7, "a")
+    assert task_stream_seed(7, "a") != task_stream_seed(7, "b")
+    assert task_stream_seed(7, "a") != task_stream_seed(8, "a")
+    assert task_seed(None, "a") is None
