@@ -173,3 +173,17 @@ def test_a_tasks_seed_folds_in_its_key_and_a_single_task_keeps_the_job_seed() ->
     assert task_stream_seed(7, "a") != task_stream_seed(7, "b")
     assert task_stream_seed(7, "a") != task_stream_seed(8, "a")
     assert task_seed(None, "a") is None
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_a_state_of_two_ranks_restarts_on_one(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    train(job, single_task_input(tmp_path), 3, world=2)
+    state = json.loads((job / "model.ckpt-3.pt.mdloader").read_text())
+    assert state["world_size"] == 2 and state["step"] == 2
+    assert set(state["streams"]) == {"training", "validation"}
+    log = train(job, single_task_input(tmp_path), 5, "--restart", "model.ckpt.pt")
+    assert "restored the loader state" in log
+    assert [int(row.split()[0]) for row in rows_after(job, 3)] == [4, 5]
