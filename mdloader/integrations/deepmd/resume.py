@@ -173,7 +173,9 @@ def _load(trainer: Any, checkpoint: str, streams: dict[str, WeightedSystemSample
     for name, sampler in streams.items():
         sampler.load_state_dict(saved[name])
     trainer.start_step += 1  # the checkpoint's own step is done: it is not run again
-    trainer.scheduler.step()
+    scheduler = getattr(trainer, "scheduler", None)  # Adam-type optimizers have one
+    if scheduler is not None:
+        scheduler.step()
     if trainer.rank == 0:
         log.info("restored the loader state of %s: %d stream(s), continuing at step %d",
                  checkpoint, len(streams), trainer.start_step)
