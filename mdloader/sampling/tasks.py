@@ -34,6 +34,7 @@ TAG_TASK_DRAW = 0x5441534B    # "TASK": per-rank independent task draws
 TAG_TASK_SHARED = 0x54534852  # "TSHR": task draws shared by all ranks
 TAG_TASK_WINDOW = 0x5457494E  # "TWIN": per-rank order inside an exact-count window
 TAG_TASK_WINDOW_SHARED = 0x5457534E  # "TWSN": window order shared by all ranks
+TAG_TASK_STREAM = 0x5453544D  # "TSTM": the data streams of one task
 TASK_CHUNK = 4096
 """Steps per chunk of draws: each chunk has its own generator, so step s is random access."""
 
@@ -41,6 +42,16 @@ TASK_CHUNK = 4096
 def task_key_word(task: str) -> int:
     """A stable 32-bit word for a task name (CRC-32 of its UTF-8 bytes, never Python's hash)."""
     return zlib.crc32(task.encode("utf-8"))
+
+
+def task_stream_seed(seed: int, task: str) -> int:
+    """The job seed of ``task``'s data streams: ``seed`` with the task key folded in.
+
+    Two tasks on the same systems then draw different batches, and a task's batches do not
+    depend on which other tasks the job has.
+    """
+    words = [int(seed) % SEED_MOD, TAG_TASK_STREAM, task_key_word(task)]
+    return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0])
 
 
 def task_weights(tasks: Sequence[str], model_prob: Mapping[str, float] | None = None,

@@ -18,6 +18,12 @@ from typing import Any
 from mdloader.integrations.deepmd import seam
 from mdloader.integrations.deepmd.failures import ending_together
 from mdloader.integrations.deepmd.input_stats import mdloader_run_stat_on_chief
+from mdloader.integrations.deepmd.resume import (
+    counting_get_data,
+    recording_trainer_init,
+    resuming_trainer_run,
+    saving_loader_state,
+)
 from mdloader.integrations.deepmd.seam import MAIN, TRAINING, UPDATE_SEL, owner_of
 from mdloader.integrations.deepmd.shims import cpu_ddp, trainer_dist, trainer_torch
 from mdloader.integrations.deepmd.systems import (
@@ -74,8 +80,14 @@ def patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
         (TRAINING, "dp_random"): SCHEDULED_TASKS,
         (TRAINING, "resolve_step_schedule"): recording_step_schedule(
             _original(mods, TRAINING, "resolve_step_schedule")),
-        (TRAINING, "Trainer.run"): scheduled_trainer_run(
-            _original(mods, TRAINING, "Trainer.run")),
+        (TRAINING, "Trainer.run"): resuming_trainer_run(scheduled_trainer_run(
+            _original(mods, TRAINING, "Trainer.run"))),
+        (TRAINING, "Trainer.__init__"): recording_trainer_init(
+            _original(mods, TRAINING, "Trainer.__init__")),
+        (TRAINING, "Trainer.get_data"): counting_get_data(
+            _original(mods, TRAINING, "Trainer.get_data")),
+        (TRAINING, "Trainer.save_model"): saving_loader_state(
+            _original(mods, TRAINING, "Trainer.save_model")),
     }
     import torch
 

@@ -81,7 +81,22 @@ SEAM: tuple[SeamName, ...] = (
     SeamName(TRAINING, "resolve_step_schedule", "wrap",
              "records the training section (seed, `num_epoch_dict`) for the task schedule"),
     SeamName(TRAINING, "Trainer.run", "wrap",
-             "sets the task schedule at the trainer's first step (`start_step` on a restart)"),
+             "sets the task schedule at the trainer's first step (`start_step` on a restart); "
+             "at a `--restart`, seeks every stream to the loader state saved beside the "
+             "checkpoint and skips the step DeePMD-kit would run twice"),
+    SeamName(TRAINING, "Trainer.__init__", "wrap",
+             "keeps the `--restart` checkpoint, whose loader state `run` restores"),
+    SeamName(TRAINING, "Trainer.get_data", "wrap",
+             "counts the batches the trainer consumed from each stream (workers prefetch)"),
+    SeamName(TRAINING, "Trainer.save_model", "wrap",
+             "writes the loader state beside each checkpoint (rank 0, atomically)"),
+    SeamName(TRAINING, "Trainer.nonfinite_grad_guard", "wrap",
+             "its check, run by every rank before a checkpoint, also gathers the loader "
+             "states to rank 0", False),
+    SeamName(TRAINING, "Trainer.start_step", "read",
+             "the restart step; one more when the loader state is restored", False),
+    SeamName(TRAINING, "Trainer.scheduler", "read",
+             "stepped once when the repeated restart step is skipped", False),
     SeamName(TRAINING, "torch", "patch", "CPU only: `torch.cuda.set_device` does nothing"),
     SeamName(TRAINING, "DDP", "patch", "CPU only: DDP without `device_ids`"),
     SeamName(TRAINING, "open_stat_file", "patch",

@@ -25,6 +25,7 @@ from mdloader.loading.build import build_systems
 from mdloader.loading.job import JobSection, JobSystems, build_job
 from mdloader.loading.loader import DpLoaderSet, LazySystemBatches
 from mdloader.loading.statistics import neighbour_statistics
+from mdloader.sampling.tasks import task_stream_seed
 
 
 class DeferredSystems(list):
@@ -34,18 +35,24 @@ class DeferredSystems(list):
     before the build; :class:`DeepmdDpLoaderSet` hands both to mdloader's rank-0 discovery.
     """
 
-    def __init__(self, entries: Sequence[str], patterns: Sequence[str] | None = None) -> None:
+    def __init__(self, entries: Sequence[str], patterns: Sequence[str] | None = None,
+                 task: str | None = None) -> None:
         super().__init__(entries)
         self.patterns = list(patterns) if patterns else None
+        self.task = task
 
 
 def defer_discovery(systems: str | Sequence[str],
                     patterns: Sequence[str] | None = None) -> DeferredSystems:
-    """Replacement for ``deepmd.utils.data_system.process_systems``: no file-system access."""
+    """Replacement for ``deepmd.utils.data_system.process_systems``: no file-system access.
+
+    The result names the multi-task task whose input section holds ``systems`` (else ``None``).
+    """
+    task = _JOB.task_of_systems(systems)
     if isinstance(systems, str):
-        return DeferredSystems([systems], patterns)
+        return DeferredSystems([systems], patterns, task)
     if isinstance(systems, (list, tuple)):
-        return DeferredSystems(list(systems), patterns)
+        return DeferredSystems(list(systems), patterns, task)
     raise ConfigError(f"systems must be a path or a list of paths, got {type(systems).__name__}",
                       path="training.training_data.systems")
 
@@ -64,18 +71,35 @@ class DeepmdDpLoaderSet(DpLoaderSet):
 
     Accepts a :class:`DeferredSystems` (from :func:`defer_discovery`) and forwards its
     ``rglob_patterns``; DeePMD-kit's ``[rank, seed]`` convention is understood by the base class.
+    A multi-task task's set folds the task key into the seed
+    (:func:`~mdloader.sampling.tasks.task_stream_seed`): a stream per task.
     """
 
     def __init__(self, systems: Any, batch_size: Any, type_map: Sequence[str] | None,
                  seed: int | Sequence[int] | None = None, shuffle: bool = True,
                  modifier: Any = None) -> None:
         patterns = getattr(systems, "patterns", None)
+        task = getattr(systems, "task", None)
+        if task is not None:
+            seed = task_seed(seed, task)
         if isinstance(systems, DeferredSystems):
             view = _JOB.datasets(systems, patterns, type_map)
             systems = list(systems) if view is None else view
         super().__init__(systems, batch_size, type_map, seed, shuffle, modifier,
                          rglob_patterns=patterns)
         self.dataloaders = LoaderSetBatches(self)
+
+
+def task_seed(seed: int | Sequence[int] | None, task: str) -> int | list[int] | None:
+    """DeePMD-kit's loader-set ``seed`` (an int, or ``[rank, seed]``) with ``task`` folded in."""
+    if seed is None:
+        return None
+    if isinstance(seed, (list, tuple)) and len(seed) == 2:
+        return [int(seed[0]), task_stream_seed(int(seed[1]), task)]
+    if isinstance(seed, (list, tuple)):
+        raise ConfigError(f"a multi-task loader seed must be an int or [rank, seed], got {seed!r}",
+                          path="training.seed")
+    return task_stream_seed(int(seed), task)
 
 
 def not_lmdb(systems: Any) -> bool:
@@ -160,6 +184,7 @@ class JobRecord:
         self.tasks_of_data: dict[int, str | None] = {}
         self.shared: dict[str, tuple[str, ...]] = {}
         self.section_of_task: dict[str | None, JobSection] = {}
+        self.task_of_list: dict[int, str | None] = {}
         self.built: JobSystems | None = None
 
     def record_links(self, shared_links: Any) -> None:
@@ -175,6 +200,7 @@ class JobRecord:
     def record_config(self, config: Any) -> None:
         """Every ``systems`` list of the normalized input; no I/O."""
         self.sections, self.tasks_of_data, self.section_of_task = [], {}, {}
+        self.task_of_list = {}
         self.built = None
         model, training = config.get("model", {}), config.get("training", {})
         if "model_dict" in model:
@@ -192,12 +218,20 @@ class JobRecord:
                                         params.get("type_map"),
                                         key=f"{path}.{role}_data.systems")
                 self.sections.append(section)
+                if task is not None:  # one object held by two tasks: no task of its own
+                    owner = self.task_of_list.setdefault(id(part["systems"]), task)
+                    if owner != task:
+                        self.task_of_list[id(part["systems"])] = None
                 if role == "training":
                     self.tasks_of_data[id(part)] = task
                     self.section_of_task[task] = section
 
     def task_of(self, jdata: Any) -> str | None:
         return self.tasks_of_data.get(id(jdata))
+
+    def task_of_systems(self, systems: Any) -> str | None:
+        """The multi-task task whose input section holds this ``systems`` object."""
+        return self.task_of_list.get(id(systems))
 
     def datasets(self, systems: Any, patterns: Any, type_map: Any) -> Any:
         """The job's datasets for these values (the job built on first use), else ``None``."""

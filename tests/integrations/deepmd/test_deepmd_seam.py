@@ -41,7 +41,7 @@ def _fake_deepmd(monkeypatch: pytest.MonkeyPatch, version: str,
             if not hasattr(owner, part):
                 setattr(owner, part, type(part, (), {}))
             owner = getattr(owner, part)
-        if not hasattr(owner, attr):
+        if attr not in vars(owner):  # a class's own, not object's (``__init__``)
             setattr(owner, attr, lambda *a, **k: None)
     training = mods[TRAINING]
     training.torch, training.DDP = torch, type("DDP", (), {})
