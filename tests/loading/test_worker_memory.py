@@ -32,6 +32,7 @@ def test_forked_workers_freeze_the_inherited_heap(tmp_path) -> None:
     paths = [make_system(tmp_path, f"sys{i}", natoms=3 + i, nframes=4, seed=i) for i in range(3)]
     ls = DpLoaderSet(paths, 1, ["O", "H"], seed=3)
     sampler = get_weighted_sampler(ls, "prob_sys_size", num_workers=2)
+    gc.unfreeze()                 # whatever an earlier test froze goes back to the collector
     parent_frozen = gc.get_freeze_count()
     dl = DataLoader(_FreezeProbe(ls), sampler=sampler, batch_size=None, num_workers=2,
                     multiprocessing_context="fork", collate_fn=lambda b: b)
