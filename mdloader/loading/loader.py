@@ -35,6 +35,7 @@ from mdloader.distributed.group import current_world
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.loading.build import build_systems
 from mdloader.loading.system_list import SystemDatasets, kept_systems, natoms_of, nframes_of
+from mdloader.loading.worker_memory import settle_worker
 from mdloader.sampling.order import FrameOrder, normalize_seed
 from mdloader.sampling.plan import LoaderPlan, PlanOwner
 from mdloader.sampling.probability import StyleRule, select_prob_source
@@ -196,6 +197,8 @@ class DpLoaderSet(Dataset):
         torch's per-tensor shared memory for small tensors) and arrive as the same plain dict.
         """
         in_worker = get_worker_info() is not None
+        if in_worker:
+            settle_worker()
         if isinstance(idx, tuple):
             batch = self.read(int(idx[0]), idx[1])
         else:
