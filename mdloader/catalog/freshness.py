@@ -28,18 +28,13 @@ from mdloader.catalog.table import SystemTable
 from mdloader.data.formats import backend_of
 from mdloader.data.formats.capabilities import freshness_paths
 from mdloader.fs_calls import Overlap, timed
-from mdloader.persist import file_stamp
+from mdloader.persist import changed_since
 
 
 def changed(paths: Sequence[str], since_ns: int, overlap: Overlap) -> np.ndarray:
     """For each path, whether it is gone or changed at or after ``since_ns`` (ns since epoch)."""
-    return np.fromiter(overlap.map(lambda path: _changed(path, since_ns), paths), dtype=bool,
-                       count=len(paths))
-
-
-def _changed(path: str, since_ns: int) -> bool:
-    stamp = timed(file_stamp, path)
-    return stamp is None or stamp.changed_since(since_ns)
+    return np.fromiter(overlap.map(lambda path: timed(changed_since, path, since_ns), paths),
+                       dtype=bool, count=len(paths))
 
 
 def system_paths(table: SystemTable) -> tuple[list[str], np.ndarray, list[int]]:
@@ -63,9 +58,12 @@ def stale_systems(table: SystemTable, since_ns: int, overlap: Overlap) -> np.nda
     """Whether each system of ``table`` changed since ``since_ns`` (see the module docstring)."""
     paths, rows, uncheckable = system_paths(table)
     distinct = list(dict.fromkeys(paths))  # an HDF5 file holds many systems: one stat
-    flags = dict(zip(distinct, changed(distinct, since_ns, overlap)))
+    flags = changed(distinct, since_ns, overlap)
+    if len(distinct) != len(paths):  # back from the distinct paths to every path
+        found = dict(zip(distinct, flags.tolist()))
+        flags = np.fromiter((found[p] for p in paths), dtype=bool, count=len(paths))
     stale = np.zeros(len(table), dtype=bool)
-    stale[rows[np.fromiter((flags[p] for p in paths), dtype=bool, count=len(paths))]] = True
+    stale[rows[flags]] = True
     stale[uncheckable] = True
     return stale
 
