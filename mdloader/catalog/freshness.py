@@ -13,8 +13,9 @@ rewritten in place with other frames rewrites it). Another array rewritten in pl
 when it is read: its frames, width and size must still match
 (:func:`mdloader.data.formats.npy.read_rows`), and a read that finds it changed removes the
 index, so that the next start describes the systems again. An HDF5 system is its file. Each
-format says which paths it depends on (:func:`mdloader.data.formats.capabilities.freshness_paths`); systems of a
-format that names none are always described again.
+format says which paths it depends on
+(:func:`mdloader.data.formats.capabilities.freshness_paths`); systems of a format that names
+none are always described again.
 """
 
 from __future__ import annotations
