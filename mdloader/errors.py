@@ -108,8 +108,9 @@ class StaleDataError(DataError):
             where = ("described when this job started; the data changed while it ran: restart "
                      "the job")
         else:
-            where = (f"described by the index {origin}; refresh it with `mdloader index "
-                     "refresh`, MDLOADER_INDEX=refresh or index_mode='refresh'")
+            where = (f"described by the index {origin}, now removed: the next start "
+                     "describes the systems again; a shared copy is refreshed with `mdloader "
+                     "index refresh input.json`, MDLOADER_INDEX=refresh or index_mode='refresh'")
         return StaleDataError(f"{self.message} ({where})", system=self.system, file=self.file,
                               expected=self.expected, found=self.found)
 

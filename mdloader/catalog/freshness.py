@@ -1,4 +1,4 @@
-"""Is a saved description still true? One ``stat`` per folder and per small text file.
+"""Is a saved description still true? One ``stat`` per folder, small text file and set.
 
 The rule: a path is unchanged when it still exists and its :class:`~mdloader.persist.FileStamp`
 did not change since the start of the build that described it
@@ -8,11 +8,14 @@ copying old files over new ones (``cp -p``, ``rsync -a``, ``tar``) is caught too
 
 Per npy system that is: its folder (a set, ``nopbc``, ``type_map.raw`` or a nested system added
 or removed changes it), ``type.raw`` and ``type_map.raw`` (rewritten in place, they would change
-nothing else), and each ``set.*`` folder (an array added or removed). An array rewritten in
-place is checked when it is read: its frames, width and size must still match
-(:func:`mdloader.data.formats.npy.read_rows`). An HDF5 system is its file. Each format says which
-paths it depends on (:func:`mdloader.data.formats.capabilities.freshness_paths`); systems of a
-format that names none are always described again.
+nothing else), each ``set.*`` folder (an array added or removed) and its ``coord.npy`` (a set
+rewritten in place with other frames rewrites it). Another array rewritten in place is checked
+when it is read: its frames, width and size must still match
+(:func:`mdloader.data.formats.npy.read_rows`), and a read that finds it changed removes the
+index, so that the next start describes the systems again. An HDF5 system is its file. Each
+format says which paths it depends on
+(:func:`mdloader.data.formats.capabilities.freshness_paths`); systems of a format that names
+none are always described again.
 """
 
 from __future__ import annotations

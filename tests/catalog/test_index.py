@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from mdloader.catalog import index, index_file
-from mdloader.data.formats import hdf5
+from mdloader.data.formats import hdf5, release_handles
 from mdloader.data.system import build_system_meta
-from mdloader.errors import ConfigError, StaleDataError
+from mdloader.errors import ConfigError, ShapeError, StaleDataError
 from mdloader.loading import build
 from mdloader.testing import make_system
 
@@ -233,11 +233,62 @@ def test_an_array_rewritten_in_place_fails_its_first_read(tmp_path: Path, mode: 
     changed.add_data_requirement([{"key": "force", "ndof": 3, "atomic": True}])
     with pytest.raises(StaleDataError, match=(
             rf"the file changed after the system was described \(described by the index "
-            rf"{report.index_file}; refresh it with `mdloader index refresh`, "
+            rf"{report.index_file}, now removed: the next start describes the systems again; "
+            rf"a shared copy is refreshed with `mdloader index refresh input.json`, "
             rf"MDLOADER_INDEX=refresh or index_mode='refresh'\); "
             rf"system: {root / 'b' / 'sys.0'}; file: {force}; "
             r"expected: 4 frames of width 9; found: 4 frames of width 12")):
         changed[0]
+    assert not os.path.exists(report.index_file)
+    with pytest.raises(ShapeError, match=r"per-frame width of force.npy"):  # described again
+        build.build_systems(str(root), TYPE_MAP, index_mode=mode)
+
+
+def test_the_start_after_a_stale_read_describes_the_system_again(tmp_path: Path) -> None:
+    """A trusted index checks nothing at start: a set rewritten in place with more frames stops
+    the first start at its read, and the next one describes the systems again and reads them."""
+    root = _tree(tmp_path / "data")
+    _build(root)
+    set_dir = root / "b" / "sys.0" / "set.000"
+    for array in sorted(set_dir.glob("*.npy")):
+        np.save(array, np.concatenate([np.load(array)] * 2))  # 8 frames
+    datasets, report = build.build_systems_with_report(str(root), TYPE_MAP, index_mode="trust")
+    assert report.described == 0
+    (changed,) = [d for d in datasets if d.system == str(root / "b" / "sys.0")]
+    with pytest.raises(StaleDataError, match=rf"described by the index {report.index_file}"):
+        changed[0]
+    release_handles()
+    datasets, report = build.build_systems_with_report(str(root), TYPE_MAP, index_mode="trust")
+    assert report.described == report.nsys == 4
+    (changed,) = [d for d in datasets if d.system == str(root / "b" / "sys.0")]
+    assert len(changed) == 8
+    np.testing.assert_allclose(np.sort(changed[7]["coord"].reshape(-1)),  # atoms by type
+                               np.sort(np.load(set_dir / "coord.npy")[7]))
+
+
+@pytest.mark.parametrize("how", ["rewrite", "same-mtime", "cp-p"])
+def test_a_set_rewritten_in_place_with_more_frames_is_described_again(
+        tmp_path: Path, how: str) -> None:
+    """Same folder, same names, even the same modification time: the set is seen at start."""
+    root = _tree(tmp_path / "data")
+    set_dir = root / "b" / "sys.0" / "set.000"  # 4 frames
+    old = None
+    if how == "cp-p":  # an older copy of the set with 8 frames
+        old = tmp_path / "older"
+        make_system(old, "sys.0", natoms=3, nframes=8, seed=9)
+        old = old / "sys.0" / "set.000"
+    _build(root)
+    for array in sorted(set_dir.glob("*.npy")):
+        data = np.load(array)
+        stat = array.stat()
+        if old is not None:
+            subprocess.run(["cp", "-p", str(old / array.name), str(array)], check=True)
+        else:
+            np.save(array, np.concatenate([data, data]))
+        if how == "same-mtime":
+            os.utime(array, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    report = _build(root)  # checks every description against the data
+    assert report.source.startswith("index") and report.described == 1
 
 
 def test_an_hdf5_dataset_rewritten_later_fails_its_read(tmp_path: Path) -> None:

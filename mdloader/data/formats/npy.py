@@ -375,12 +375,14 @@ class NpyBackend(SetBackend):
 
     def freshness_paths(self, address: str, layout: tuple[bool, tuple[str, ...]]
                         ) -> list[str] | None:
-        """The folder, ``type.raw``, ``type_map.raw`` (when it has one) and each ``set.*``
-        folder; an array rewritten in place is checked when it is read (:func:`read_rows`)."""
+        """The folder, ``type.raw``, ``type_map.raw`` (when it has one), each ``set.*`` folder
+        and its ``coord.npy`` (a set rewritten in place with other frames rewrites it); another
+        array rewritten in place is checked when it is read (:func:`read_rows`)."""
         ends = self._ends.get(layout)
         if ends is None:
             extra = ("/type_map.raw",) if layout[0] else ()
-            ends = self._ends[layout] = ("", "/type.raw", *extra, *("/" + s for s in layout[1]))
+            sets = [end for s in layout[1] for end in ("/" + s, f"/{s}/coord.npy")]
+            ends = self._ends[layout] = ("", "/type.raw", *extra, *sets)
         return [address + end for end in ends]
 
     def __init__(self) -> None:

@@ -30,6 +30,7 @@ from mdloader.errors import (
     StaleDataError,
     TypeMapError,
 )
+from mdloader.persist import remove_entry
 
 
 @dataclass(frozen=True)
@@ -401,6 +402,8 @@ class SetReader(FrameReader):
             return self._storage.read_rows(self._meta.location, s.name, stem, rows, s.nframes,
                                       s.width(stem))
         except StaleDataError as exc:
+            if self._origin is not None:  # a start that reads it again would fail the same way
+                remove_entry(self._origin)
             raise exc.described_by(self._origin) from None
 
     def _map_real_types(self, rows: np.ndarray, file: str) -> np.ndarray:
