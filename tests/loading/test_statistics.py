@@ -3,6 +3,7 @@ the per-system cache (hit, miss, stale, refresh, off) and failures as one line o
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from support.distributed_utils import RankError, run_ranks, values
 
+from mdloader.catalog import stats_store
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.data.schema import DataRequirementItem
 from mdloader.loading.build import build_systems
@@ -222,7 +224,7 @@ def test_input_statistics_of_chosen_frames_share_the_all_frames_cache(tmp_path: 
 
 @pytest.mark.parametrize("cause", ["a file", "read-only"])
 def test_a_cache_that_cannot_be_written_costs_one_line_per_cause(tmp_path: Path, cause,
-                                                                 caplog) -> None:
+                                                                 caplog, monkeypatch) -> None:
     """20 systems, two settings: one warning per cause with the count, not one per entry."""
     systems = [make_system(tmp_path / "d", f"s{i:02d}", natoms=5, nframes=2, seed=i)
                for i in range(20)]
@@ -232,8 +234,10 @@ def test_a_cache_that_cannot_be_written_costs_one_line_per_cause(tmp_path: Path,
     else:
         cache.mkdir()
         cache.chmod(0o500)
-        if os.access(cache, os.W_OK):
-            pytest.skip("running as root: a read-only folder is still writable")
+        if os.access(cache, os.W_OK):  # root writes anyway: the write is refused as it would be
+            def refused(path, *args, **kwargs):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            monkeypatch.setattr(stats_store, "write_atomic", refused)
     datasets = [DeepmdDataSetForLoader(s, TYPE_MAP) for s in systems]
     try:
         with caplog.at_level("WARNING"):

@@ -200,4 +200,5 @@ def test_deepmd_trainer_under_install_with_an_invalid_cuda_default_device(
     info = _run(peer, TRAINER, tmp_path)
     assert info == {"dataset": "mdloader.integrations.deepmd.systems",
                     "sampler": "WeightedSystemSampler", "weights_device": "cpu", "nsys": 4,
-                    "files": ["model.ckpt-3.pt", "model.ckpt.pt"]}
+                    "files": ["model.ckpt-3.pt", "model.ckpt-3.pt.mdloader", "model.ckpt.pt",
+                              "model.ckpt.pt.mdloader"]}  # the loader state beside each
