@@ -5,26 +5,11 @@
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any
 
 from benchmarks import REPO
+from benchmarks.aggregate import load
 from benchmarks.scale.run import DEFAULT, table
-
-
-def load(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The run's header and its cell records."""
-    meta: dict[str, Any] = {}
-    rows = []
-    with open(path) as fh:
-        for line in fh:
-            rec = json.loads(line)
-            if rec.get("kind") == "meta":
-                meta = rec
-            else:
-                rows.append(rec)
-    return meta, rows
 
 
 def section(path: str = DEFAULT) -> str:
