@@ -25,7 +25,7 @@ from mdloader.sampling.balance import (
     window_draws,
     window_start_counts,
 )
-from mdloader.sampling.elastic import BALANCE_IDENTITY, Generation, share_of
+from mdloader.sampling.elastic import BALANCE_IDENTITY, Generation
 from mdloader.sampling.order import (
     STREAM_CHUNK,
     Continuation,
@@ -180,8 +180,7 @@ class BalancedStream:
             return self.order
         order = self._drawer_orders.get(drawer)
         if order is None:
-            share = None if self._full is None else share_of(self._full, drawer,
-                                                             self.plan.world_size)
+            share = None  # interim, until the balanced streams read their own frames
             order = self._drawer_orders[drawer] = self.plan.frame_order(drawer, share)
         return order
 
