@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from mdloader.errors import StateDictError
+from mdloader.sampling.balance import balanced_counts
 from mdloader.sampling.batching import batches_per_rank
 from mdloader.sampling.order import PIECE, Continuation, real_shard_lengths, stream_counts
 from mdloader.sampling.plan import LoaderPlan
@@ -77,8 +78,11 @@ def owned_ranks(rank: int, world_size: int, old_world: int) -> range:
 
 def rank_counts(plan: LoaderPlan, index: int, gen: Generation, rank: int) -> np.ndarray:
     """Batches rank ``rank`` of generation ``index`` took from each system: ``[nsys]``, from a
-    replay of its own system stream alone."""
+    replay of its own system stream alone (unbalanced or balanced: a rank reads its own frames)."""
     cdf = plan.cdf_on(gen.world_size)
+    if plan.balance_window:
+        return balanced_counts(job_seed(plan), rank, 0, gen.steps[rank], cdf, plan.balance_costs,
+                               plan.balance_window, generation=index)
     return stream_counts(job_seed(plan), rank, 0, gen.steps[rank], cdf,
                          plan.same_system_across_ranks, generation=index)
 
