@@ -118,20 +118,24 @@ BIG_WORLD = 1024
 BIG_RANKS = (0, 511, 512, 1023)   # the old ranks that new ranks 0 and W' - 1 own, W' in {512, 1536}
 
 
-def _big(rank: int, world: int) -> WeightedSystemSampler:
+BIG_NATOMS = [3, 40, 9, 120, 17]
+
+
+def _big(rank: int, world: int, window: int) -> WeightedSystemSampler:
     return WeightedSystemSampler(BIG_NFRAMES, BIG_BSIZES, RULE, seed=SEED, rank=rank,
-                                 world_size=world)
+                                 world_size=world, balance_window=window, natoms=BIG_NATOMS)
 
 
-@pytest.fixture(scope="module")
-def big_job() -> tuple[Ledger, dict, dict]:
-    """Old ranks ``BIG_RANKS`` of a 1024-rank job, each past one stream chunk with its own
-    number of steps, checked by a ledger; the facts of that check; the job state of all 1024
-    ranks (the others' states only name their steps)."""
+@pytest.fixture(scope="module", params=[0, 32], ids=["unbalanced", "balanced"])
+def big_job(request: pytest.FixtureRequest) -> tuple[Ledger, dict, dict, int]:
+    """Old ranks ``BIG_RANKS`` of a 1024-rank job (balance window 0 or 32), each past one
+    stream chunk with its own number of steps, checked by a ledger; the facts of that check; the
+    job state of all 1024 ranks (the others' states only name their steps); the window."""
+    window = request.param
     steps = [4097 + (37 * r) % 301 for r in range(BIG_WORLD)]
     served = {}
     for r in BIG_RANKS:
-        sampler = _big(r, BIG_WORLD)
+        sampler = _big(r, BIG_WORLD, window)
         served[r] = [sampler.next_key() for _ in range(steps[r])]
         assert sampler.state_dict()["steps"] == steps[r]
     base = sampler.state_dict()
@@ -139,17 +143,18 @@ def big_job() -> tuple[Ledger, dict, dict]:
     ledger = Ledger(BIG_NFRAMES, BIG_BSIZES, SEED)
     first = ledger.generation(served, BIG_WORLD)
     assert any(first["units"][sid] for sid in range(len(BIG_NFRAMES))), "no unit interrupted"
-    return ledger, first, job
+    return ledger, first, job, window
 
 
 @pytest.mark.parametrize("new_world", [512, 1536])
-def test_1024_ranks_resume_elastically_on_two_new_ranks(big_job: tuple[Ledger, dict, dict],
-                                                        new_world: int) -> None:
-    """New ranks 0 and W' - 1 alone serve what the old ranks they own left, then W'-rank passes."""
-    ledger, first, job = copy.deepcopy(big_job)
+def test_1024_ranks_resume_elastically_on_two_new_ranks(
+        big_job: tuple[Ledger, dict, dict, int], new_world: int) -> None:
+    """New ranks 0 and W' - 1 alone serve what the old ranks they own left, then W'-rank passes
+    (balanced too: a balanced rank reads its own frames, and resumes from uneven steps)."""
+    ledger, first, job, window = copy.deepcopy(big_job)
     new, owed = {}, {}
     for r in (0, new_world - 1):
-        sampler = _big(r, new_world)
+        sampler = _big(r, new_world, window)
         sampler.load_state_dict(job)
         cont = sampler.order.continuation
         owed[r] = ledger.handed_to(r, new_world)
