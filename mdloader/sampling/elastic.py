@@ -76,10 +76,12 @@ def owned_ranks(rank: int, world_size: int, old_world: int) -> range:
     return range(rank, old_world, world_size)
 
 
-def rank_counts(plan: LoaderPlan, index: int, gen: Generation, rank: int) -> np.ndarray:
+def rank_counts(plan: LoaderPlan, index: int, gen: Generation, rank: int,
+                cdf: np.ndarray | None = None) -> np.ndarray:
     """Batches rank ``rank`` of generation ``index`` took from each system: ``[nsys]``, from a
-    replay of its own system stream alone (unbalanced or balanced: a rank reads its own frames)."""
-    cdf = plan.cdf_on(gen.world_size)
+    replay of its own system stream alone (unbalanced or balanced: a rank reads its own frames);
+    ``cdf``: ``plan.cdf_on(gen.world_size)`` when the caller has it already."""
+    cdf = plan.cdf_on(gen.world_size) if cdf is None else cdf
     if plan.balance_window:
         return balanced_counts(job_seed(plan), rank, 0, gen.steps[rank], cdf, plan.balance_costs,
                                plan.balance_window, generation=index)
@@ -128,7 +130,7 @@ def _inherited(plan: LoaderPlan, history: Sequence[Generation], rank: int, world
     if not history:
         return np.empty(0, dtype=PIECE)
     index, gen = len(history) - 1, history[-1]
-    parts = []
+    parts, cdf = [], None
     for old in owned_ranks(rank, world_size, gen.world_size):
         before = None
         if index:
@@ -136,7 +138,8 @@ def _inherited(plan: LoaderPlan, history: Sequence[Generation], rank: int, world
                 plan, history[:-1], old, gen.world_size, replays))
         counts = replays.get((index, gen.steps[old]))
         if counts is None:
-            counts = rank_counts(plan, index, gen, old)
+            cdf = plan.cdf_on(gen.world_size) if cdf is None else cdf
+            counts = rank_counts(plan, index, gen, old, cdf)
             if plan.same_system_across_ranks:   # a shared stream: equal steps, equal counts
                 replays[index, gen.steps[old]] = counts
         parts.append(left_pieces(plan, index, gen, old, before, counts))
