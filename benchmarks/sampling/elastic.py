@@ -6,8 +6,9 @@
 The state is measured as JSON bytes of the job state (every rank merged), for a job that never
 changed its world size and after three elastic resumes. A resume is timed on new rank 0:
 replaying the system streams of the old ranks it takes over (``d % W' == 0``) and working out the
-pieces of what it is owed (their frames are drawn later, when it draws each system); peak memory is what ``tracemalloc`` sees numpy allocate. Pure computation in one
-process: no data files are read.
+pieces of what it is owed (their frames are drawn later, when it draws each system); peak memory
+is what ``tracemalloc`` sees numpy allocate. Pure computation in one process: no data files are
+read.
 """
 
 from __future__ import annotations
