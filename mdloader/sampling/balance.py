@@ -1,41 +1,39 @@
-"""Balanced steps (pure): the same batches as the per-rank streams, dealt so each step is even.
+"""Balanced steps (pure): every rank of a step draws from the same cost stratum.
 
 In data-parallel training a step waits for the slowest rank, and a batch costs about its number
-of atoms. Window ``w`` of ``k`` steps takes the ``k * W`` batches that the ``W`` independent
-per-rank streams draw at steps ``[w * k, (w + 1) * k)`` (:func:`window_draws`, through
-:func:`mdloader.sampling.order.stream_draws`), sorts them by cost and cuts the sorted list into
-``k`` consecutive chunks of ``W``: one chunk per step, one batch per rank (:func:`arrange`).
-Among all ways to split the window into ``k`` steps of ``W`` batches this minimises the sum of
-the step maxima, and that sum exceeds the sum of the step means by at most
-``max(cost) - min(cost)`` over the window: the chunks do not overlap in cost. The order of the
-steps, and which rank of a step takes which batch, are then shuffled from ``(seed, generation,
-window)``, so every rank computes the same arrangement without communicating and sizes follow no
-schedule.
+of atoms. The systems are sorted once by (cost, sid) and the probabilities laid out in that
+order as one CDF (:class:`Strata`); quantile ``q`` in ``[0, 1)`` names a system by inverse CDF.
+Window ``w`` of ``k`` steps cuts ``[0, 1)`` into ``k`` strata ``[i / k, (i + 1) / k)`` and puts
+them in a random order shared by all ranks (:func:`window_strata`, from ``(seed, generation,
+chunk)``). At step ``w * k + j`` rank ``r`` draws ``u`` from its own stream and takes the system
+of quantile ``(i + u) / k``, ``i`` the stratum of position ``j``.
 
-A slot is ``(drawer, sid, occurrence)``: the batch is the ``occurrence``-th batch of system
-``sid`` *in rank ``drawer``'s stream*, so its frames are those ``drawer`` reads
-(``FrameOrder(rank=drawer).fids(sid, occurrence)``) and every pass is still covered exactly once
-across the ranks. The multiset of slots of a window is the unbalanced one; only who trains which
-batch, and when, changes. Within a window the occurrences of each ``(drawer, sid)`` are numbered
-in the order the balanced steps serve them, so the batches served before any step form a prefix
-of every ``(drawer, sid)`` sequence: what :func:`served_counts` gives an elastic resume.
+So ``q`` is uniform: each rank draws system ``s`` with probability ``p_s`` at every step, as the
+unbalanced stream does. Each rank draws exactly once from every stratum per window (stratified
+sampling). At a step all ranks draw from one stratum, whose costs lie between its cheapest and
+its dearest system; the strata follow each other in cost, so over a window the sum of the step
+maxima exceeds the sum of the step means by at most ``max(cost) - min(cost)``.
 
-Resume needs one integer, the step ``s`` (``window, position = divmod(s, k)``), next to ``k``;
-the counters at the window start are replayed by :func:`window_start_counts`.
+Nothing here depends on the number of ranks: a rank needs its own uniforms and the shared
+stratum order, drawn per *chunk* of :func:`chunk_windows` whole windows (about
+:data:`~mdloader.sampling.order.STREAM_CHUNK` steps), one generator for each. A rank reads the
+frames of its own batches (its own per-system counters), like the unbalanced sampler; resume
+replays only its own counts (:func:`balanced_counts`).
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from mdloader.errors import ConfigError, StateDictError
-from mdloader.sampling.order import STREAM_CHUNK, stream_chunk, stream_counts, stream_draws
+from mdloader.sampling.order import STREAM_CHUNK, weights_to_cdf
 
-TAG_BALANCE = 0x42414C4E  # "BALN": step order and rank lanes of a balanced window
+TAG_BALANCE = 0x42414C4E       # "BALN": the shared stratum order of a chunk's windows
+TAG_BALANCE_RANK = 0x42414C52  # "BALR": one rank's uniforms within the strata of a chunk
 KEY_WINDOW = "training.training_data.balance_window"
 """The proposed ``input.json`` key: steps per window ``k`` (absent or 0: no balancing)."""
 KEY_COST = "training.training_data.balance_cost"
@@ -99,8 +97,8 @@ def check_window(k: int, world_size: int, same_system_across_ranks: bool = False
     """Validate the window ``k`` (steps, >= 1) against the sampler's settings; return it.
 
     ``same_system_across_ranks`` already gives every rank of a step the same system, so there is
-    nothing to balance, and its lockstep (all ranks in the same pass) would be broken by moving
-    batches between ranks: the combination is refused.
+    nothing to balance, and its lockstep (all ranks in the same pass) would be broken by the
+    ranks drawing different systems of a stratum: the combination is refused.
     """
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
         raise ConfigError(f"the balance window must be a positive number of steps, got {k!r}",
@@ -119,119 +117,107 @@ def _rng(seed: int, *key: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=key)))
 
 
-def chunk_draws(seed: int, chunk: int, world_size: int, cdf: np.ndarray,
-                generation: int = 0) -> np.ndarray:
-    """Stream chunk ``chunk`` of every rank, ``[W, STREAM_CHUNK]`` in the smallest integer type:
-    what a sampler caches so a window costs no new draws (a chunk holds ``STREAM_CHUNK / k``)."""
-    dtype = np.min_scalar_type(max(len(cdf) - 1, 0))
-    return np.stack([stream_chunk(seed, r, int(chunk), cdf, False, generation).astype(dtype)
-                     for r in range(int(world_size))])
+_BELOW_ONE = np.nextafter(1.0, 0.0)
 
 
-def window_draws(seed: int, window: int, k: int, world_size: int, cdf: np.ndarray,
-                 generation: int = 0,
-                 chunks: Mapping[int, np.ndarray] | None = None) -> np.ndarray:
-    """Systems the ``W`` per-rank streams draw in window ``window``: ``[W, k]``, row = rank.
+@dataclass(frozen=True)
+class Strata:
+    """The systems in cost order: ``sids[i]`` is the ``i``-th cheapest (ties by sid) and
+    ``cdf`` the cumulative probabilities in that order; built once per plan and world size."""
 
-    ``chunks`` maps chunk numbers to :func:`chunk_draws` already computed; without it (or for a
-    chunk it lacks) the draws come from :func:`mdloader.sampling.order.stream_draws`.
+    sids: np.ndarray
+    cdf: np.ndarray
+
+    @classmethod
+    def of(cls, cdf: np.ndarray, costs: np.ndarray) -> Strata:
+        """From the stream's CDF in sid order (``plan.cdf_on(W)``) and one cost per system."""
+        cdf = np.asarray(cdf, dtype=np.float64)
+        costs = check_costs(costs, len(cdf))
+        probs = np.diff(cdf, prepend=0.0)
+        sids = np.lexsort((np.arange(len(cdf)), costs)).astype(np.int64)
+        sorted_cdf = weights_to_cdf(probs[sids])
+        sids.flags.writeable = sorted_cdf.flags.writeable = False
+        return cls(sids, sorted_cdf)
+
+    @property
+    def nsys(self) -> int:
+        return len(self.sids)
+
+    def positions(self, quantiles: np.ndarray) -> np.ndarray:
+        """Cost-order positions of the systems at ``quantiles`` in ``[0, 1)`` (inverse CDF)."""
+        q = np.minimum(quantiles, _BELOW_ONE)   # (i + u) / k may round up to 1.0
+        return np.searchsorted(self.cdf, q, side="right")
+
+
+def chunk_windows(k: int) -> int:
+    """Windows per chunk, ``max(1, STREAM_CHUNK // k)``: a window never straddles two chunks."""
+    return max(1, STREAM_CHUNK // check_window(k, 1))
+
+
+def chunk_of(step: int, k: int) -> int:
+    """The chunk that holds ``step``."""
+    return int(step) // (chunk_windows(k) * int(k))
+
+
+def window_strata(seed: int, chunk: int, k: int, generation: int = 0) -> np.ndarray:
+    """The stratum of every step of the chunk's windows, ``[m, k]``: one permutation of
+    ``range(k)`` per window, the same on every rank."""
+    m = chunk_windows(k)
+    u = _rng(seed, TAG_BALANCE, int(generation), int(chunk)).random((m, int(k)))
+    return u.argsort(axis=1)
+
+
+def chunk_quantiles(seed: int, rank: int, chunk: int, k: int, generation: int = 0) -> np.ndarray:
+    """Rank ``rank``'s quantile at every step of the chunk, ``(stratum + u) / k``, flat."""
+    strata = window_strata(seed, chunk, k, generation).reshape(-1)
+    u = _rng(seed, TAG_BALANCE_RANK, int(generation), int(rank), int(chunk)).random(strata.size)
+    return (strata + u) / int(k)
+
+
+def balanced_chunk(seed: int, rank: int, chunk: int, strata: Strata, k: int,
+                   generation: int = 0) -> np.ndarray:
+    """Systems (sids) rank ``rank`` draws at the steps of chunk ``chunk``, ``m * k`` of them."""
+    positions = strata.positions(chunk_quantiles(seed, rank, chunk, k, generation))
+    return strata.sids[positions]
+
+
+def balanced_draws(seed: int, rank: int, start: int, stop: int, strata: Strata, k: int,
+                   generation: int = 0) -> np.ndarray:
+    """Systems rank ``rank`` draws at steps ``[start, stop)``."""
+    if stop <= start:
+        return np.empty(0, dtype=np.int64)
+    steps = chunk_windows(k) * int(k)
+    first, last = int(start) // steps, (int(stop) - 1) // steps
+    joined = np.concatenate([balanced_chunk(seed, rank, c, strata, k, generation)
+                             for c in range(first, last + 1)])
+    return joined[int(start) - first * steps:int(stop) - first * steps]
+
+
+def strata_counts(seed: int, rank: int, start: int, stop: int, strata: Strata, k: int,
+                  generation: int = 0) -> np.ndarray:
+    """How often rank ``rank`` draws each system (by sid) at steps ``[start, stop)``.
+
+    Counted by cost-order position, one chunk at a time, and mapped to sids once.
     """
-    k = check_window(k, world_size)
-    start, stop = int(window) * k, (int(window) + 1) * k
-    spanned = range(start // STREAM_CHUNK, (stop - 1) // STREAM_CHUNK + 1)
-    if chunks is None or any(c not in chunks for c in spanned):
-        return np.stack([stream_draws(seed, r, start, stop, cdf, False, generation)
-                         for r in range(int(world_size))])
-    joined = np.concatenate([chunks[c] for c in spanned], axis=1)
-    offset = spanned.start * STREAM_CHUNK
-    return joined[:, start - offset:stop - offset].astype(np.int64)
-
-
-def window_start_counts(seed: int, window: int, k: int, world_size: int, cdf: np.ndarray,
-                        generation: int = 0, drawers: Sequence[int] | None = None) -> np.ndarray:
-    """Batches each rank's stream drew of each system before window ``window``: ``[W, nsys]``.
-
-    The occurrence counters of every ``(drawer, sid)`` at the window start, replayed with
-    :func:`mdloader.sampling.order.stream_counts`; ``drawers`` limits the rows to those ranks
-    (a rank can replay its own row only and gather the others').
-    """
-    k = check_window(k, world_size)
-    rows = range(int(world_size)) if drawers is None else drawers
-    return np.stack([stream_counts(seed, int(r), 0, int(window) * k, cdf, False, generation)
-                     for r in rows])
-
-
-def next_start_counts(start_counts: np.ndarray, draws: np.ndarray,
-                      out: np.ndarray | None = None) -> np.ndarray:
-    """The counters at the next window's start: ``start_counts`` plus this window's ``draws``.
-
-    ``out=start_counts`` updates in place, in O(k W) instead of copying ``W * nsys`` counters.
-    """
-    out = start_counts.copy() if out is None else out
-    np.add.at(out, (np.repeat(np.arange(draws.shape[0]), draws.shape[1]), draws.reshape(-1)), 1)
+    counts = np.zeros(strata.nsys, dtype=np.int64)
+    steps = chunk_windows(k) * int(k)
+    pos = int(start)
+    while pos < stop:
+        c = pos // steps
+        end = min(int(stop), (c + 1) * steps)
+        q = chunk_quantiles(seed, rank, c, k, generation)[pos - c * steps:end - c * steps]
+        counts += np.bincount(strata.positions(q), minlength=strata.nsys)
+        pos = end
+    out = np.empty_like(counts)
+    out[strata.sids] = counts
     return out
 
 
-def arrange(draws: np.ndarray, costs: np.ndarray, seed: int, window: int,
-            generation: int = 0) -> np.ndarray:
-    """Where each drawn batch of a window goes: ``src[step, rank]`` indexes ``draws.reshape(-1)``.
-
-    Sort by (cost, system, draw index), cut into ``k`` chunks of ``W`` (one per step), then
-    shuffle the steps and, within each step, the ranks, from ``(seed, generation, window)``.
-    Every rank gets exactly one batch per step, so ``k`` per window.
-    """
-    world, k = draws.shape
-    flat = draws.reshape(-1)
-    order = np.lexsort((np.arange(flat.size), flat, costs[flat])).reshape(k, world)
-    rng = _rng(seed, TAG_BALANCE, int(generation), int(window))
-    steps = rng.permutation(k)
-    lanes = np.argsort(rng.random((k, world)), axis=1)
-    return np.take_along_axis(order[steps], lanes, axis=1)
-
-
-class Slots(NamedTuple):
-    """Balanced slots, arrays of one shape: the ``occurrence``-th batch of ``sid`` in the
-    stream of rank ``drawer``. A window's slots are ``[k, W]`` (step, rank); one rank's ``[k]``."""
-
-    drawer: np.ndarray
-    sid: np.ndarray
-    occurrence: np.ndarray
-
-
-def label(draws: np.ndarray, src: np.ndarray, start_counts: np.ndarray) -> Slots:
-    """Slots of an arranged window, occurrences numbered from ``start_counts`` per
-    ``(drawer, sid)`` in the order the balanced steps (then ranks) serve them."""
-    world, k = draws.shape
-    nsys = start_counts.shape[1]
-    drawer, sid = src // k, draws.reshape(-1)[src]
-    group = (drawer * nsys + sid).reshape(-1)
-    by = np.lexsort((np.arange(group.size), group))  # slots in (step, rank) order within groups
-    sorted_group = group[by]
-    first = np.flatnonzero(np.r_[True, sorted_group[1:] != sorted_group[:-1]])
-    within = np.arange(group.size) - np.repeat(first, np.diff(np.r_[first, group.size]))
-    occ = np.empty(group.size, dtype=np.int64)
-    occ[by] = start_counts.reshape(-1)[sorted_group] + within
-    return Slots(drawer, sid, occ.reshape(src.shape))
-
-
-def balanced_window(seed: int, window: int, k: int, world_size: int, cdf: np.ndarray,
-                    costs: np.ndarray, start_counts: np.ndarray, generation: int = 0,
-                    chunks: Mapping[int, np.ndarray] | None = None) -> Slots:
-    """Every slot of window ``window``: ``[k, W]`` slots, identical on every rank."""
-    draws = window_draws(seed, window, k, world_size, cdf, generation, chunks)
-    costs = check_costs(costs, len(cdf))
-    if start_counts.shape != (world_size, len(cdf)):
-        raise StateDictError(f"start counts of shape {start_counts.shape}, expected "
-                             f"{(world_size, len(cdf))}")
-    return label(draws, arrange(draws, costs, seed, window, generation), start_counts)
-
-
-def rank_slots(window: Slots, rank: int, position: int = 0) -> Slots:
-    """Rank ``rank``'s slots of a whole window from step ``position`` on, in step order."""
-    k, world = window.drawer.shape
-    if not 0 <= rank < world or not 0 <= position <= k:
-        raise ConfigError(f"rank {rank} of {world} at position {position} of a {k}-step window")
-    return Slots(*(a[position:, rank] for a in window))
+def balanced_counts(seed: int, rank: int, start: int, stop: int, cdf: np.ndarray,
+                    costs: np.ndarray, k: int, generation: int = 0) -> np.ndarray:
+    """How often rank ``rank`` draws each system at steps ``[start, stop)`` of a balanced
+    generation: its per-system counters (``cdf`` in sid order, ``costs`` the plan's)."""
+    return strata_counts(seed, rank, start, stop, Strata.of(cdf, costs), k, generation)
 
 
 def split_step(step: int, k: int) -> tuple[int, int]:
@@ -241,32 +227,9 @@ def split_step(step: int, k: int) -> tuple[int, int]:
     return divmod(int(step), check_window(k, 1))
 
 
-def served_counts(seed: int, k: int, steps: Sequence[int], cdf: np.ndarray,
-                  costs: np.ndarray, generation: int = 0) -> np.ndarray:
-    """Batches of each ``(sid, drawer)`` served when every rank has taken ``steps[r]`` steps.
-
-    ``[nsys, W]``, the ``counts`` that :func:`mdloader.sampling.elastic.advance` takes in place of
-    ``replay_counts`` for a balanced generation: thanks to :func:`label` they are prefixes of
-    every drawer's per-system sequence, also when the generation stopped inside a window. The
-    ranks of a balanced job step together, so ``steps`` must all be equal.
-    """
-    world = len(steps)
-    if world < 1 or len(set(steps)) != 1:
-        raise StateDictError(f"a balanced generation stops with every rank at the same step, got "
-                             f"steps {list(steps)}")
-    window, position = split_step(int(steps[0]), k)
-    start = window_start_counts(seed, window, k, world, cdf, generation)
-    if position == 0:
-        return start.T.copy()
-    slots = balanced_window(seed, window, k, world, cdf, costs, start, generation)
-    nsys = len(cdf)
-    done = (slots.drawer[:position] * nsys + slots.sid[:position]).reshape(-1)
-    return (start + np.bincount(done, minlength=world * nsys).reshape(world, nsys)).T.copy()
-
-
 __all__ = [
-    "TAG_BALANCE", "KEY_WINDOW", "KEY_COST", "COST_MODELS", "cost_atoms", "cost_neighbours",
-    "batch_costs", "check_costs", "check_window", "chunk_draws", "window_draws",
-    "window_start_counts", "next_start_counts", "arrange", "Slots", "label", "balanced_window",
-    "rank_slots", "split_step", "served_counts",
+    "TAG_BALANCE", "TAG_BALANCE_RANK", "KEY_WINDOW", "KEY_COST", "COST_MODELS", "cost_atoms",
+    "cost_neighbours", "batch_costs", "check_costs", "check_window", "Strata", "chunk_windows",
+    "chunk_of", "window_strata", "chunk_quantiles", "balanced_chunk", "balanced_draws",
+    "strata_counts", "balanced_counts", "split_step",
 ]

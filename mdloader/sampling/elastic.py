@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mdloader.errors import StateDictError
-from mdloader.sampling.balance import served_counts
+from mdloader.sampling.balance import Strata, strata_counts
 from mdloader.sampling.batching import batches_per_rank
 from mdloader.sampling.order import Continuation, frame_permutation, stream_counts
 from mdloader.sampling.plan import LoaderPlan
@@ -108,16 +108,18 @@ def replay_counts(plan: LoaderPlan, index: int, gen: Generation) -> np.ndarray:
 
 
 def generation_counts(plan: LoaderPlan, index: int, gen: Generation) -> np.ndarray:
-    """Batches of each ``(sid, drawer)`` generation ``index`` served: ``[nsys, W]``.
+    """Batches each rank of generation ``index`` took from each system: ``[nsys, W]``.
 
-    Each rank's own draws (:func:`replay_counts`), or, in balanced steps, the slots of the
-    balanced windows up to the common step (:func:`mdloader.sampling.balance.served_counts`):
-    a balanced batch reads the frames of the stream that drew it, whichever rank trained it.
+    Each rank's own draws, from its unbalanced (:func:`replay_counts`) or balanced
+    (:func:`mdloader.sampling.balance.strata_counts`) stream: either way a rank reads its own
+    frames.
     """
     if not plan.balance_window:
         return replay_counts(plan, index, gen)
-    return served_counts(job_seed(plan), plan.balance_window, gen.steps,
-                         plan.cdf_on(gen.world_size), plan.balance_costs, generation=index)
+    strata = Strata.of(plan.cdf_on(gen.world_size), plan.balance_costs)
+    return np.stack([strata_counts(job_seed(plan), rank, 0, steps, strata, plan.balance_window,
+                                   generation=index)
+                     for rank, steps in enumerate(gen.steps)], axis=1)
 
 
 def advance(plan: LoaderPlan, full: Continuation, gen: Generation,

@@ -149,7 +149,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         cont = None if full is None else share_of(full, self.rank, self.plan.world_size)
         self._history = history
         self._stream: SystemStream = self._stream_type(
-            self.plan, self.plan.frame_order(self.rank, cont), len(history), full)
+            self.plan, self.plan.frame_order(self.rank, cont), len(history))
 
     def _plan_changed(self, plan: LoaderPlan) -> None:
         """The owner adopted a loaded state's seed (into the loader set or into this sampler):

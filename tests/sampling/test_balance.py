@@ -1,8 +1,11 @@
-"""Balanced steps (mdloader.sampling.balance): whole rank grids played in one process."""
+"""Balanced steps (mdloader.sampling.balance): whole rank grids played in one process.
+
+Each rank's draws are computed alone, from (seed, rank, chunk); the guarantees are checked on
+what every rank of a grid drew: marginal probabilities, one draw per stratum per window, the
+costs of a step inside its stratum, and the slowdown bound.
+"""
 
 from __future__ import annotations
-
-from collections import Counter
 
 import numpy as np
 import pytest
@@ -10,20 +13,21 @@ import pytest
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.sampling.balance import (
     COST_MODELS,
-    Slots,
-    balanced_window,
+    Strata,
+    balanced_chunk,
+    balanced_counts,
+    balanced_draws,
     batch_costs,
     check_window,
-    chunk_draws,
-    next_start_counts,
-    rank_slots,
-    served_counts,
+    chunk_of,
+    chunk_quantiles,
+    chunk_windows,
     split_step,
-    window_draws,
-    window_start_counts,
+    strata_counts,
+    window_strata,
 )
 from mdloader.sampling.batching import batches_per_rank, resolve_batch_sizes
-from mdloader.sampling.order import FrameOrder, stream_counts, stream_draws, weights_to_cdf
+from mdloader.sampling.order import STREAM_CHUNK, stream_draws, weights_to_cdf
 from mdloader.sampling.probability import prob_sys_size
 
 SEEDS = (0, 7, 2**63 + 5)
@@ -38,200 +42,140 @@ def mixed_set(nsys: int = 200, nframes: int = 40, world: int = 8, seed: int = 1)
     return cdf, batch_costs("atoms", natoms, sizes), frames, sizes
 
 
-def unbalanced_slots(seed: int, start: int, stop: int, world: int, cdf: np.ndarray) -> Slots:
-    """What today's sampler serves at steps [start, stop): ``[steps, W]`` (drawer = rank)."""
-    sids = np.stack([stream_draws(seed, r, start, stop, cdf) for r in range(world)], axis=1)
-    occ = np.empty_like(sids)
-    for r in range(world):
-        counts = stream_counts(seed, r, 0, start, cdf)
-        for t, sid in enumerate(sids[:, r]):
-            occ[t, r] = counts[sid]
-            counts[sid] += 1
-    return Slots(np.broadcast_to(np.arange(world), sids.shape), sids, occ)
+def grid(seed: int, world: int, start: int, stop: int, strata: Strata, k: int) -> np.ndarray:
+    """What every rank draws at steps [start, stop), each rank computed alone: ``[W, steps]``."""
+    return np.stack([balanced_draws(seed, r, start, stop, strata, k) for r in range(world)])
 
 
-def triples(slots: Slots) -> list[tuple[int, int, int]]:
-    return sorted(zip(*(a.reshape(-1).tolist() for a in slots)))
+def slowdown(costs: np.ndarray) -> float:
+    """Sum over steps (columns) of the busiest rank's cost over the sum of the step means."""
+    return float(costs.max(axis=0).sum() / costs.mean(axis=0).sum())
 
 
-def plans(seed: int, windows: range, k: int, world: int, cdf: np.ndarray,
-          costs: np.ndarray) -> list[Slots]:
-    """Consecutive window plans, counters carried from one window to the next."""
-    start = window_start_counts(seed, windows.start, k, world, cdf)
-    out = []
-    for w in windows:
-        out.append(balanced_window(seed, w, k, world, cdf, costs, start))
-        start = next_start_counts(start, window_draws(seed, w, k, world, cdf))
-    return out
+def stratum_ranges(strata: Strata, k: int) -> np.ndarray:
+    """``[k, 2]``: the first and last cost-order position whose quantiles meet each stratum."""
+    lo = np.r_[0.0, strata.cdf[:-1]]
+    edges = np.arange(k + 1) / k
+    first = np.searchsorted(strata.cdf, edges[:-1], side="right")
+    last = np.searchsorted(lo, edges[1:], side="left") - 1
+    return np.stack([first, last], axis=1)
 
 
-def step_ratios(costs: np.ndarray) -> np.ndarray:
-    """Per step (row) the busiest rank's cost over the mean."""
-    return costs.max(axis=1) / costs.mean(axis=1)
-
-
-@pytest.mark.parametrize("world", [1, 2, 3, 8])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_window_multiset_is_the_unbalanced_one(world: int, seed: int) -> None:
-    cdf, costs, *_ = mixed_set(nsys=30, world=world)
-    for k, window in [(1, 0), (5, 3), (32, 1), (100, 40)]:   # the last crosses a stream chunk
-        plan = balanced_window(seed, window, k, world, cdf, costs,
-                               window_start_counts(seed, window, k, world, cdf))
-        assert plan.sid.shape == (k, world)
-        expected = unbalanced_slots(seed, window * k, (window + 1) * k, world, cdf)
-        assert triples(plan) == triples(expected)
+def test_each_rank_draws_every_system_with_its_probability(seed: int) -> None:
+    """Frequencies over 1e5 steps of one rank against p (chi-square, 6 sigma), then a CDF that
+    is not the plan's: the same statistic is far off."""
+    cdf, costs, *_ = mixed_set(nsys=40, world=4)
+    steps, k = 100_000, 32
+    p = np.diff(cdf, prepend=0.0)
+    for rank in (0, 3):
+        counts = balanced_counts(seed, rank, 0, steps, cdf, costs, k)
+        assert counts.sum() == steps
+        chi2 = float(((counts - steps * p) ** 2 / (steps * p)).sum())
+        df = len(p) - 1
+        assert chi2 < df + 6 * np.sqrt(2 * df)
+    wrong = weights_to_cdf(np.r_[p[:20] * 1.1, p[20:]])
+    counts = balanced_counts(seed, 0, 0, steps, wrong, costs, k)
+    assert float(((counts - steps * p) ** 2 / (steps * p)).sum()) > df + 6 * np.sqrt(2 * df)
 
 
-@pytest.mark.parametrize("world", [2, 3, 8])
-def test_every_rank_computes_its_k_slots_and_the_ranks_partition_the_window(world: int) -> None:
+def test_zero_probability_systems_are_never_drawn_and_ties_go_by_sid() -> None:
+    cdf = weights_to_cdf([0.0, 1.0, 0.0, 2.0, 1.0, 0.0])
+    costs = np.array([5.0, 9.0, 1.0, 3.0, 3.0, 100.0])
+    strata = Strata.of(cdf, costs)
+    assert strata.sids.tolist() == [2, 3, 4, 0, 1, 5]
+    assert not strata.sids.flags.writeable and not strata.cdf.flags.writeable
+    counts = balanced_counts(3, 0, 0, 20_000, cdf, costs, 4)
+    assert counts[[0, 2, 5]].tolist() == [0, 0, 0] and counts.sum() == 20_000
+    assert np.all(counts[[1, 3, 4]] > 0)
+
+
+@pytest.mark.parametrize("world", [1, 3, 8, 64])
+def test_every_rank_draws_once_from_every_stratum_and_a_step_stays_in_its_stratum(
+        world: int) -> None:
     cdf, costs, *_ = mixed_set(world=world)
-    k, window, seed = 16, 5, 11
-    mine = []
-    for rank in range(world):   # each rank computes the plan on its own
-        plan = balanced_window(seed, window, k, world, cdf, costs,
-                               window_start_counts(seed, window, k, world, cdf))
-        slots = rank_slots(plan, rank)
-        assert slots.sid.shape == (k,)
-        mine.append(slots)
-    joined = Slots(*(np.stack([s[i] for s in mine], axis=1) for i in range(3)))
-    assert np.array_equal(np.stack(joined), np.stack(plan))
-    assert triples(joined) == triples(unbalanced_slots(seed, window * k, (window + 1) * k,
-                                                       world, cdf))
+    strata, k, seed, windows = Strata.of(cdf, costs), 32, 11, 6
+    start = (chunk_windows(k) - 3) * k           # windows 125..130: across a chunk boundary
+    draws = grid(seed, world, start, start + windows * k, strata, k)
+    position = np.argsort(strata.sids)[draws]    # cost-order position of each draw
+    ranges = stratum_ranges(strata, k)
+    c = costs[draws]
+    positive = costs[np.diff(cdf, prepend=0.0) > 0]
+    for w in range(windows):
+        window = start // k + w
+        order = window_strata(seed, chunk_of(window * k, k), k)[window % chunk_windows(k)]
+        assert sorted(order.tolist()) == list(range(k))      # one draw per stratum per rank
+        cols = slice(w * k, (w + 1) * k)
+        lo, hi = ranges[order, 0], ranges[order, 1]
+        assert np.all((position[:, cols] >= lo) & (position[:, cols] <= hi))
+        by_stratum = np.argsort(order)
+        step_lo = c[:, cols].min(axis=0)[by_stratum]
+        step_hi = c[:, cols].max(axis=0)[by_stratum]
+        assert np.all(step_hi[:-1] <= step_lo[1:])           # strata follow each other in cost
+        excess = c[:, cols].max(axis=0).sum() - c[:, cols].mean(axis=0).sum()
+        assert excess <= positive.max() - positive.min() + 1e-9
+    q = chunk_quantiles(seed, 0, 0, k).reshape(-1, k)
+    assert np.array_equal(np.floor(q * k).astype(int), window_strata(seed, 0, k))
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_frames_of_the_passes_are_those_of_the_unbalanced_sampler(world: int) -> None:
-    cdf, costs, frames, sizes = mixed_set(nsys=12, nframes=7, world=world)
-    seed, k, nwin = 5, 8, 40
-    orders = [FrameOrder(frames, sizes, seed=seed, rank=r, world_size=world)
-              for r in range(world)]
-    balanced, served = Counter(), [0] * world
-    for plan in plans(seed, range(nwin), k, world, cdf, costs):
-        for rank in range(world):
-            for drawer, sid, occ in zip(*rank_slots(plan, rank)):
-                balanced.update((int(sid), f) for f in orders[drawer].fids(sid, occ))
-                served[rank] += 1
-    ref = unbalanced_slots(seed, 0, nwin * k, world, cdf)
-    unbalanced = Counter()
-    for drawer, sid, occ in zip(*(a.reshape(-1) for a in ref)):
-        unbalanced.update((int(sid), f) for f in orders[drawer].fids(sid, occ))
-    assert balanced == unbalanced and served == [nwin * k] * world
-    # pass 0 of a system the stream finished: every frame once across the ranks (+ padding)
-    sid = int(np.argmax(np.bincount(ref.sid.reshape(-1), minlength=len(frames))))
-    nb = int(orders[0].nbatches[sid])
-    assert all(np.count_nonzero(ref.sid[:, r] == sid) >= nb for r in range(world))
-    pass0 = Counter(f for r in range(world) for o in range(nb) for f in orders[r].fids(sid, o))
-    assert set(pass0) == set(range(int(frames[sid])))
-    assert all(balanced[(sid, f)] >= n for f, n in pass0.items())
-
-
-def test_balanced_steps_meet_the_bound_that_the_unbalanced_ones_miss() -> None:
-    world, k, seed = 8, 32, 3
+@pytest.mark.parametrize("world", [8, 64])
+def test_the_slowdown_at_k32_is_within_5_percent_where_the_unbalanced_one_is_not(
+        world: int) -> None:
     cdf, costs, *_ = mixed_set(world=world)
-    for w, plan in enumerate(plans(seed, range(20), k, world, cdf, costs)):
-        c = costs[plan.sid]
-        bound = 1 + (c.max() - c.min()) / (k * c.mean())   # the sorted-chunk guarantee
-        assert c.max(axis=1).sum() / c.mean(axis=1).sum() <= bound + 1e-12
-        raw = costs[window_draws(seed, w, k, world, cdf)].T
-        assert np.isclose(raw.sum(), c.sum())
-        assert raw.max(axis=1).sum() / raw.mean(axis=1).sum() > bound
-        assert step_ratios(c).mean() < 1.1 < 1.3 < step_ratios(raw).mean()
+    strata, k, seed, steps = Strata.of(cdf, costs), 32, 3, 1024
+    balanced = slowdown(costs[grid(seed, world, 0, steps, strata, k)])
+    unbalanced = slowdown(costs[np.stack([stream_draws(seed, r, 0, steps, cdf)
+                                          for r in range(world)])])
+    assert balanced <= 1.05 < 1.3 < unbalanced
 
 
-def test_no_other_split_of_the_window_has_a_smaller_sum_of_step_maxima() -> None:
-    world, k, seed = 4, 6, 8
-    cdf, costs, *_ = mixed_set(nsys=50, world=world)
-    plan = plans(seed, range(2, 3), k, world, cdf, costs)[0]
-    best = costs[plan.sid].max(axis=1).sum()
-    flat = costs[plan.sid].reshape(-1)
-    rng = np.random.default_rng(0)
-    others = [flat[rng.permutation(flat.size)].reshape(k, world).max(axis=1).sum()
-              for _ in range(2000)]
-    assert best <= min(others) + 1e-9 and best < np.mean(others)
+def test_a_stratified_rank_is_closer_to_p_than_an_independent_one() -> None:
+    """Per window of k = 64 steps one draw per stratum: the counts of a rank spread less than
+    the multinomial counts of the unbalanced stream (same systems, same steps)."""
+    cdf, costs, *_ = mixed_set(nsys=8, world=2)
+    k, windows = 64, 64
+    p = np.diff(cdf, prepend=0.0)
+    strata = Strata.of(cdf, costs)
+    balanced = balanced_draws(5, 0, 0, k * windows, strata, k).reshape(windows, k)
+    unbalanced = stream_draws(5, 0, 0, k * windows, cdf).reshape(windows, k)
+
+    def spread(draws: np.ndarray) -> float:
+        counts = np.stack([np.bincount(row, minlength=len(p)) for row in draws])
+        return float(((counts - k * p) ** 2).mean())
+
+    assert spread(balanced) * 4 < spread(unbalanced)
 
 
-def test_steps_are_shuffled_within_a_window() -> None:
-    world, k, seed = 8, 32, 3
-    cdf, costs, *_ = mixed_set(world=world)
-    heaviest = [int(np.argmax(costs[p.sid].sum(axis=1)))
-                for p in plans(seed, range(12), k, world, cdf, costs)]
-    assert len(set(heaviest)) > 6   # the heaviest step moves around the window
-    one = plans(seed, range(1), k, world, cdf, costs)[0]
-    assert not np.all(np.diff(costs[one.sid].sum(axis=1)) >= 0)
+@pytest.mark.parametrize("k", [1, 3, 32, 100, 5000])
+def test_draws_and_counts_of_any_range_agree_with_the_chunks(k: int) -> None:
+    cdf, costs, *_ = mixed_set(nsys=50, world=2)
+    strata, seed = Strata.of(cdf, costs), 9
+    m = chunk_windows(k)
+    assert m == max(1, STREAM_CHUNK // k) and m * k >= k
+    whole = np.concatenate([balanced_chunk(seed, 1, c, strata, k) for c in range(3)])
+    assert len(whole) == 3 * m * k
+    for start, stop in [(0, 1), (m * k - 2, m * k + 5), (5, 2 * m * k + 3), (7, 7)]:
+        assert np.array_equal(balanced_draws(seed, 1, start, stop, strata, k),
+                              whole[start:stop])
+        assert np.array_equal(strata_counts(seed, 1, start, stop, strata, k),
+                              np.bincount(whole[start:stop], minlength=50))
+    assert np.array_equal(balanced_counts(seed, 1, 5, 2 * m * k, cdf, costs, k),
+                          np.bincount(whole[5:2 * m * k], minlength=50))
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_resume_from_window_and_position_continues_exactly(world: int) -> None:
-    cdf, costs, *_ = mixed_set(nsys=20, world=world)
-    seed, k = 9, 12
-    stream = plans(seed, range(6), k, world, cdf, costs)
-    for step in (0, 5, 12, 29, 47):
-        window, position = split_step(step, k)
-        start = window_start_counts(seed, window, k, world, cdf)
-        for rank in range(world):
-            plan = balanced_window(seed, window, k, world, cdf, costs, start)
-            resumed = [rank_slots(plan, rank, position)]
-            later = plans(seed, range(window + 1, 6), k, world, cdf, costs)
-            resumed += [rank_slots(p, rank) for p in later]
-            whole = [rank_slots(p, rank) for p in stream]
-            got = np.concatenate([np.stack(s) for s in resumed], axis=1)
-            assert np.array_equal(got, np.concatenate([np.stack(s) for s in whole],
-                                                      axis=1)[:, step:])
-
-
-def test_frequencies_over_1e5_steps_are_unchanged() -> None:
-    world, k, seed, steps = 2, 32, 4, 100_000
-    cdf, costs, *_ = mixed_set(world=world)
-    nsys = len(cdf)
-    start = np.zeros((world, nsys), dtype=np.int64)
-    balanced = np.zeros(nsys, dtype=np.int64)
-    chunks = {c: chunk_draws(seed, c, world, cdf) for c in range(-(-steps // 4096))}
-    for w in range(steps // k):
-        draws = window_draws(seed, w, k, world, cdf, chunks=chunks)
-        plan = balanced_window(seed, w, k, world, cdf, costs, start, chunks=chunks)
-        balanced += np.bincount(plan.sid.reshape(-1), minlength=nsys)
-        next_start_counts(start, draws, out=start)
-    unbalanced = sum(stream_counts(seed, r, 0, steps, cdf) for r in range(world))
-    assert np.array_equal(balanced, unbalanced)
-    assert np.array_equal(start.sum(axis=0), unbalanced)
-
-
-def test_served_counts_are_prefixes_even_inside_a_window() -> None:
-    world, k, seed = 3, 10, 2
-    cdf, costs, *_ = mixed_set(nsys=6, world=world)
-    plan = plans(seed, range(4, 5), k, world, cdf, costs)[0]
-    start = window_start_counts(seed, 4, k, world, cdf)
-    for position in range(k + 1):
-        counts = served_counts(seed, k, [4 * k + position] * world, cdf, costs)
-        assert counts.shape == (len(cdf), world)
-        done = Slots(*(a[:position] for a in plan))
-        for drawer in range(world):
-            for sid in range(len(cdf)):
-                mask = (done.drawer == drawer) & (done.sid == sid)
-                occ = sorted(done.occurrence[mask].tolist())
-                assert occ == list(range(start[drawer, sid], counts[sid, drawer]))
-    assert np.array_equal(served_counts(seed, k, [5 * k] * world, cdf, costs).T,
-                          window_start_counts(seed, 5, k, world, cdf))
-    with pytest.raises(StateDictError, match="every rank at the same step"):
-        served_counts(seed, k, [40, 41, 40], cdf, costs)
-
-
-def test_cached_chunks_and_per_rank_rows_give_the_same_numbers() -> None:
-    world, seed = 3, 6
-    cdf, costs, *_ = mixed_set(nsys=300, world=world)
-    chunks = {c: chunk_draws(seed, c, world, cdf) for c in (0, 1)}
-    assert chunks[0].dtype == np.uint16 and chunks[0].shape == (world, 4096)
-    for k, window in [(32, 0), (32, 127), (100, 40), (7, 600)]:  # (100, 40) spans two chunks
-        assert np.array_equal(window_draws(seed, window, k, world, cdf, chunks=chunks),
-                              window_draws(seed, window, k, world, cdf))
-    start = window_start_counts(seed, 40, 100, world, cdf)
-    assert np.array_equal(window_start_counts(seed, 40, 100, world, cdf, drawers=[2, 0]),
-                          start[[2, 0]])
-    draws = window_draws(seed, 40, 100, world, cdf)
-    expected = next_start_counts(start, draws)
-    assert np.array_equal(expected, window_start_counts(seed, 41, 100, world, cdf))
-    assert next_start_counts(start, draws, out=start) is start
-    assert np.array_equal(start, expected)
+def test_ranks_share_the_strata_not_the_draws_and_seeds_generations_share_neither() -> None:
+    cdf, costs, *_ = mixed_set(nsys=50, world=2)
+    strata, k = Strata.of(cdf, costs), 16
+    base = balanced_chunk(1, 0, 0, strata, k)
+    for other in (balanced_chunk(2, 0, 0, strata, k),
+                  balanced_chunk(1, 0, 0, strata, k, generation=1),
+                  balanced_chunk(1, 0, 1, strata, k)):
+        assert np.mean(base == other) < 0.2
+    q0, q1 = chunk_quantiles(1, 0, 0, k), chunk_quantiles(1, 1, 0, k)
+    assert np.array_equal(np.floor(q0 * k), np.floor(q1 * k))         # the same strata
+    assert abs(np.corrcoef(q0 * k % 1, q1 * k % 1)[0, 1]) < 0.1       # independent within
+    assert 0.2 < np.mean(base == balanced_chunk(1, 1, 0, strata, k)) < 0.9
+    assert not np.array_equal(window_strata(1, 0, k), window_strata(1, 0, k, generation=1))
 
 
 def test_cost_models() -> None:
@@ -246,6 +190,8 @@ def test_errors_name_the_key() -> None:
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ConfigError, match="balance_window: .*positive number of steps"):
             check_window(bad, 4)
+    with pytest.raises(ConfigError, match="balance_window: .*positive number of steps"):
+        chunk_windows(0)
     with pytest.raises(ConfigError, match="balance_cost: unknown cost model 'flops'"):
         batch_costs("flops", [3], [11])
     with pytest.raises(ConfigError, match="balance_cost: .*needs the mean number of neighbours"):
@@ -253,15 +199,10 @@ def test_errors_name_the_key() -> None:
     with pytest.raises(ConfigError, match="balance_cost: cost inputs of different lengths"):
         batch_costs("atoms", [3, 4], [11])
     cdf, costs, *_ = mixed_set(nsys=5, world=2)
-    start = np.zeros((2, 5), dtype=np.int64)
     with pytest.raises(ConfigError, match="balance_cost: .*one finite cost >= 0 per system"):
-        balanced_window(0, 0, 4, 2, cdf, costs[:4], start)
+        Strata.of(cdf, costs[:4])
     with pytest.raises(ConfigError, match="balance_cost: .*one finite cost"):
-        balanced_window(0, 0, 4, 2, cdf, np.r_[costs[:4], np.nan], start)
-    with pytest.raises(StateDictError, match="start counts of shape"):
-        balanced_window(0, 0, 4, 2, cdf, costs, start[:1])
+        balanced_counts(0, 0, 0, 4, cdf, np.r_[costs[:4], np.nan], 4)
     with pytest.raises(StateDictError, match="negative step"):
         split_step(-1, 4)
-    plan = balanced_window(0, 0, 4, 2, cdf, costs, start)
-    with pytest.raises(ConfigError, match="rank 2 of 2"):
-        rank_slots(plan, 2)
+    assert split_step(70, 32) == (2, 6)

@@ -1,9 +1,9 @@
 """Balanced steps in WeightedSystemSampler: rank grids played in one process.
 
-The sampler in balanced mode must serve, over whole windows, exactly the batches (system, frames
-and the stream that drew them) of the unbalanced sampler, with the costs of each step's ranks
-sorted into non-overlapping chunks; it resumes exactly from its state and elastically (checked
-with the ledger of tests/support/elastic_ledger.py, counting each batch for its drawer).
+In balanced mode a rank draws its systems from the cost strata (mdloader.sampling.balance) and
+reads its own frames of them, with its own per-system counters, exactly as the unbalanced sampler
+reads the systems it draws; it resumes exactly from its state, at any step and on any world size
+(checked with the ledger of tests/support/elastic_ledger.py).
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from support.elastic_ledger import Ledger, by_drawer
+from support.elastic_ledger import Ledger
 
 from mdloader.errors import ConfigError, StateDictError
+from mdloader.sampling.balance import Strata, balanced_draws, chunk_of, chunk_windows, window_strata
+from mdloader.sampling.batching import resolve_batch_sizes
 from mdloader.sampling.elastic import merge_rank_states
-from mdloader.sampling.order import STREAM_CHUNK
+from mdloader.sampling.order import FrameOrder
 from mdloader.sampling.probability import StyleRule
 from mdloader.sampling.samplers import WeightedSystemSampler
 
@@ -44,72 +46,98 @@ def resume(job: dict, world: int, **kw) -> list[WeightedSystemSampler]:
     return samplers
 
 
-def batches(keys: list[list]) -> Counter:
-    return Counter((k.sid, k.fids, k.drawer) for row in keys for k in row)
-
-
-@pytest.mark.parametrize("k", [1, 3, 8])
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_whole_windows_serve_the_unbalanced_batches(world: int, k: int) -> None:
-    steps = 6 * k
-    balanced = run([make(r, world, k) for r in range(world)], [steps] * world)
-    today = run([make(r, world, 0) for r in range(world)], [steps] * world)
-    assert batches(balanced) == batches(today)
-    assert all(key.drawer == r for r, row in enumerate(today) for key in row)
-    if world > 1 and k > 1:
-        assert any(key.drawer != r for r, row in enumerate(balanced) for key in row)
-
-
-def test_a_window_across_a_stream_chunk_after_a_seek() -> None:
-    """Window 1365 of k = 3 holds steps 4095..4097: the last draw of chunk 0, two of chunk 1."""
-    world, start = 3, STREAM_CHUNK - 1
-    out = []
-    for k in (3, 0):
-        samplers = [make(r, world, k) for r in range(world)]
-        for s in samplers:
-            s.seek(start)
-        out.append(run(samplers, [6] * world))
-    assert batches(out[0]) == batches(out[1])
-    assert all(key.step == start + i for row in out[0] for i, key in enumerate(row))
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_rank_reads_its_own_frames_of_the_systems_it_draws(world: int) -> None:
+    """The sids are the balanced draws; the frames of the n-th batch of a system are the rank's
+    own n-th batch, as in the unbalanced sampler; each pass 0 covers every frame across ranks."""
+    k, steps = 8, 400
+    samplers = [make(r, world, k) for r in range(world)]
+    strata = Strata.of(samplers[0].plan.cdf, samplers[0].plan.balance_costs)
+    keys = run(samplers, [steps] * world)
+    for rank, row in enumerate(keys):
+        assert [key.sid for key in row] == balanced_draws(SEED, rank, 0, steps, strata,
+                                                          k).tolist()
+        order = FrameOrder(NFRAMES, BSIZES, seed=SEED, rank=rank, world_size=world)
+        seen: Counter = Counter()
+        for key in row:
+            assert key.drawer == rank and key.fids == order.fids(key.sid, seen[key.sid])
+            seen[key.sid] += 1
+    nb, covered = samplers[0].order.nbatches, 0
+    for sid in range(len(NFRAMES)):
+        mine = [[key.fids for key in row if key.sid == sid] for row in keys]
+        if all(len(m) >= nb[sid] for m in mine):
+            covered += 1
+            pass0 = {f for m in mine for b in m[:int(nb[sid])] for f in b}
+            assert pass0 == set(range(NFRAMES[sid]))
+    assert covered >= 3
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_steps_of_a_window_cover_disjoint_cost_ranges(world: int) -> None:
+def test_steps_of_a_window_follow_each_other_in_cost(world: int) -> None:
     k = 8
     keys = run([make(r, world, k) for r in range(world)], [10 * k] * world)
     cost = np.array([[COSTS[key.sid] for key in row] for row in keys])   # [W, steps]
     lo, hi = cost.min(axis=0), cost.max(axis=0)
     for w in range(10):
+        by_stratum = np.argsort(window_strata(SEED, chunk_of(w * k, k), k)[w])
         s = slice(w * k, (w + 1) * k)
-        a, b = np.meshgrid(np.arange(k), np.arange(k))
-        ok = (hi[s][a] <= lo[s][b]) | (hi[s][b] <= lo[s][a]) | (a == b)
-        assert ok.all(), f"window {w}: steps overlap in cost"
+        assert np.all(hi[s][by_stratum][:-1] <= lo[s][by_stratum][1:]), f"window {w}"
     today = np.array([[COSTS[key.sid] for key in row]
                       for row in run([make(r, world, 0) for r in range(world)], [10 * k] * world)])
     assert hi.sum() / cost.mean(axis=0).sum() < today.max(0).sum() / today.mean(0).sum()
 
 
-@pytest.mark.parametrize("at", [0, 3, 4, 13])
-def test_exact_resume_inside_and_between_windows(at: int) -> None:
+@pytest.mark.parametrize(("k", "at"), [(4, 0), (4, 3), (4, 4), (4, 13), (3, 4094), (3, 4096)])
+def test_exact_resume_inside_and_between_windows_and_across_a_chunk(k: int, at: int) -> None:
+    """k = 3: a chunk holds 1365 windows, 4095 steps; 4094 and 4096 sit on either side."""
     world = 3
-    old = [make(r, world) for r in range(world)]
-    run(old, [at] * world)
+    old = [make(r, world, k) for r in range(world)]
+    for s in old:
+        s.seek(max(0, at - 3))
+    run(old, [at - old[0].position] * world)
     states = [s.state_dict() for s in old]
-    assert all(s["balance_window"] == 4 for s in states)
-    fresh = [make(r, world) for r in range(world)]
+    assert all(s["balance_window"] == k and s["steps"] == at for s in states)
+    fresh = [make(r, world, k) for r in range(world)]
     for s, state in zip(fresh, states):
         s.load_state_dict(state)
-    assert run(fresh, [20] * world) == run(old, [20] * world)
-    merged = resume(merge_rank_states([s.state_dict() for s in old]), world)
-    assert run(merged, [9] * world) == run(old, [9] * world)
+    assert run(fresh, [6] * world) == run(old, [6] * world)
+    merged = resume(merge_rank_states([s.state_dict() for s in old]), world, k=k)
+    assert run(merged, [5] * world) == run(old, [5] * world)
 
 
-def test_seek_back_and_forth() -> None:
-    s = make(1, 2)
+def test_seek_back_and_forth_across_a_chunk() -> None:
+    s = make(1, 2, 3)
+    s.seek(4080)
     keys = [s.next_key() for _ in range(30)]
-    for step in (17, 2, 29, 4, 0):
+    assert chunk_of(keys[0].step, 3) == 0 != chunk_of(keys[-1].step, 3)
+    for step in (4097, 4082, 4109, 4084, 4080):
         s.seek(step)
-        assert s.next_key() == keys[step]
+        assert s.next_key() == keys[step - 4080]
+
+
+def test_the_last_of_1024_ranks_resumes_exactly_after_more_than_a_chunk() -> None:
+    """W = 1024 in one process, only ranks 0 and 1023 built: a resume inside a window of the
+    second chunk serves the keys of the uninterrupted run."""
+    natoms = np.random.default_rng(2).integers(3, 201, 60)
+    nframes = np.random.default_rng(3).integers(10, 3000, 60)
+    sizes = resolve_batch_sizes("auto", natoms).batch_sizes
+    world, k = 1024, 32
+    at = chunk_windows(k) * k + 3 * k + 17
+
+    def sampler(rank: int) -> WeightedSystemSampler:
+        return WeightedSystemSampler(nframes, sizes, RULE, seed=SEED, rank=rank,
+                                     world_size=world, natoms=natoms, balance_window=k)
+
+    for rank in (0, world - 1):
+        whole = sampler(rank)
+        keys = [whole.next_key() for _ in range(at)]
+        state = whole.state_dict()
+        keys += [whole.next_key() for _ in range(40)]
+        assert chunk_of(keys[at].step, k) == 1 and at % k and state["steps"] == at
+        resumed = sampler(rank)
+        resumed.load_state_dict(state)
+        assert [resumed.next_key() for _ in range(40)] == keys[at:]
+        assert all(key.drawer == rank for key in keys)
 
 
 def test_a_state_of_another_window_or_cost_is_refused() -> None:
@@ -128,47 +156,21 @@ def test_a_state_of_another_window_or_cost_is_refused() -> None:
     assert "balance_window" not in make(0, 2, 0).state_dict()   # unbalanced layout unchanged
 
 
-@pytest.mark.parametrize("new_world", [1, 2, 4])
-@pytest.mark.parametrize("old_world", [1, 2, 4])
-def test_elastic_resume_serves_what_was_owed(old_world: int, new_world: int) -> None:
+@pytest.mark.parametrize(("old_steps", "new_world"),
+                         [([23, 23], 4), ([23] * 4, 2), ([9, 11], 4), ([23, 23], 1)])
+def test_elastic_resume_serves_what_was_owed(old_steps: list[int], new_world: int) -> None:
+    """Even or uneven steps, inside a window: within every interrupted unit no frame is served
+    twice and none is lost."""
+    old_world = len(old_steps)
     old = [make(r, old_world) for r in range(old_world)]
     ledger = Ledger(NFRAMES, BSIZES, SEED)
-    served = run(old, [23] * old_world)     # inside a window: 23 = 5 * 4 + 3
-    first = ledger.generation(by_drawer(served, old_world), old_world)
-    owed = dict(ledger.owed)
-    job = merge_rank_states([s.state_dict() for s in old])
-    new = resume(job, new_world)
-    if new_world == old_world:
-        assert run(new, [30] * new_world) == run(old, [30] * old_world)
-        return
-    second = ledger.generation(by_drawer(run(new, [400] * new_world), new_world), new_world,
-                               drained=True)
+    first = ledger.generation(run(old, old_steps), old_world)
+    new = resume(merge_rank_states([s.state_dict() for s in old]), new_world)
+    second = ledger.generation(run(new, [400] * new_world), new_world, drained=True)
     for sid in range(len(NFRAMES)):
-        assert second["from_leftover"][sid] == owed[sid], "owed frames lost or served twice"
         assert first["prefix"][sid] + second["from_leftover"][sid] == first["units"][sid]
     assert any(first["units"][sid] for sid in range(len(NFRAMES))), "no unit was interrupted"
-
-
-def test_the_ledger_by_drawer_catches_a_balanced_resume_that_forgets_the_leftover() -> None:
-    old = [make(r, 2) for r in range(2)]
-    ledger = Ledger(NFRAMES, BSIZES, SEED)
-    ledger.generation(by_drawer(run(old, [23, 23]), 2), 2)
-    fresh = [make(r, 4) for r in range(4)]    # ignores the state
-    with pytest.raises(AssertionError):
-        ledger.generation(by_drawer(run(fresh, [400] * 4), 4), 4, drained=True)
-
-
-def test_uneven_steps_resume_on_the_same_world_only() -> None:
-    old = [make(r, 2) for r in range(2)]
-    run(old, [9, 11])
-    job = merge_rank_states([s.state_dict() for s in old])
-    same = resume(job, 2)
-    assert run(same, [5, 5]) == run(old, [5, 5])
-    fresh = make(0, 4)
-    with pytest.raises(StateDictError, match=r"every rank took the same number of steps, got "
-                       r"steps \[9, 11\]"):
-        fresh.load_state_dict(job)
-    assert fresh.position == 0 and fresh.generation == 0     # refused before any change
+    assert all(key.drawer == r for r, s in enumerate(new) for key in [s.next_key()])
 
 
 def test_configuration_errors() -> None:

@@ -46,8 +46,7 @@ def test_a_stream_serves_the_samplers_keys_and_seeks_anywhere(window, kind):
         keys = [stream.next_key() for _ in range(40)]
         assert keys == [sampler.next_key() for _ in range(40)]
         assert stream.step == sampler.position == 40
-        if not window:
-            assert all(k.drawer == rank for k in keys)
+        assert all(k.drawer == rank for k in keys)
         for step in (17, 3, 33, 0, 39):
             stream.seek(step)
             assert [stream.next_key() for _ in range(40 - step)] == keys[step:]
@@ -58,16 +57,19 @@ def test_a_stream_serves_the_samplers_keys_and_seeks_anywhere(window, kind):
 
 
 # Recorded from the sampler before it delegated to the streams: (sid, fids, step, drawer) of the
-# first 12 keys (one 8-step epoch and 4 steps into the next) of rank 1 of 2.
+# first 12 keys (one 8-step epoch and 4 steps into the next) of rank 1 of 2. Unbalanced keys
+# never change; the balanced ones changed once, on purpose, with the stratified design.
 GOLDEN_CONFIG = dict(nframes=[7, 5, 9, 4], batch_sizes=[2, 1, 3, 2], probs=[0.25] * 4, seed=11,
                      rank=1, world_size=2)
 GOLDEN_KEYS = {
     0: [(3, (2, 0), 0, 1), (0, (5, 4), 1, 1), (0, (2, 1), 2, 1), (0, (0, 3), 3, 1),
         (2, (5, 6, 2), 4, 1), (2, (0, 4), 5, 1), (1, (4,), 6, 1), (2, (1, 3, 0), 7, 1),
         (3, (0, 3), 8, 1), (3, (3, 0), 9, 1), (1, (2,), 10, 1), (1, (3,), 11, 1)],
-    2: [(0, (5, 4), 0, 1), (0, (1, 6), 1, 0), (0, (0, 3), 2, 0), (3, (1, 3), 3, 0),
-        (3, (2, 1), 4, 0), (2, (4, 7, 3), 5, 0), (1, (4,), 6, 1), (1, (0,), 7, 0),
-        (3, (3, 0), 8, 1), (0, (2, 1), 9, 0), (1, (3,), 10, 1), (0, (4, 5), 11, 0)],
+    # balanced (re-recorded for the stratified design): each window of 2 steps takes one
+    # system of the cheap half (sids 1, 0) and one of the dear half (sids 2, 3), in either order
+    2: [(3, (2, 0), 0, 1), (1, (4,), 1, 1), (0, (5, 4), 2, 1), (2, (5, 6, 2), 3, 1),
+        (2, (0, 4), 4, 1), (1, (2,), 5, 1), (3, (0, 3), 6, 1), (0, (2, 1), 7, 1),
+        (1, (3,), 8, 1), (2, (1, 3, 0), 9, 1), (0, (0, 3), 10, 1), (2, (6, 4), 11, 1)],
 }
 
 
