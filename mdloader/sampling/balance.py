@@ -97,8 +97,8 @@ def check_window(k: int, world_size: int, same_system_across_ranks: bool = False
     """Validate the window ``k`` (steps, >= 1) against the sampler's settings; return it.
 
     ``same_system_across_ranks`` already gives every rank of a step the same system, so there is
-    nothing to balance, and its lockstep (all ranks in the same pass) would be broken by moving
-    batches between ranks: the combination is refused.
+    nothing to balance, and its lockstep (all ranks in the same pass) would be broken by the
+    ranks drawing different systems of a stratum: the combination is refused.
     """
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
         raise ConfigError(f"the balance window must be a positive number of steps, got {k!r}",
