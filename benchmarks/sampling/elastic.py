@@ -4,10 +4,11 @@
     python -m benchmarks.sampling.elastic --nsys 10000 --worlds 4 16 --steps 1000
 
 The state is measured as JSON bytes of the job state (every rank merged), for a job that never
-changed its world size and after three elastic resumes. A resume is timed on one new rank (every
-new rank does the same work): replaying the old ranks' system streams and working out what each
-system is owed; peak memory is what ``tracemalloc`` sees numpy allocate. Pure computation in one
-process: no data files are read.
+changed its world size and after three elastic resumes. A resume is timed on new rank 0:
+replaying the system streams of the old ranks it takes over (``d % W' == 0``) and working out the
+pieces of what it is owed (their frames are drawn later, when it draws each system); peak memory
+is what ``tracemalloc`` sees numpy allocate. Pure computation in one process: no data files are
+read.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def measure(nsys: int, old_world: int, steps: int, new_world: int, seed: int = 0
                       + [[new_world, *[steps] * new_world]])
     return {"nsys": nsys, "W": old_world, "W_new": new_world, "steps": steps,
             "resume_s": seconds, "peak_MiB": peak / 2**20,
-            "leftover_frames": len(template.order.continuation.frames),
+            "leftover_frames": template.order.continuation.total,
             "state_B": len(json.dumps(job)), "state_after_3_resumes_B": len(json.dumps(chain))}
 
 

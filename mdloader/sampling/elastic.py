@@ -5,21 +5,23 @@ took ``k_{g,r}`` batches from its system stream (keys that hold ``g``:
 :func:`mdloader.sampling.order.stream_key`). Nothing else is saved: replaying the streams gives how
 many batches every rank took from every system, hence where each rank stood in its passes.
 
-A *unit* is what one rank serves in one go for one system: its shard of one pass, or its share of
-the generation's leftover. When generation ``g + 1`` starts on ``W'`` ranks, every system continues
-with
+When generation ``g + 1`` starts on ``W'`` ranks, new rank ``r'`` *owns* the old ranks ``d``
+with ``d % W' == r'`` (:func:`owned_ranks`; a rank beyond the old world owns none), and every
+system continues on it with
 
-1. its *leftover*: the frames generation ``g`` left unserved in its interrupted units -- first
-   what remains of generation ``g``'s own leftover, then the rest of every old rank's current pass
-   shard (by pass, then rank) without the shard's wrap-around padding -- shared by the new ranks
-   strided (rank ``r'`` takes items ``r', r' + W', ...``, no padding); then
-2. fresh passes numbered from one past the highest pass any old rank started, sharded over ``W'``
-   exactly as a job that always ran on ``W'`` ranks shards them.
+1. its *leftover*: for each owned old rank, ascending, what that rank left unserved -- first the
+   rest of its own leftover (which it took over the same way from the ranks it owned), then the
+   rest of the pass shard it had begun, without the shard's wrap-around padding; then
+2. the fresh passes of generation ``g + 1``, numbered from 0 under permutation keys that hold the
+   generation (:func:`mdloader.sampling.order.frame_key`), sharded over ``W'`` exactly as a job
+   that always ran on ``W'`` ranks shards them.
 
-So within an interrupted unit no frame that was served is served again and none that was not is
-lost. A pass that a lagging old rank had not started is not carried over: the fresh passes take
-its place. Generation 0 has no leftover and starts at pass 0, which is the job as it runs before
-any elastic resume.
+So within an interrupted unit (a begun shard, or a leftover) no frame that was served is served
+again and none that was not is lost. A rank replays only the streams of the old ranks it owns
+(and of the ranks they owned, generation by generation): ``O(owned * (steps + N))`` arithmetic and
+nothing of size ``N * W``. A leftover is a list of pieces (:data:`mdloader.sampling.order.PIECE`);
+its frames are drawn when the rank first draws the system. Generation 0 has no leftover and its
+passes keep their keys, which is the job as it runs before any elastic resume.
 
 The sampler's saved state is one rank's or the whole job's. A **rank state**
 (``WeightedSystemSampler.state_dict()``) holds what identifies the job (seed, system sizes,
@@ -35,14 +37,14 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from mdloader.errors import StateDictError
-from mdloader.sampling.balance import Strata, strata_counts
+from mdloader.sampling.balance import balanced_counts
 from mdloader.sampling.batching import batches_per_rank
-from mdloader.sampling.order import Continuation, frame_permutation, stream_counts
+from mdloader.sampling.order import PIECE, Continuation, real_shard_lengths, stream_counts
 from mdloader.sampling.plan import LoaderPlan
 
 SYSTEM_BLOCK = 4096
@@ -68,168 +70,92 @@ def job_seed(plan: LoaderPlan) -> int:
     return plan.seed
 
 
-def empty_continuation(nsys: int) -> Continuation:
-    """No leftover, every system at pass 0: where a job starts."""
-    return Continuation(np.zeros(nsys + 1, dtype=np.int64), np.empty(0, dtype=np.int64),
-                        np.zeros(nsys, dtype=np.int64))
+def owned_ranks(rank: int, world_size: int, old_world: int) -> range:
+    """The old ranks (of ``old_world``) whose leftover rank ``rank`` of ``world_size`` takes
+    over: those ``d`` with ``d % world_size == rank`` (none for a rank beyond the old world)."""
+    return range(rank, old_world, world_size)
 
 
-def _segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For a concatenation of segments of ``lengths``: each item's segment and index in it."""
-    segment = np.repeat(np.arange(len(lengths)), lengths)
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1])) if len(lengths) else lengths
-    return segment, np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
+def rank_counts(plan: LoaderPlan, index: int, gen: Generation, rank: int,
+                cdf: np.ndarray | None = None) -> np.ndarray:
+    """Batches rank ``rank`` of generation ``index`` took from each system: ``[nsys]``, from a
+    replay of its own system stream alone (unbalanced or balanced: a rank reads its own frames);
+    ``cdf``: ``plan.cdf_on(gen.world_size)`` when the caller has it already."""
+    cdf = plan.cdf_on(gen.world_size) if cdf is None else cdf
+    if plan.balance_window:
+        return balanced_counts(job_seed(plan), rank, 0, gen.steps[rank], cdf, plan.balance_costs,
+                               plan.balance_window, generation=index)
+    return stream_counts(job_seed(plan), rank, 0, gen.steps[rank], cdf,
+                         plan.same_system_across_ranks, generation=index)
 
 
-def share_of(full: Continuation, rank: int, world_size: int) -> Continuation:
-    """Rank ``rank``'s share of every leftover list: items ``rank, rank + W, ...`` (no padding)."""
-    segment, index = _segments(np.diff(full.offsets))
-    keep = index % world_size == rank
-    lengths = np.bincount(segment[keep], minlength=len(full.base_pass))
-    return Continuation(np.concatenate(([0], np.cumsum(lengths))).astype(np.int64),
-                        full.frames[keep], full.base_pass)
-
-
-def replay_counts(plan: LoaderPlan, index: int, gen: Generation) -> np.ndarray:
-    """Batches each rank of generation ``index`` took from each system: ``[nsys, W]``."""
-    cdf = plan.cdf_on(gen.world_size)
-    dtype = np.int32 if max(gen.steps, default=0) < 2**31 else np.int64
-    counts = np.empty((len(cdf), gen.world_size), dtype=dtype)
-    done: dict[int, np.ndarray] = {}   # shared stream: ranks with equal steps share a replay
-    for rank, steps in enumerate(gen.steps):
-        if plan.same_system_across_ranks and steps in done:
-            counts[:, rank] = done[steps]
-            continue
-        column = stream_counts(job_seed(plan), rank, 0, steps, cdf, plan.same_system_across_ranks,
-                               generation=index)
-        counts[:, rank] = column
-        done[steps] = column
-    return counts
-
-
-def generation_counts(plan: LoaderPlan, index: int, gen: Generation) -> np.ndarray:
-    """Batches each rank of generation ``index`` took from each system: ``[nsys, W]``.
-
-    Each rank's own draws, from its unbalanced (:func:`replay_counts`) or balanced
-    (:func:`mdloader.sampling.balance.strata_counts`) stream: either way a rank reads its own
-    frames.
-    """
-    if not plan.balance_window:
-        return replay_counts(plan, index, gen)
-    strata = Strata.of(plan.cdf_on(gen.world_size), plan.balance_costs)
-    return np.stack([strata_counts(job_seed(plan), rank, 0, steps, strata, plan.balance_window,
-                                   generation=index)
-                     for rank, steps in enumerate(gen.steps)], axis=1)
-
-
-def advance(plan: LoaderPlan, full: Continuation, gen: Generation,
-            counts: np.ndarray) -> Continuation:
-    """The whole job's continuation after generation ``gen`` took ``counts`` batches."""
-    nsys = plan.nsys
-    lengths, frames, base = [], [], []
+def left_pieces(plan: LoaderPlan, index: int, gen: Generation, rank: int,
+                before: Continuation | None, counts: np.ndarray) -> np.ndarray:
+    """The pieces old rank ``rank`` of generation ``index`` left after taking ``counts`` batches
+    of each system: the unserved rest of its own leftover ``before`` (None: it had none), then
+    the rest of the pass shard it had begun, without the wrap-around padding (arithmetic only;
+    pieces sorted by system)."""
+    world, nsys = gen.world_size, plan.nsys
+    served = np.zeros(nsys, dtype=np.int64)
+    fresh_parts = []
     for lo in range(0, nsys, SYSTEM_BLOCK):
         hi = min(nsys, lo + SYSTEM_BLOCK)
-        n, f, b = _advance_block(plan, full, gen.world_size, counts[lo:hi].astype(np.int64), lo)
-        lengths.append(n)
-        frames.append(f)
-        base.append(b)
-    offsets = np.concatenate(([0], np.cumsum(np.concatenate(lengths)))).astype(np.int64)
-    return Continuation(offsets, np.concatenate(frames).astype(np.int64), np.concatenate(base))
+        size, took = plan.batch_sizes[lo:hi], counts[lo:hi].astype(np.int64)
+        if before is not None:
+            left = before.lengths[lo:hi]
+            from_left = np.minimum(took, -(-left // size))
+            served[lo:hi] = np.minimum(from_left * size, left)
+            took = took - from_left
+        nb = batches_per_rank(plan.nframes[lo:hi], size, world)
+        sids = np.flatnonzero(took % nb)
+        start = (took[sids] % nb[sids]) * size[sids]
+        stop = real_shard_lengths(plan.nframes[lo + sids], rank, world)
+        begun = start < stop
+        sids = sids[begun]
+        piece = np.empty(len(sids), dtype=PIECE)
+        piece["sid"], piece["start"], piece["stop"] = lo + sids, start[begun], stop[begun]
+        piece["generation"], piece["world"], piece["rank"] = index, world, rank
+        piece["pass_"] = took[sids] // nb[sids]
+        fresh_parts.append(piece)
+    rest = np.empty(0, dtype=PIECE) if before is None else before.rest(served)
+    pieces = np.concatenate([rest, *fresh_parts])
+    return pieces[np.argsort(pieces["sid"], kind="stable")]
 
 
-class _Positions(NamedTuple):
-    """Where every old rank stood in each system of a block (arrays ``[systems, W]``)."""
-
-    served_share: np.ndarray   # items of its leftover share it served
-    pass_: np.ndarray          # its current fresh pass
-    into: np.ndarray           # batches it served of that pass
-    base: np.ndarray           # ``[systems]``: the next generation's first fresh pass
-
-
-def _positions(plan: LoaderPlan, full: Continuation, world: int, counts: np.ndarray,
-               lo: int) -> _Positions:
-    """Split each old rank's batches of each system into leftover batches and passes."""
-    hi = lo + len(counts)
-    size = plan.batch_sizes[lo:hi, None]
-    lens = np.diff(full.offsets[lo:hi + 1])
-    share_len = np.maximum(0, -(-(lens[:, None] - np.arange(world)) // world))
-    from_share = np.minimum(counts, -(-share_len // size))
-    fresh = counts - from_share
-    nb = batches_per_rank(plan.nframes[lo:hi], plan.batch_sizes[lo:hi], world)[:, None]
-    pass_ = full.base_pass[lo:hi, None] + fresh // nb
-    into = fresh % nb
-    started = np.where(fresh > 0, pass_ - (into == 0), -1).max(axis=1)
-    return _Positions(np.minimum(from_share * size, share_len), pass_, into,
-                      np.maximum(full.base_pass[lo:hi], started + 1))
-
-
-def _advance_block(plan: LoaderPlan, full: Continuation, world: int, counts: np.ndarray,
-                   lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`advance` for systems ``[lo, lo + len(counts))``: lengths, frames, base passes.
-
-    Each system's new leftover is the unserved part of its old leftover, then the rests of its
-    interrupted units.
-    """
-    at = _positions(plan, full, world, counts, lo)
-    lens = np.diff(full.offsets[lo:lo + len(counts) + 1])
-    segment, index = _segments(lens)
-    block = full.frames[full.offsets[lo]:full.offsets[lo + len(counts)]]
-    keep = index // world >= at.served_share[segment, index % world]
-    kept_len = np.bincount(segment[keep], minlength=len(counts))
-    rests = {s: _unit_rests(plan, lo + s, world, at.pass_[s], at.into[s])
-             for s in np.flatnonzero((at.into > 0).any(axis=1))}
-    new_len = kept_len.copy()
-    for s, rest in rests.items():
-        new_len[s] += len(rest)
-    new_start = np.concatenate(([0], np.cumsum(new_len)[:-1])).astype(np.int64)
-    out = np.empty(int(new_len.sum()), dtype=np.int64)
-    kept_segment, kept_index = _segments(kept_len)
-    out[new_start[kept_segment] + kept_index] = block[keep]
-    for s, rest in rests.items():
-        out[new_start[s] + kept_len[s]:new_start[s] + new_len[s]] = rest
-    return new_len, out, at.base
-
-
-def _unit_rests(plan: LoaderPlan, sid: int, world: int, passes: np.ndarray,
-                into: np.ndarray) -> np.ndarray:
-    """What the old ranks left of their current pass shards of ``sid``: by pass, then rank.
-
-    Rank ``r`` took ``into[r]`` batches of its shard of pass ``passes[r]``: the positions
-    ``r, r + W, ...`` of the pass's permutation, padded by wrapping. The rest is one slice of the
-    permutation, which stops at the last frame and so leaves out the padding (always in the
-    shard's last slot).
-    """
-    nframes, size = int(plan.nframes[sid]), int(plan.batch_sizes[sid])
-    ranks = np.flatnonzero(into > 0)
-    ranks = ranks[np.argsort(passes[ranks], kind="stable")]
-    parts, perm, perm_pass = [], None, None
-    for rank in ranks.tolist():
-        p = int(passes[rank])
-        if p != perm_pass:
-            perm, perm_pass = frame_permutation(job_seed(plan), sid, p, nframes, plan.shuffle), p
-        parts.append(perm[rank + world * int(into[rank]) * size:nframes:world])
-    return np.concatenate(parts)
+def _inherited(plan: LoaderPlan, history: Sequence[Generation], rank: int, world_size: int,
+               replays: dict[tuple[int, int], np.ndarray]) -> np.ndarray:
+    """The pieces rank ``rank`` of generation ``len(history)`` on ``world_size`` ranks takes
+    over: those its owned old ranks left, in ascending old rank, each old rank's own leftover
+    computed the same way from the ranks it owned (so only the owned ranks are replayed)."""
+    if not history:
+        return np.empty(0, dtype=PIECE)
+    index, gen = len(history) - 1, history[-1]
+    parts, cdf = [], None
+    for old in owned_ranks(rank, world_size, gen.world_size):
+        before = None
+        if index:
+            before = Continuation.of_pieces(index, plan.nsys, _inherited(
+                plan, history[:-1], old, gen.world_size, replays))
+        counts = replays.get((index, gen.steps[old]))
+        if counts is None:
+            cdf = plan.cdf_on(gen.world_size) if cdf is None else cdf
+            counts = rank_counts(plan, index, gen, old, cdf)
+            if plan.same_system_across_ranks:   # a shared stream: equal steps, equal counts
+                replays[index, gen.steps[old]] = counts
+        parts.append(left_pieces(plan, index, gen, old, before, counts))
+    return np.concatenate(parts) if parts else np.empty(0, dtype=PIECE)
 
 
 def continuation(plan: LoaderPlan, history: Sequence[Generation], rank: int,
                  world_size: int) -> Continuation | None:
-    """Where rank ``rank`` of ``world_size`` continues after the finished generations ``history``.
-
-    ``None`` without history: the job has never changed its number of ranks.
+    """Where rank ``rank`` of ``world_size`` continues after the finished generations
+    ``history``: the leftover of the old ranks it owns, then the fresh passes of generation
+    ``len(history)``. ``None`` without history: the job has never changed its number of ranks.
     """
-    full = full_continuation(plan, history)
-    return None if full is None else share_of(full, rank, world_size)
-
-
-def full_continuation(plan: LoaderPlan, history: Sequence[Generation]) -> Continuation | None:
-    """The whole job's continuation after ``history`` (None without history); each rank's is
-    :func:`share_of` it (a balanced sampler takes the share of every rank it reads for)."""
     if not history:
         return None
-    full = empty_continuation(plan.nsys)
-    for index, gen in enumerate(history):
-        full = advance(plan, full, gen, generation_counts(plan, index, gen))
-    return full
+    return Continuation.of_pieces(len(history), plan.nsys,
+                                  _inherited(plan, history, rank, world_size, {}))
 
 
 IDENTITY = {"seed": "seed", "nsys": "number of systems",
@@ -335,7 +261,6 @@ def merge_rank_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "generations": [*first["history"], [world, *steps]]}
 
 
-__all__ = ["Generation", "job_seed", "empty_continuation", "share_of", "replay_counts",
-           "generation_counts", "advance", "continuation", "full_continuation",
+__all__ = ["Generation", "job_seed", "owned_ranks", "rank_counts", "left_pieces", "continuation",
            "IDENTITY", "BALANCE_IDENTITY", "RANK_KEYS", "JOB_KEYS", "parse_generations",
            "generation_rows", "resume_point", "merge_rank_states"]

@@ -23,8 +23,9 @@ System stream. Step ``k`` of rank ``r`` draws a system index with probabilities 
 inverse CDF from uniforms of chunk ``k // STREAM_CHUNK``, seeded from ``(seed, r, chunk)``; in
 ``same_system_across_ranks`` mode the rank is left out so that all ranks draw the same system at
 each step (and still read disjoint frames, because their per-system counters agree). After an
-elastic resume (:mod:`mdloader.sampling.elastic`) generation ``g >= 1`` of the job draws from
-keys that also hold ``g``, so the new ranks never replay the draws of an earlier generation.
+elastic resume (:mod:`mdloader.sampling.elastic`) generation ``g >= 1`` of the job draws its
+systems and the permutations of its fresh passes (numbered from 0) from keys that also hold ``g``,
+so the new ranks never replay the draws or the passes of an earlier generation.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from __future__ import annotations
 import numbers
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ TAG_STREAM = 0x5354524D   # "STRM": per-rank system stream
 TAG_SHARED = 0x53484152   # "SHAR": system stream shared by all ranks
 TAG_ELASTIC = 0x454C5354  # "ELST": per-rank system stream of generation g >= 1
 TAG_ELASTIC_SHARED = 0x454C5348  # "ELSH": shared system stream of generation g >= 1
+TAG_ELASTIC_FRAMES = 0x454C4652  # "ELFR": frame permutations of generation g >= 1
 STREAM_CHUNK = 4096
 """Draws per stream chunk: each chunk has its own generator, so draw k is random access."""
 SEED_MOD = 2**64
@@ -76,12 +78,25 @@ def _generator(seed: int, *key: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=key)))
 
 
+def frame_key(sid: int, pass_: int, generation: int = 0) -> tuple[int, ...]:
+    """The ``SeedSequence`` spawn key of the permutation of pass ``pass_`` of system ``sid``.
+
+    Generation 0 keeps the keys of a job that never changed its number of ranks; generation
+    ``g >= 1`` (after an elastic resume) numbers its passes from 0 under keys that hold ``g``.
+    """
+    if generation == 0:
+        return (TAG_FRAMES, sid, pass_)
+    return (TAG_ELASTIC_FRAMES, generation, sid, pass_)
+
+
 def frame_permutation(seed: int, sid: int, pass_: int, nframes: int,
-                      shuffle: bool = True) -> np.ndarray:
-    """The order of the frames of system ``sid`` in pass ``pass_`` (same on every rank)."""
+                      shuffle: bool = True, generation: int = 0) -> np.ndarray:
+    """The order of the frames of system ``sid`` in pass ``pass_`` of generation ``generation``
+    (same on every rank)."""
     if not shuffle:
         return np.arange(nframes, dtype=np.int64)
-    return _generator(seed, TAG_FRAMES, sid, pass_).permutation(nframes).astype(np.int64)
+    key = frame_key(sid, pass_, generation)
+    return _generator(seed, *key).permutation(nframes).astype(np.int64)
 
 
 def shard_frames(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
@@ -99,9 +114,11 @@ def shard_frames(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
 
 
 def rank_frames(seed: int, sid: int, pass_: int, nframes: int, rank: int, world_size: int,
-                shuffle: bool = True) -> np.ndarray:
-    """The frames rank ``rank`` reads from system ``sid`` during pass ``pass_``, in order."""
-    return shard_frames(frame_permutation(seed, sid, pass_, nframes, shuffle), rank, world_size)
+                shuffle: bool = True, generation: int = 0) -> np.ndarray:
+    """The frames rank ``rank`` reads from system ``sid`` during pass ``pass_`` (of generation
+    ``generation``), in order."""
+    return shard_frames(frame_permutation(seed, sid, pass_, nframes, shuffle, generation), rank,
+                        world_size)
 
 
 def statistics_frame_counts(nframes: np.ndarray | Sequence[int],
@@ -216,34 +233,103 @@ def sizes_digest(*arrays: np.ndarray | Sequence[int] | Sequence[float]) -> int:
     return int(crc)
 
 
-@dataclass(frozen=True)
-class Continuation:
-    """Where every system continues on this rank after an elastic resume.
+PIECE = np.dtype([("sid", np.int64), ("generation", np.int64), ("world", np.int64),
+                  ("rank", np.int64), ("pass_", np.int64), ("start", np.int64),
+                  ("stop", np.int64)])
+"""One piece of a leftover: entries ``[start, stop)`` of rank ``rank``'s shard (of ``world``
+ranks) of pass ``pass_`` of generation ``generation`` of system ``sid``; ``stop`` never reaches
+the shard's wrap-around padding, so a piece holds real frames only."""
 
-    The first draws of system ``sid`` read :meth:`share` ``(sid)`` -- this rank's share of the
-    frames the previous ranks left unserved -- in batches; the draws after them read fresh passes
-    numbered from ``base_pass[sid]``. Built by :mod:`mdloader.sampling.elastic`.
+
+def real_shard_lengths(nframes: np.ndarray | int, rank: int,
+                       world_size: int) -> np.ndarray:
+    """How many entries of rank ``rank``'s shard are real frames, not the wrap-around padding:
+    the positions ``rank, rank + W, ...`` below the number of frames."""
+    n = np.asarray(nframes, dtype=np.int64)
+    return np.maximum(0, -(-(n - rank) // world_size))
+
+
+@dataclass(frozen=True, eq=False)
+class Continuation:
+    """Where one rank continues in generation ``generation`` after an elastic resume.
+
+    The first draws of system ``sid`` read its leftover -- the frames of :attr:`pieces` of that
+    system, in order -- in batches; the draws after them read the fresh passes of
+    ``generation``, numbered from 0. The pieces are a flat array sorted by system
+    (:attr:`offsets`); lengths are arithmetic, and a system's frames are drawn only when asked
+    for (:meth:`frames`). Built by :mod:`mdloader.sampling.elastic`.
     """
 
-    offsets: np.ndarray
-    frames: np.ndarray
-    base_pass: np.ndarray
+    generation: int
+    nsys: int
+    pieces: np.ndarray
+    offsets: np.ndarray = field(init=False, repr=False)
+    lengths: np.ndarray = field(init=False, repr=False)
+    """Leftover frames of every system: ``[nsys]``."""
 
-    def share(self, sid: int) -> np.ndarray:
-        return self.frames[self.offsets[sid]:self.offsets[sid + 1]]
+    def __post_init__(self) -> None:
+        sid = self.pieces["sid"]
+        if len(sid) and np.any(np.diff(sid) < 0):
+            raise ValueError("the pieces of a continuation must be sorted by system")
+        object.__setattr__(self, "offsets",
+                           np.searchsorted(sid, np.arange(self.nsys + 1)).astype(np.int64))
+        sizes = self.pieces["stop"] - self.pieces["start"]
+        object.__setattr__(self, "lengths", np.bincount(sid, weights=sizes, minlength=self.nsys)
+                           .astype(np.int64))
+
+    @classmethod
+    def of_pieces(cls, generation: int, nsys: int, pieces: np.ndarray) -> Continuation:
+        """The continuation of ``pieces`` in any order of systems (kept in order within one)."""
+        pieces = pieces[np.argsort(pieces["sid"], kind="stable")]
+        return cls(int(generation), int(nsys), pieces[pieces["stop"] > pieces["start"]])
+
+    @property
+    def total(self) -> int:
+        """Leftover frames of all systems."""
+        return int(self.lengths.sum())
+
+    def system(self, sid: int) -> np.ndarray:
+        """The pieces of system ``sid``, in the order they are served."""
+        return self.pieces[self.offsets[sid]:self.offsets[sid + 1]]
+
+    def rest(self, served: np.ndarray) -> np.ndarray:
+        """The pieces left once the first ``served[sid]`` frames of every system were served
+        (arithmetic: the pieces served whole are dropped, the one served in part starts later)."""
+        p = self.pieces
+        size = p["stop"] - p["start"]
+        before = np.cumsum(size) - size   # frames of the pieces before, all systems
+        before -= np.concatenate(([0], np.cumsum(self.lengths)))[p["sid"]]
+        skip = np.clip(np.asarray(served, dtype=np.int64)[p["sid"]] - before, 0, size)
+        out = p.copy()
+        out["start"] += skip
+        return out[out["start"] < out["stop"]]
+
+    def frames(self, sid: int, seed: int, nframes: int, shuffle: bool = True) -> np.ndarray:
+        """The leftover frames of system ``sid``: one permutation per (generation, pass) among
+        its pieces."""
+        parts, perms = [], {}
+        for piece in self.system(sid).tolist():
+            _, gen, world, rank, pass_, start, stop = piece
+            perm = perms.get((gen, pass_))
+            if perm is None:
+                perm = perms[gen, pass_] = frame_permutation(seed, sid, pass_, nframes, shuffle,
+                                                             gen)
+            parts.append(perm[rank + world * start:rank + world * (stop - 1) + 1:world])
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
 class FrameOrder:
     """Which frames the n-th batch of system ``sid`` holds on this rank.
 
     The n-th draw of a system reads batch ``n % nb`` of pass ``n // nb``; a pass is a fresh
-    permutation shared by all ranks and sharded across them. With a :class:`Continuation`, the
-    draws first read this rank's share of the leftover frames, then passes from its base pass.
-    Shards of recently used
-    (system, pass) pairs are kept in a small LRU cache bounded by ``cache_frames`` frame ids and
-    ``cache_entries`` shards (one shard larger than ``cache_frames`` is kept alone), so memory
-    does not grow with the number of systems; each cached shard owns its frames (no view of the
-    permutation), and a miss costs one permutation.
+    permutation shared by all ranks and sharded across them. With a :class:`Continuation` of
+    generation ``g``, the draws first read this rank's leftover of the system, then the passes of
+    generation ``g`` from pass 0. Shards of recently used (system, pass) pairs and the leftovers
+    of recently drawn systems are kept in one LRU cache of at most ``cache_frames`` frame ids
+    (8 bytes each: 8 MiB by default) in at most ``cache_entries`` arrays (one array larger than
+    ``cache_frames`` is kept alone), so memory does not grow with the number of systems; each
+    cached array owns its frames (no view of a permutation), and a miss costs one permutation
+    (a leftover: one per pass among its pieces).
     """
 
     def __init__(self, nframes: Sequence[int] | np.ndarray, batch_sizes: Sequence[int] | np.ndarray,
@@ -262,40 +348,52 @@ class FrameOrder:
         self.shuffle = bool(shuffle)
         self.nbatches = batches_per_rank(self.nframes, self.batch_sizes, self.world_size)
         self.continuation = continuation
+        self.generation = 0 if continuation is None else continuation.generation
+        """The generation whose fresh passes this rank reads (0: the job never changed size)."""
         self._cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self._cached = 0
         self._budget = int(cache_frames)
         self._max_entries = max(1, int(cache_entries))
 
-    def shard(self, sid: int, pass_: int) -> np.ndarray:
-        """The calling rank's frames of system ``sid`` for pass ``pass_`` (cached)."""
-        k = (sid, pass_)
-        hit = self._cache.get(k)
+    def _cached_array(self, key: tuple[int, int], make: Callable[[], np.ndarray]) -> np.ndarray:
+        hit = self._cache.get(key)
         if hit is not None:
-            self._cache.move_to_end(k)
+            self._cache.move_to_end(key)
             return hit
-        shard = rank_frames(self.seed, sid, pass_, int(self.nframes[sid]), self.rank,
-                            self.world_size, self.shuffle)
-        self._cache[k] = shard
-        self._cached += len(shard)
+        made = make()
+        self._cache[key] = made
+        self._cached += len(made)
         while len(self._cache) > 1 and (self._cached > self._budget
                                         or len(self._cache) > self._max_entries):
             _, old = self._cache.popitem(last=False)
             self._cached -= len(old)
-        return shard
+        return made
+
+    def shard(self, sid: int, pass_: int) -> np.ndarray:
+        """The calling rank's frames of system ``sid`` for pass ``pass_`` of its generation
+        (cached)."""
+        return self._cached_array((sid, pass_), lambda: rank_frames(
+            self.seed, sid, pass_, int(self.nframes[sid]), self.rank, self.world_size,
+            self.shuffle, self.generation))
+
+    def leftover(self, sid: int) -> np.ndarray:
+        """The leftover frames of system ``sid`` on this rank (cached; empty without one)."""
+        if self.continuation is None:
+            return np.empty(0, dtype=np.int64)
+        cont = self.continuation
+        return self._cached_array((sid, -1), lambda: cont.frames(
+            sid, self.seed, int(self.nframes[sid]), self.shuffle))
 
     def fids(self, sid: int, occurrence: int) -> tuple[int, ...]:
         """Frame ids of the ``occurrence``-th batch drawn from system ``sid``."""
-        size, first_pass = int(self.batch_sizes[sid]), 0
+        size = int(self.batch_sizes[sid])
         if self.continuation is not None:
-            share = self.continuation.share(sid)
-            leftover_batches = -(-len(share) // size)
+            leftover_batches = -(-int(self.continuation.lengths[sid]) // size)
             if occurrence < leftover_batches:
-                return tuple(batch_of_shard(share, occurrence, size).tolist())
+                return tuple(batch_of_shard(self.leftover(sid), occurrence, size).tolist())
             occurrence -= leftover_batches
-            first_pass = int(self.continuation.base_pass[sid])
         pass_, j = occurrence_to_batch(occurrence, int(self.nbatches[sid]))
-        return tuple(batch_of_shard(self.shard(sid, first_pass + pass_), j, size).tolist())
+        return tuple(batch_of_shard(self.shard(sid, pass_), j, size).tolist())
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -308,9 +406,9 @@ class FrameOrder:
 
 
 __all__ = [
-    "STREAM_CHUNK", "Continuation", "FrameOrder", "normalize_seed", "frame_permutation",
-    "shard_frames", "rank_frames", "statistics_frame_counts", "statistics_frames",
-    "batch_of_shard", "occurrence_to_batch",
+    "STREAM_CHUNK", "PIECE", "Continuation", "FrameOrder", "normalize_seed", "frame_key",
+    "frame_permutation", "shard_frames", "real_shard_lengths", "rank_frames",
+    "statistics_frame_counts", "statistics_frames", "batch_of_shard", "occurrence_to_batch",
     "weights_to_cdf",
     "stream_key", "stream_chunk", "stream_draws", "stream_counts", "sizes_digest",
 ]

@@ -286,7 +286,8 @@ class LoaderPlan:
         return self.on_world(world_size).cdf
 
     def frame_order(self, rank: int, continuation: Continuation | None = None) -> FrameOrder:
-        """Which frames each batch of each system holds on ``rank``, under this plan's seed."""
+        """Which frames each batch of each system holds on ``rank``, under this plan's seed
+        (after an elastic resume: ``continuation``'s leftover, then its generation's passes)."""
         if self.seed is None:
             raise ConfigError("this loader plan has no seed: it gives batch counts and "
                               "probabilities, not frames")

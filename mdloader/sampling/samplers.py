@@ -37,11 +37,10 @@ from mdloader.sampling.elastic import (
     JOB_KEYS,
     RANK_KEYS,
     Generation,
-    full_continuation,
+    continuation,
     generation_rows,
     parse_generations,
     resume_point,
-    share_of,
 )
 from mdloader.sampling.order import Continuation, FrameOrder, sizes_digest
 from mdloader.sampling.plan import LoaderPlan, PlanOwner
@@ -144,9 +143,8 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         self._owner.subscribe(self._plan_changed)   # subscriptions do not travel
 
     def _restart(self, history: tuple[Generation, ...] = (),
-                 full: Continuation | None = None) -> None:
-        """Start generation ``len(history)`` at step 0 (``full``: the job's leftover)."""
-        cont = None if full is None else share_of(full, self.rank, self.plan.world_size)
+                 cont: Continuation | None = None) -> None:
+        """Start generation ``len(history)`` at step 0 (``cont``: where this rank continues)."""
         self._history = history
         self._stream: SystemStream = self._stream_type(
             self.plan, self.plan.frame_order(self.rank, cont), len(history))
@@ -272,13 +270,12 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         if history == self._history:
             return
         started = time.perf_counter()
-        full = full_continuation(self.plan, history)
-        self._restart(history, full)
-        cont = self.order.continuation
+        cont = continuation(self.plan, history, self.rank, self.plan.world_size)
+        self._restart(history, cont)
         if cont is not None:
             log.info("sampler: generation %d on %d rank(s) after %s; this rank first serves %d "
                      "leftover frame(s) (computed in %.2f s)", len(history), self.plan.world_size,
-                     " -> ".join(f"{g.world_size} rank(s)" for g in history), len(cont.frames),
+                     " -> ".join(f"{g.world_size} rank(s)" for g in history), cont.total,
                      time.perf_counter() - started)
 
 

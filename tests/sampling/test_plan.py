@@ -248,5 +248,9 @@ def test_the_elastic_resume_reads_the_plan():
     history = parse_generations(state["generations"])
     expected = continuation(new.plan, history, 1, 3)
     assert new.plan.world_size == 3 and new.order.seed == new.plan.seed == 5
-    assert np.array_equal(new.order.continuation.frames, expected.frames)
-    assert np.array_equal(new.order.continuation.base_pass, expected.base_pass)
+    got = new.order.continuation
+    assert got.generation == expected.generation == 1
+    assert np.array_equal(got.pieces, expected.pieces) and len(got.pieces)
+    assert set(got.pieces["rank"].tolist()) == {1}   # new rank 1 of 3 owns old rank 1 alone
+    for sid in range(len(nframes)):
+        assert np.array_equal(new.order.leftover(sid), expected.frames(sid, 5, nframes[sid]))
