@@ -163,36 +163,43 @@ def _forked_cell(row: str, nsys: int, world: int, rank: int, balanced: bool,
 
 
 def run_cell(row: str, nsys: int, world: int, balanced: bool, budget: float,
-             inline: bool = False) -> dict[str, Any]:
+             inline: bool = False, repeat: int = 1) -> dict[str, Any]:
     """The row on rank 0 and rank W - 1, each in a fresh process (``inline``: forked from this
-    one, which imported everything already); the larger figures."""
+    one, which imported everything already), best of ``repeat``; the larger of the two ranks."""
     out: dict[str, Any] = {"row": row, "nsys": nsys, "world": world,
                            "mode": "balanced" if balanced else "unbalanced"}
     results = []
     for rank in sorted({0, world - 1}):
-        if inline:
-            got = _forked_cell(row, nsys, world, rank, balanced, budget)
-            if got is None:
-                return {**out, "over_budget": True}
-            if "error" in got:
+        tries = []
+        for _ in range(max(1, repeat)):
+            got = _one_try(row, nsys, world, rank, balanced, budget, inline)
+            if "over_budget" in got or "error" in got:
                 return {**out, **got}
-            results.append(got)
-            continue
-        cmd = [sys.executable, "-m", "benchmarks.scale.run", "--cell",
-               json.dumps([row, nsys, world, rank, balanced])]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=budget)
-        except subprocess.TimeoutExpired:
-            return {**out, "over_budget": True}
-        if done.returncode != 0:
-            return {**out, "error": done.stderr.strip().splitlines()[-1:]}
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            tries.append(got)
+        results.append(min(tries, key=lambda r: r["seconds"]))
     out.update(seconds=max(r["seconds"] for r in results),
                peak_MiB=max(r["peak_bytes"] for r in results) / 2**20,
                value=results[0]["value"])
     if out["seconds"] > budget:
         out["over_budget"] = True
     return out
+
+
+def _one_try(row: str, nsys: int, world: int, rank: int, balanced: bool, budget: float,
+             inline: bool) -> dict[str, Any]:
+    """One run of a cell on one rank: its figures, or ``over_budget`` / ``error``."""
+    if inline:
+        got = _forked_cell(row, nsys, world, rank, balanced, budget)
+        return {"over_budget": True} if got is None else got
+    cmd = [sys.executable, "-m", "benchmarks.scale.run", "--cell",
+           json.dumps([row, nsys, world, rank, balanced])]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=budget)
+    except subprocess.TimeoutExpired:
+        return {"over_budget": True}
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def slope(points: list[tuple[int, float]]) -> float | None:
@@ -216,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inline", action="store_true",
                    help="cells forked from this process (the default of --quick): no start-up per "
                         "cell, but memory that this process holds is shared")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of every cell; the fastest counts (noisy, shared machines)")
     p.add_argument("--cell", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     import mdloader.sampling.samplers  # noqa: F401  (imported once, before the forks)
@@ -238,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                              "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                              "cpus": os.cpu_count(), "python": platform.python_version(),
                              "loadavg_1min": os.getloadavg()[0], "resume_step": RESUME_STEP,
-                             "balance_window": WINDOW}) + "\n")
+                             "balance_window": WINDOW, "repeat": args.repeat}) + "\n")
         for balanced in (False, True):
             for nsys in nsyss:
                 for row in args.rows:
@@ -250,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "over_budget": True, "skipped": True}
                         else:
                             rec = run_cell(row, nsys, world, balanced, args.budget,
-                                           args.inline or args.quick)
+                                           args.inline or args.quick, args.repeat)
                             over = bool(rec.get("over_budget"))
                         records.append(rec)
                         fh.write(json.dumps(rec) + "\n")
