@@ -29,7 +29,7 @@ import numpy as np
 from mdloader.catalog.index_file import SavedIndex
 from mdloader.catalog.table import SystemTable
 from mdloader.data.formats import get_backend
-from mdloader.data.formats.capabilities import freshness_paths
+from mdloader.data.formats.capabilities import Freshness, has
 from mdloader.fs_calls import Overlap, timed
 from mdloader.persist import changed_since
 
@@ -41,9 +41,9 @@ def changed(paths: Sequence[str], since_ns: int, overlap: Overlap) -> np.ndarray
 
 
 def system_paths(table: SystemTable) -> tuple[list[str], np.ndarray, list[int]]:
-    """The paths checked for the systems of ``table`` (each format's
-    :func:`~mdloader.data.formats.capabilities.freshness_paths`), the row of each path, and the
-    rows of systems that cannot be checked (described again at every start).
+    """The paths checked for the systems of ``table`` (each format's ``freshness_paths``,
+    :mod:`mdloader.data.formats.capabilities`), the row of each path, and the rows of systems
+    that cannot be checked (described again at every start).
 
     Each row's format comes from the table (no address is parsed again)."""
     addresses, layouts = table.addresses(), table.layouts()
@@ -52,8 +52,12 @@ def system_paths(table: SystemTable) -> tuple[list[str], np.ndarray, list[int]]:
     uncheckable: list[int] = []
     for name, of_backend in table.rows_by_backend().items():
         backend = get_backend(name)
+        if not has(backend, Freshness):  # never saved as fresh: described at every start
+            uncheckable.extend(of_backend.tolist())
+            continue
+        paths_of = backend.freshness_paths  # type: ignore[attr-defined]
         for row in of_backend.tolist():
-            found = freshness_paths(backend, addresses[row], layouts[row])
+            found = paths_of(addresses[row], layouts[row])
             if found is None:
                 uncheckable.append(row)
                 continue
