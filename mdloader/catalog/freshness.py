@@ -28,8 +28,8 @@ import numpy as np
 
 from mdloader.catalog.index_file import SavedIndex
 from mdloader.catalog.table import SystemTable
-from mdloader.data.formats import backend_of
-from mdloader.data.formats.capabilities import freshness_paths
+from mdloader.data.formats import get_backend
+from mdloader.data.formats.capabilities import Freshness, has
 from mdloader.fs_calls import Overlap, timed
 from mdloader.persist import changed_since
 
@@ -41,34 +41,53 @@ def changed(paths: Sequence[str], since_ns: int, overlap: Overlap) -> np.ndarray
 
 
 def system_paths(table: SystemTable) -> tuple[list[str], np.ndarray, list[int]]:
-    """The paths checked for the systems of ``table`` (each format's
-    :func:`~mdloader.data.formats.capabilities.freshness_paths`), the row of each path, and the
-    rows of systems that cannot be checked (described again at every start)."""
+    """The paths checked for the systems of ``table`` (each format's ``freshness_paths``,
+    :mod:`mdloader.data.formats.capabilities`), the row of each path, and the rows of systems
+    that cannot be checked (described again at every start).
+
+    Each row's format comes from the table (no address is parsed again)."""
+    addresses, layouts = table.addresses(), table.layouts()
     paths: list[str] = []
     rows: list[int] = []
     uncheckable: list[int] = []
-    for row, (address, layout) in enumerate(zip(table.addresses(), table.layouts())):
-        found = freshness_paths(backend_of(address), address, layout)
-        if found is None:
-            uncheckable.append(row)
+    for name, of_backend in table.rows_by_backend().items():
+        backend = get_backend(name)
+        if not has(backend, Freshness):  # never saved as fresh: described at every start
+            uncheckable.extend(of_backend.tolist())
             continue
-        paths.extend(found)
-        rows.extend([row] * len(found))
+        paths_of = backend.freshness_paths  # type: ignore[attr-defined]
+        for row in of_backend.tolist():
+            found = paths_of(addresses[row], layouts[row])
+            if found is None:
+                uncheckable.append(row)
+                continue
+            paths.extend(found)
+            rows.extend([row] * len(found))
     return paths, np.asarray(rows, dtype=np.int64), uncheckable
 
 
 def stale_systems(table: SystemTable, since_ns: int, overlap: Overlap) -> np.ndarray:
     """Whether each system of ``table`` changed since ``since_ns`` (see the module docstring)."""
     paths, rows, uncheckable = system_paths(table)
-    distinct = list(dict.fromkeys(paths))  # an HDF5 file holds many systems: one stat
+    distinct = _distinct(table, paths)
     flags = changed(distinct, since_ns, overlap)
-    if len(distinct) != len(paths):  # back from the distinct paths to every path
+    if distinct is not paths:  # back from the distinct paths to every path
         found = dict(zip(distinct, flags.tolist()))
         flags = np.fromiter((found[p] for p in paths), dtype=bool, count=len(paths))
     stale = np.zeros(len(table), dtype=bool)
     stale[rows[flags]] = True
     stale[uncheckable] = True
     return stale
+
+
+def _distinct(table: SystemTable, paths: list[str]) -> list[str]:
+    """``paths`` without repeats (an HDF5 file holds many systems: one stat). Only systems with
+    a fragment (``file#group``) share a container, so when no address has one and no address
+    repeats, the paths are distinct already and are not hashed."""
+    addresses = table.addresses()
+    if not any("#" in a for a in addresses) and len(set(addresses)) == len(addresses):
+        return paths
+    return list(dict.fromkeys(paths))
 
 
 @dataclass

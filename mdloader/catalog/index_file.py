@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 
 from mdloader.catalog.table import SystemTable, TableBuilder
-from mdloader.data.formats import backend_of
+from mdloader.data.formats import get_backend
 from mdloader.data.system import SetMeta, restore_set
 from mdloader.persist import write_atomic
 
 MAGIC = b"MDLINDEX"
-FORMAT = 2
+FORMAT = 3  # 3: each row names its storage format (backend_id)
 _HEAD = struct.Struct("<8sIIIQ32s")  # magic, format, header, body and blob lengths, sha256
 
 
@@ -137,7 +137,10 @@ def _storable(table: SystemTable) -> tuple[SystemTable, bool]:
     other = {i for i, s in enumerate(sets) if not isinstance(s, SetMeta)}
     keep = [not other.intersection(table.set_ids(row).tolist()) if other else True
             for row in range(len(table))]
-    keep = [k and backend_of(a).indexable for k, a in zip(keep, table.addresses())]
+    indexable = np.zeros(len(table), dtype=bool)
+    for name, rows in table.rows_by_backend().items():
+        indexable[rows] = get_backend(name).indexable
+    keep = [k and bool(i) for k, i in zip(keep, indexable.tolist())]
     if all(keep):
         return table, False
     builder = TableBuilder()
@@ -159,7 +162,8 @@ def _encode(saved: SavedIndex, header: dict[str, Any]) -> tuple[bytes, bytes, by
     body = {"columns": columns, "names": [offset, len(parts["names"])],
             "folders": list(parts["folders"]), "type_maps": _lists(parts["type_maps"]),
             "sets": [[s.name, s.nframes, list(s.keys), list(s.widths)] for s in parts["sets"]],
-            "idx_maps": _lists(parts["idx_maps"]), "since_ns": saved.since_ns,
+            "idx_maps": _lists(parts["idx_maps"]), "backends": list(parts["backends"]),
+            "since_ns": saved.since_ns,
             "walked": saved.walked, "files": saved.files,
             "globs": saved.globs, "partial": partial or saved.partial}
     return (json.dumps(header).encode(), json.dumps(body).encode(), b"".join(chunks))
@@ -182,7 +186,7 @@ def _decode(body: dict[str, Any], blob: memoryview) -> SavedIndex:
     table = SystemTable.from_parts(
         columns=columns, names=bytes(blob[start:start + length]),
         folders=tuple(body["folders"]), type_maps=_tuples(body["type_maps"]), sets=sets,
-        idx_maps=_tuples(body["idx_maps"]))
+        idx_maps=_tuples(body["idx_maps"]), backends=tuple(body["backends"]))
     return SavedIndex(table, int(body["since_ns"]), dict(body["walked"]), list(body["files"]),
                       {k: list(v) for k, v in body["globs"].items()},
                       bool(body["partial"]))

@@ -18,7 +18,7 @@ from mdloader.data.system import SetMeta, SystemMeta, interned
 
 _PBC, _MIXED = 1, 2
 _COLUMNS = ("folder_id", "name_len", "natoms", "types", "type_map_id", "flags", "nsets",
-            "set_ids", "idx_map_id")
+            "set_ids", "idx_map_id", "backend_id")
 
 
 def _smallest(values: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -49,6 +49,7 @@ class TableBuilder:
     def __init__(self) -> None:
         self._folders, self._maps, self._sets, self._idx = (_Distinct(), _Distinct(),
                                                             _Distinct(), _Distinct())
+        self._backends = _Distinct()
         self._cols: dict[str, list[int]] = {name: [] for name in _COLUMNS if name != "types"}
         self._names: list[bytes] = []
         self._types: list[np.ndarray] = []
@@ -62,7 +63,7 @@ class TableBuilder:
         self._names.append(encoded)
         self._push(folder + sep, len(encoded), meta.atom_types, meta.type_map,
                    int(meta.pbc) * _PBC | int(meta.mixed_type) * _MIXED, meta.sets,
-                   meta.mixed_idx_map)
+                   meta.mixed_idx_map, meta.location.backend)
 
     def add_row(self, table: SystemTable, row: int) -> None:
         """Row ``row`` of ``table``, copied without making a SystemMeta."""
@@ -74,10 +75,11 @@ class TableBuilder:
         self._push(table._folders[c["folder_id"][row]], int(c["name_len"][row]),
                    c["types"][t0:t1], table._type_maps[c["type_map_id"][row]],
                    int(c["flags"][row]), tuple(table._sets[j] for j in c["set_ids"][s0:s1]),
-                   table._idx_maps[c["idx_map_id"][row]])
+                   table._idx_maps[c["idx_map_id"][row]],
+                   table.backend_names[c["backend_id"][row]])
 
     def _push(self, folder: str, name_len: int, types: np.ndarray, type_map: Any, flags: int,
-              sets: tuple[SetMeta, ...], idx_map: Any) -> None:
+              sets: tuple[SetMeta, ...], idx_map: Any, backend: str) -> None:
         cols = self._cols
         cols["folder_id"].append(self._folders.id(folder))
         cols["name_len"].append(name_len)
@@ -88,6 +90,7 @@ class TableBuilder:
         cols["nsets"].append(len(sets))
         cols["set_ids"].extend(self._sets.id(s) for s in sets)
         cols["idx_map_id"].append(self._idx.id(idx_map))
+        cols["backend_id"].append(self._backends.id(backend))
 
     def table(self, origin: str | None = None) -> SystemTable:
         columns = {name: _smallest(values) for name, values in self._cols.items()}
@@ -95,21 +98,29 @@ class TableBuilder:
         columns["types"] = types.astype(np.int8 if types.max(initial=0) < 127 else np.int16)
         return SystemTable(columns, b"".join(self._names), tuple(self._folders.values),
                            tuple(self._maps.values), tuple(self._sets.values),
-                           tuple(self._idx.values), origin)
+                           tuple(self._idx.values), origin, tuple(self._backends.values))
 
 
 class SystemTable(Sequence):
     """The descriptions of many systems, in columns; ``table[i]`` is system ``i``'s SystemMeta.
 
     ``origin`` says where the descriptions come from (the index file, or ``None`` for a fresh
-    build), so that a read that finds a changed file can say what to refresh.
+    build), so that a read that finds a changed file can say what to refresh. Each row names
+    its storage format (``backend_names``, decided once when the system was described), so a
+    check of many rows need not parse every address again.
     """
 
     def __init__(self, columns: dict[str, np.ndarray], names: bytes, folders: tuple[str, ...],
                  type_maps: tuple[Any, ...], sets: tuple[SetMeta, ...],
-                 idx_maps: tuple[Any, ...], origin: str | None = None) -> None:
+                 idx_maps: tuple[Any, ...], origin: str | None = None,
+                 backends: tuple[str, ...] = ("npy",)) -> None:
+        if "backend_id" not in columns:  # every row of the one format ``backends`` names
+            if len(backends) != 1:
+                raise ValueError("a table without a backend_id column names one format")
+            columns = {**columns, "backend_id": np.zeros(len(columns["natoms"]), np.uint8)}
         self._columns, self._names, self._folders = columns, names, folders
         self._type_maps, self._sets, self._idx_maps = type_maps, sets, idx_maps
+        self.backend_names = backends
         self.origin = origin
         self._name_ends = np.cumsum(columns["name_len"], dtype=np.int64)
         self._type_ends = np.cumsum(columns["natoms"], dtype=np.int64)
@@ -125,18 +136,23 @@ class SystemTable(Sequence):
     def parts(self) -> dict[str, Any]:
         """The columns and lookup tables (what :meth:`from_parts` takes back)."""
         return {"columns": self._columns, "names": self._names, "folders": self._folders,
-                "type_maps": self._type_maps, "sets": self._sets, "idx_maps": self._idx_maps}
+                "type_maps": self._type_maps, "sets": self._sets, "idx_maps": self._idx_maps,
+                "backends": self.backend_names}
 
     @classmethod
     def from_parts(cls, *, columns: dict[str, np.ndarray], names: bytes,
                    folders: tuple[str, ...], type_maps: tuple[Any, ...],
-                   sets: tuple[SetMeta, ...], idx_maps: tuple[Any, ...]) -> SystemTable:
+                   sets: tuple[SetMeta, ...], idx_maps: tuple[Any, ...],
+                   backends: tuple[str, ...]) -> SystemTable:
         """A table from :meth:`parts` (read from a file): the columns are checked for length."""
         n = len(columns["natoms"])
-        for name in ("folder_id", "name_len", "type_map_id", "flags", "nsets", "idx_map_id"):
+        for name in ("folder_id", "name_len", "type_map_id", "flags", "nsets", "idx_map_id",
+                     "backend_id"):
             if len(columns[name]) != n:
                 raise ValueError(f"column {name} has {len(columns[name])} rows, expected {n}")
-        table = cls(columns, names, folders, type_maps, sets, idx_maps)
+        if n and int(columns["backend_id"].max()) >= len(backends):
+            raise ValueError("a backend_id names no stored format")
+        table = cls(columns, names, folders, type_maps, sets, idx_maps, None, backends)
         if (table._type_ends[-1:].sum() != len(columns["types"])
                 or table._set_ends[-1:].sum() != len(columns["set_ids"])
                 or table._name_ends[-1:].sum() != len(names)):
@@ -146,14 +162,14 @@ class SystemTable(Sequence):
     def with_origin(self, origin: str | None) -> SystemTable:
         """The same descriptions, saying they come from ``origin``."""
         return SystemTable(self._columns, self._names, self._folders, self._type_maps,
-                           self._sets, self._idx_maps, origin)
+                           self._sets, self._idx_maps, origin, self.backend_names)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Columns as raw bytes: a pickled ndarray costs ~100 bytes of framing, noticeable for
         # the few systems of a small job.
         raw = tuple((name, col.dtype.str, col.tobytes()) for name, col in self._columns.items())
         return (_from_raw, (raw, self._names, self._folders, self._type_maps, self._sets,
-                            self._idx_maps, self.origin))
+                            self._idx_maps, self.origin, self.backend_names))
 
     def __len__(self) -> int:
         return len(self._columns["natoms"])
@@ -205,6 +221,14 @@ class SystemTable(Sequence):
             out.append(layout)
         return out
 
+    def rows_by_backend(self) -> dict[str, np.ndarray]:
+        """The rows of each storage format, by its registered name (ascending rows)."""
+        ids = self._columns["backend_id"]
+        if len(self.backend_names) == 1:
+            return {self.backend_names[0]: np.arange(len(self))} if len(self) else {}
+        return {name: np.flatnonzero(ids == i) for i, name in enumerate(self.backend_names)
+                if (ids == i).any()}
+
     def meta(self, row: int) -> SystemMeta:
         """System ``row``'s description (a new object on each call; callers keep it)."""
         c = self._columns
@@ -247,6 +271,6 @@ class SystemTable(Sequence):
 
 def _from_raw(raw: tuple[tuple[str, str, bytes], ...], names: bytes, folders: tuple[str, ...],
               type_maps: tuple[Any, ...], sets: tuple[SetMeta, ...], idx_maps: tuple[Any, ...],
-              origin: str | None) -> SystemTable:
+              origin: str | None, backends: tuple[str, ...]) -> SystemTable:
     columns = {name: np.frombuffer(data, dtype=np.dtype(dtype)) for name, dtype, data in raw}
-    return SystemTable(columns, names, folders, type_maps, sets, idx_maps, origin)
+    return SystemTable(columns, names, folders, type_maps, sets, idx_maps, origin, backends)

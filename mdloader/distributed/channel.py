@@ -103,21 +103,45 @@ class Channel:
     def gather(self, packet: Packet) -> list[Packet]:
         """Every member sends its packet and receives everyone's, in group-rank order.
 
-        Headers first (so every rank knows every length), then the bytes padded to the longest.
+        Headers first (so every rank knows every length), then the bytes as
+        :func:`gather_plan` says: one all-gather padded to the longest when that at most
+        doubles what arrives, else one broadcast per member of its packet at its own length
+        (gloo's all-gather takes equal sizes only), so a rank holds the sum of the lengths,
+        never the world size times the longest.
         """
         head = [torch.zeros(5, dtype=torch.int64, device=self.device) for _ in range(self.size)]
         self._run(dist.all_gather, header_tensor(packet).to(self.device), "packet headers", head)
         metas = [self._check_header(t.cpu().tolist()) for t in head]
-        longest = max(n for _, n, _ in metas)
-        if longest == 0:
-            return [Packet(kind, b"", count) for kind, _, count in metas]
+        lengths = [n for _, n, _ in metas]
+        plan = gather_plan(lengths)
+        if plan == "none":
+            bodies = [b""] * self.size
+        elif plan == "padded":
+            bodies = self._padded(packet.payload, lengths)
+        else:
+            bodies = self._broadcasts(packet.payload, lengths)
+        return [Packet(kind, body, count) for (kind, _, count), body in zip(metas, bodies)]
+
+    def _padded(self, payload: bytes, lengths: list[int]) -> list[bytes]:
+        longest = max(lengths)
         mine = torch.zeros(longest, dtype=torch.uint8, device=self.device)
-        mine[:len(packet.payload)] = _bytes_tensor(packet.payload, self.device)
-        bodies = [torch.empty(longest, dtype=torch.uint8, device=self.device)
-                  for _ in range(self.size)]
-        self._run(dist.all_gather, mine, "packet bodies", bodies)
-        return [Packet(kind, body[:n].cpu().numpy().tobytes(), count)
-                for (kind, n, count), body in zip(metas, bodies)]
+        mine[:len(payload)] = _bytes_tensor(payload, self.device)
+        out = [torch.empty(longest, dtype=torch.uint8, device=self.device)
+               for _ in range(self.size)]
+        self._run(dist.all_gather, mine, "packet bodies", out)
+        return [body[:n].cpu().numpy().tobytes() for n, body in zip(lengths, out)]
+
+    def _broadcasts(self, payload: bytes, lengths: list[int]) -> list[bytes]:
+        """One broadcast per member with a non-empty packet, all launched before any wait."""
+        out = [_bytes_tensor(payload, self.device) if r == self.rank
+               else torch.empty(n, dtype=torch.uint8, device=self.device)
+               for r, n in enumerate(lengths)]
+        works = [(r, dist.broadcast(t, group=self.group, group_src=r, async_op=True))
+                 for r, t in enumerate(out) if lengths[r]]
+        for r, work in works:
+            self._wait(lambda work=work: work, f"packet body of group rank {r}")
+        return [payload if r == self.rank else t.cpu().numpy().tobytes()
+                for r, t in enumerate(out)]
 
     def agree(self, payload_digest: bytes, problem: str | None) -> None:
         """Every member reports (ok?, digest); all raise :class:`AgreementError` together if any
@@ -197,5 +221,18 @@ class Channel:
             f"{self.timeout:g} s): rank {src} may still be {self.activity}; {self.remedy}")
 
 
+def gather_plan(lengths: list[int]) -> str:
+    """How :meth:`Channel.gather` moves packets of these lengths (the same on every rank):
+    ``"none"`` (all empty), ``"padded"`` (one all-gather at the longest, when the world size
+    times the longest is at most twice the sum) or ``"broadcasts"`` (one per non-empty packet).
+    """
+    longest, total = max(lengths, default=0), sum(lengths)
+    if longest == 0:
+        return "none"
+    return "padded" if len(lengths) * longest <= 2 * total else "broadcasts"
+
+
 def _bytes_tensor(payload: bytes, device: torch.device) -> torch.Tensor:
+    if not payload:
+        return torch.empty(0, dtype=torch.uint8, device=device)
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)

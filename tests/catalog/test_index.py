@@ -322,8 +322,8 @@ def _damage(path: str, how: str) -> None:
         Path(path).write_bytes(data[: len(data) // 2])
     elif how == "not an index":
         Path(path).write_bytes(b"hello\n")
-    elif how == "other format":
-        Path(path).write_bytes(data[:8] + (99).to_bytes(4, "little") + data[12:])
+    elif how == "older format":  # format 2: rows without their storage format
+        Path(path).write_bytes(data[:8] + (2).to_bytes(4, "little") + data[12:])
     elif how == "empty":
         Path(path).write_bytes(b"")
 
@@ -332,7 +332,7 @@ FAULTS = {
     "corrupt": r"is corrupt \(its checksum does not match\)",
     "truncated": r"is truncated \(\d+ bytes, expected \d+\)",
     "not an index": "is not an mdloader index",
-    "other format": "has format 99; this mdloader reads format 2",
+    "older format": "has format 2; this mdloader reads format 3",
     "empty": "is not an mdloader index",
 }
 
@@ -439,11 +439,14 @@ def test_the_file_format(tmp_path: Path) -> None:
     path = _build(root).index_file
     header = index.inspect(path)
     assert header["systems"] == 4 and header["request"]["type_map"] == TYPE_MAP
-    assert header["request"]["systems"] == [str(root)] and header["format"] == 2
+    assert header["request"]["systems"] == [str(root)] and header["format"] == 3
     data = Path(path).read_bytes()
     assert data.startswith(b"MDLINDEX") and b"pickle" not in data
     head, saved = index_file.read_index(path)
     assert json.loads(json.dumps(head)) == head and len(saved.table) == 4
+    # each row names its format, so the check parses no address
+    assert saved.table.backend_names == ("npy",)
+    assert saved.table.rows_by_backend()["npy"].tolist() == [0, 1, 2, 3]
 
 
 # ----------------------------------------------------------------------------- real ranks

@@ -7,26 +7,47 @@ import threading
 import pytest
 from support.distributed_utils import errors, run_ranks, values
 
-from mdloader.distributed import collectives
+from mdloader.distributed import channel, collectives, packets
 from mdloader.errors import (
     MissingDataError,
     RemoteError,
 )
 
 
+def _share(rank: int) -> object:
+    """Statistics-like shares of very unequal sizes: none, a few bytes, 200 kB."""
+    return [None, {"r": 1}, bytes(range(256)) * 800][rank % 3]
+
+
 def _gather(rank: int, world: int, poison: bool) -> object:
     obj = threading.Lock() if (poison and rank == world - 1) else {"rank": rank, "x": [rank] * 3}
     main = collectives.broadcast_from_main({"seed": 7} if rank == 0 else None)
-    return main, collectives.gather_to_main(obj, context="gathering loader states")
+    gathered = collectives.gather_to_main(obj, context="gathering loader states")
+    if poison:
+        return main, gathered
+    return main, gathered, collectives.gather_from_every_rank(_share(rank))
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
 def test_gather_to_main_and_broadcast_from_main_are_framed() -> None:
     got = values(run_ranks(_gather, 3, False))
-    assert [main for main, _ in got] == [{"seed": 7}] * 3
+    assert [g[0] for g in got] == [{"seed": 7}] * 3
     assert got[0][1] == [{"rank": r, "x": [r] * 3} for r in range(3)]
     assert got[1][1] is None and got[2][1] is None
+    # unequal shares travel at their own lengths (one broadcast each), equal ones padded
+    lengths = [len(packets.data_packet(_share(r), rank=r).payload) for r in range(3)]
+    assert channel.gather_plan(lengths) == "broadcasts"
+    assert [g[2] for g in got] == [[_share(r) for r in range(3)]] * 3
+
+
+def test_gather_plan_pads_only_what_at_most_doubles_the_bytes() -> None:
+    assert channel.gather_plan([0, 0, 0]) == "none"
+    assert channel.gather_plan([]) == "none"
+    assert channel.gather_plan([100, 100, 99]) == "padded"
+    assert channel.gather_plan([100, 50, 50, 0]) == "padded"  # 400 <= 2 * 200
+    assert channel.gather_plan([100, 40, 50, 0]) == "broadcasts"  # 400 > 2 * 190
+    assert channel.gather_plan([10] * 1023 + [10_000]) == "broadcasts"
 
 
 @pytest.mark.distributed
