@@ -245,47 +245,65 @@ def _patched(owner: Any, attr: str, value: Any) -> Iterator[None]:
             delattr(owner, attr)
 
 
-def statistics_call(trainer: Any, action: Callable[[], None]) -> StatisticsCall | None:
+def statistics_calls(trainer: Any, action: Callable[[], None]) -> list[StatisticsCall] | None:
     """Run DeePMD-kit's statistics ``action`` with its callees recording their arguments.
 
     The action is a closure of ``Trainer.__init__`` (no public hook hands its values out):
-    ``open_stat_file`` and the model's ``compute_or_load_stat`` record what the action passes,
-    then the sampled function's undecorated body runs with ``make_stat_input`` recording the
-    data. Nothing is read or computed. ``None`` when the action does not call them so.
+    ``open_stat_file`` and every model's ``compute_or_load_stat`` (each model of a multi-task
+    trainer) record what the action passes, then each sampled function's undecorated body runs
+    with ``make_stat_input`` recording the data. Nothing is read or computed. One call per
+    model the action computes, in its order; ``None`` when the action does not call them so.
     """
     training = sys.modules[TRAINING]
     models = trainer.model
     models = list(models.values()) if isinstance(models, dict) else [models]
-    seen: dict[str, Any] = {}
+    specs: list[Any] = []
+    seen: list[dict[str, Any]] = []
 
     @contextlib.contextmanager
     def open_stat_file(spec: Any) -> Iterator[None]:
-        seen["spec"] = spec
+        specs.append(spec)
         yield None
 
     def recorder(model: Any) -> Callable[..., None]:
         def compute_or_load_stat(sampled_func: Any, stat_file_path: Any = None,
                                  preset_observed_type: Any = None) -> None:
-            seen.update(model=model, get_sample=sampled_func, preset=preset_observed_type)
+            seen.append({"model": model, "get_sample": sampled_func,
+                         "preset": preset_observed_type,
+                         "spec": specs[-1] if specs else None, "opened": bool(specs)})
         return compute_or_load_stat
-
-    def make_stat_input(datasets: Any, dataloaders: Any, nbatch: Any,
-                        min_pair_dist: Any = 0.0, **kwargs: Any) -> list[Any]:
-        seen.update(dataloaders=dataloaders, nbatch=nbatch, min_pair_dist=min_pair_dist)
-        return []
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_patched(training, "open_stat_file", open_stat_file))
         for model in models:
             stack.enter_context(_patched(model, "compute_or_load_stat", recorder(model)))
         action()
-    inner = getattr(seen.get("get_sample"), "__wrapped__", None)  # functools.lru_cache's
-    if "spec" not in seen or inner is None:
-        return None
-    with _patched(training, "make_stat_input", make_stat_input):
-        inner()
-    if "dataloaders" not in seen:
-        return None
-    return StatisticsCall(seen["model"], seen["get_sample"], seen["preset"], seen["spec"],
-                          getattr(seen["dataloaders"], "loader_set", None), seen["nbatch"],
-                          seen["min_pair_dist"])
+    calls = []
+    for entry in seen:
+        inner = getattr(entry["get_sample"], "__wrapped__", None)  # functools.lru_cache's
+        if not entry["opened"] or inner is None:
+            return None
+        data: dict[str, Any] = {}
+
+        def make_stat_input(datasets: Any, dataloaders: Any, nbatch: Any,
+                            min_pair_dist: Any = 0.0, _data: dict = data, **kwargs: Any
+                            ) -> list[Any]:
+            _data.update(dataloaders=dataloaders, nbatch=nbatch, min_pair_dist=min_pair_dist)
+            return []
+
+        with _patched(training, "make_stat_input", make_stat_input):
+            inner()
+        if "dataloaders" not in data:
+            return None
+        calls.append(StatisticsCall(entry["model"], entry["get_sample"], entry["preset"],
+                                    entry["spec"],
+                                    getattr(data["dataloaders"], "loader_set", None),
+                                    data["nbatch"], data["min_pair_dist"]))
+    return calls or None
+
+
+def statistics_call(trainer: Any, action: Callable[[], None]) -> StatisticsCall | None:
+    """The one :class:`StatisticsCall` of ``action`` (:func:`statistics_calls`); ``None`` when
+    it computes no model, or several (then DeePMD-kit's own action runs)."""
+    calls = statistics_calls(trainer, action)
+    return calls[0] if calls is not None and len(calls) == 1 else None

@@ -36,10 +36,11 @@ class DeferredSystems(list):
     """
 
     def __init__(self, entries: Sequence[str], patterns: Sequence[str] | None = None,
-                 task: str | None = None) -> None:
+                 task: str | None = None, role: str | None = None) -> None:
         super().__init__(entries)
         self.patterns = list(patterns) if patterns else None
         self.task = task
+        self.role = role
 
 
 def defer_discovery(systems: str | Sequence[str],
@@ -48,11 +49,11 @@ def defer_discovery(systems: str | Sequence[str],
 
     The result names the multi-task task whose input section holds ``systems`` (else ``None``).
     """
-    task = _JOB.task_of_systems(systems)
+    task, role = _JOB.task_of_systems(systems), _JOB.role_of_systems(systems)
     if isinstance(systems, str):
-        return DeferredSystems([systems], patterns, task)
+        return DeferredSystems([systems], patterns, task, role)
     if isinstance(systems, (list, tuple)):
-        return DeferredSystems(list(systems), patterns, task)
+        return DeferredSystems(list(systems), patterns, task, role)
     raise ConfigError(f"systems must be a path or a list of paths, got {type(systems).__name__}",
                       path="training.training_data.systems")
 
@@ -80,6 +81,7 @@ class DeepmdDpLoaderSet(DpLoaderSet):
                  modifier: Any = None) -> None:
         patterns = getattr(systems, "patterns", None)
         task = getattr(systems, "task", None)
+        role = getattr(systems, "role", None)
         if task is not None:
             seed = task_seed(seed, task)
         if isinstance(systems, DeferredSystems):
@@ -88,6 +90,8 @@ class DeepmdDpLoaderSet(DpLoaderSet):
         super().__init__(systems, batch_size, type_map, seed, shuffle, modifier,
                          rglob_patterns=patterns)
         self.dataloaders = LoaderSetBatches(self)
+        if role is not None:
+            _JOB.loader_sets[(task, role)] = self
 
 
 def task_seed(seed: int | Sequence[int] | None, task: str) -> int | list[int] | None:
@@ -185,6 +189,9 @@ class JobRecord:
         self.shared: dict[str, tuple[str, ...]] = {}
         self.section_of_task: dict[str | None, JobSection] = {}
         self.task_of_list: dict[int, str | None] = {}
+        self.role_of_list: dict[int, str | None] = {}
+        self.loader_sets: dict[tuple[str | None, str], DpLoaderSet] = {}
+        self.config: Any = None
         self.built: JobSystems | None = None
 
     def record_links(self, shared_links: Any) -> None:
@@ -200,7 +207,8 @@ class JobRecord:
     def record_config(self, config: Any) -> None:
         """Every ``systems`` list of the normalized input; no I/O."""
         self.sections, self.tasks_of_data, self.section_of_task = [], {}, {}
-        self.task_of_list = {}
+        self.task_of_list, self.role_of_list, self.loader_sets = {}, {}, {}
+        self.config = config
         self.built = None
         model, training = config.get("model", {}), config.get("training", {})
         if "model_dict" in model:
@@ -218,6 +226,9 @@ class JobRecord:
                                         params.get("type_map"),
                                         key=f"{path}.{role}_data.systems")
                 self.sections.append(section)
+                owner_role = self.role_of_list.setdefault(id(part["systems"]), role)
+                if owner_role != role:  # one object for two roles: no role of its own
+                    self.role_of_list[id(part["systems"])] = None
                 if task is not None:  # one object held by two tasks: no task of its own
                     owner = self.task_of_list.setdefault(id(part["systems"]), task)
                     if owner != task:
@@ -232,6 +243,24 @@ class JobRecord:
     def task_of_systems(self, systems: Any) -> str | None:
         """The multi-task task whose input section holds this ``systems`` object."""
         return self.task_of_list.get(id(systems))
+
+    def role_of_systems(self, systems: Any) -> str | None:
+        """``"training"`` or ``"validation"``: the role of this ``systems`` object."""
+        return self.role_of_list.get(id(systems))
+
+    def training_set(self, task: str | None) -> DpLoaderSet | None:
+        """The training ``DpLoaderSet`` built for ``task`` (``None`` single-task), if any."""
+        return self.loader_sets.get((task, "training"))
+
+    def task_settings(self, task: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model section and the training data section of ``task`` in the recorded input
+        (``({}, {})`` when none was recorded)."""
+        config = self.config or {}
+        model, training = config.get("model", {}), config.get("training", {})
+        if task is not None:
+            model = model.get("model_dict", {}).get(task, {})
+            training = training.get("data_dict", {}).get(task, {})
+        return model, training.get("training_data", {}) or {}
 
     def datasets(self, systems: Any, patterns: Any, type_map: Any) -> Any:
         """The job's datasets for these values (the job built on first use), else ``None``."""
@@ -294,3 +323,14 @@ def recording_shared_params(original: Callable[..., Any]) -> Callable[..., Any]:
         return model, links
 
     return preprocess_shared_params
+
+
+def planned_task_input(task: str | None) -> tuple[DpLoaderSet, int, float] | None:
+    """What ``task``'s statistics initialization will pass, read from the recorded job: its
+    training ``DpLoaderSet``, ``data_stat_nbatch`` and ``min_pair_dist`` (``None``: unknown)."""
+    data = _JOB.training_set(task)
+    if data is None:
+        return None
+    model, training_data = _JOB.task_settings(task)
+    return (data, model.get("data_stat_nbatch", 10),
+            float(training_data.get("min_pair_dist", 0.0)))
