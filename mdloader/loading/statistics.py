@@ -80,7 +80,9 @@ class StatPass:
 
     ``compute(dataset)`` (``compute(dataset, chosen)`` when ``frames(position)`` names frames)
     gives one system's partial result, a type :mod:`mdloader.stats.cache` can store;
-    ``settings`` and ``type_map`` key it with the system's stamp.
+    ``settings`` and ``type_map`` key it with the system's stamp. A pass not ``cached`` (its
+    result depends on more than the system, e.g. a model's weights) is computed each time and
+    may return any picklable object.
     """
 
     datasets: Sequence[Any]
@@ -89,6 +91,7 @@ class StatPass:
     type_map: Sequence[str] | None
     compute: Callable[..., Any]
     frames: Callable[[int], Sequence[int] | None] | None = None
+    cached: bool = True
 
 
 @dataclasses.dataclass
@@ -159,7 +162,7 @@ def joint_pass(passes: Sequence[StatPass], *, mode: str | None = None,
             spec = passes[p]
             dataset, kind = spec.datasets[position], spec.kind
             key = stamp = None
-            if store.folder is not None:
+            if store.folder is not None and spec.cached:
                 system = unit_system[u]
                 if system not in stamps:
                     stamps[system] = system_stamp(dataset.meta.address, layout_of(dataset.meta))
@@ -172,8 +175,9 @@ def joint_pass(passes: Sequence[StatPass], *, mode: str | None = None,
             if payload is not None:
                 cached.append(u)
             else:
-                payload = cache.dumps(spec.compute(dataset) if chosen is None
-                                      else spec.compute(dataset, chosen))
+                result = (spec.compute(dataset) if chosen is None
+                          else spec.compute(dataset, chosen))
+                payload = cache.dumps(result) if spec.cached else result
                 if stamp is not None and key is not None:
                     store.put(stamp, key, payload)
             parts.append((u, payload))
@@ -190,7 +194,8 @@ def joint_pass(passes: Sequence[StatPass], *, mode: str | None = None,
     for rank_parts, rank_cached in gathered:
         payloads.update(rank_parts)
         all_cached.update(rank_cached)
-    decoded = {u: cache.loads(payload) for u, payload in payloads.items()}
+    decoded = {u: cache.loads(payload) if passes[unit_rows[u][0]].cached else payload
+               for u, payload in payloads.items()}
     seconds = time.monotonic() - start
     by_kind: dict[str, dict[str, float]] = {}
     for u, (p, _, _) in enumerate(unit_rows):
@@ -327,13 +332,17 @@ def job_input_statistics(requests: Sequence[InputRequest], *, mode: str | None =
         nblocks = len(request.blocks)
         sums = [env_mat.merge_all([EnvMatSums.zeros(block.ntypes), *results[at + b]])
                 for b, block in enumerate(request.blocks)]
-        # a part may come from another job or task, where the system had another position
-        samples = [dataclasses.replace(part, positions=np.column_stack(
-            [np.full(len(part.positions), i, dtype=np.int64), part.positions[:, 1]]))
-            for i, part in enumerate(results[at + nblocks])]
-        out.append((sums, samples))
+        out.append((sums, placed_samples(results[at + nblocks])))
         at += nblocks + 1
     return out
+
+
+def placed_samples(parts: Sequence[OutputSamples]) -> list[OutputSamples]:
+    """Each system's output samples with its position in this list (a part may come from the
+    cache of another job or task, where the system had another position)."""
+    return [dataclasses.replace(part, positions=np.column_stack(
+        [np.full(len(part.positions), i, dtype=np.int64), part.positions[:, 1]]))
+        for i, part in enumerate(parts)]
 
 
 def input_statistics(datasets: Sequence[Any], blocks: Sequence[EnvMatSettings], *,

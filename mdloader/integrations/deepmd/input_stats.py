@@ -25,16 +25,30 @@ from typing import Any
 
 from mdloader.distributed.group import current_world
 from mdloader.integrations.deepmd.seam import (
+    COMPUTE_MODEL_PREDICT,
     ENV_MAT_STAT,
+    FORWARD_WRAPPER,
+    STAT,
     STAT_ITEM,
     TRAINING,
     StatisticsCall,
     deepmd_module,
+    finetune_call,
+    patched,
+    private,
     statistics_call,
 )
 from mdloader.integrations.deepmd.systems import planned_task_input
 from mdloader.loading.loader import DpLoaderSet
-from mdloader.loading.statistics import InputRequest, job_input_statistics
+from mdloader.loading.statistics import (
+    InputRequest,
+    StatPass,
+    job_input_statistics,
+    joint_pass,
+    placed_samples,
+    report_line,
+)
+from mdloader.stats.frames import frames_by_set
 
 log = logging.getLogger(__name__)
 
@@ -312,6 +326,99 @@ class JobInputStats:
 
 _JOB_STATS = JobInputStats()
 
+#: The ``operation`` of DeePMD-kit's fine-tuning statistics start so (the task follows).
+FINETUNE_OPERATION = "fine-tuning statistics"
+
+
+class FinetuneTakeover:
+    """DeePMD-kit's fine-tuning bias statistics, in shares: every rank (all hold the loaded
+    weights) reads its share of the statistics frames and, for ``change-by-statistic``, runs
+    the model's forward on them; one all-gather brings every system's energies and
+    predictions, and rank 0 runs DeePMD-kit's own action on them (its ``compute_output_stats``
+    with the gathered predictions in place of its forward pass over every frame)."""
+
+    def __init__(self, takeover: InputStatTakeover, mode: str) -> None:
+        self.takeover = takeover
+        self.mode = mode
+
+    @classmethod
+    def of(cls, trainer: Any, action: Callable[[], None]) -> FinetuneTakeover | None:
+        """The takeover of a fine-tuning ``action``, or ``None`` (DeePMD-kit's own)."""
+        found = finetune_call(trainer, action)
+        if found is None:
+            return None
+        call, mode = found
+        reason = unsupported(call.model, call.data, call.nbatch, None, call.min_pair_dist)
+        if reason or mode not in ("change-by-statistic", "set-by-statistic"):
+            log.info("fine-tuning statistics: DeePMD-kit's own (%s)", reason or mode)
+            return None
+        return cls(InputStatTakeover(call.model, call.data, call.get_sample, None, [],
+                                     int(call.nbatch)), mode)
+
+    def compute(self) -> tuple[list[Any], list[Any] | None]:
+        """Every system's output samples and (``change-by-statistic``) the model's predictions
+        of its frames, on every rank (collective: one all-gather)."""
+        takeover = self.takeover
+        takeover.log_frames()
+        passes = takeover.request().passes()
+        if self.mode == "change-by-statistic":
+            forward = private(takeover.model.atomic_model, FORWARD_WRAPPER)()
+            predict = private(deepmd_module(STAT), COMPUTE_MODEL_PREDICT)
+            passes.append(StatPass(
+                takeover.data.systems, "prediction", {"model": "loaded"},
+                getattr(takeover.data, "type_map", None),
+                functools.partial(_prediction, forward=forward, predict=predict),
+                takeover.frames, cached=False))
+        results, report = joint_pass(passes)
+        if current_world().is_main:
+            for kind, counts in report.kinds.items():
+                log.info(report_line(kind, counts))
+            log.info(report.line())
+        samples = placed_samples(results[0])
+        return samples, (results[1] if len(results) > 1 else None)
+
+    def action(self, action: Callable[[], None], merged: tuple[list[Any], list[Any] | None]
+               ) -> Callable[[], None] | None:
+        """Rank 0's fine-tuning action on the gathered results (``None``: some chosen frame has
+        no energy, DeePMD-kit's own sampling decides)."""
+        samples, predictions = merged
+        if any(len(s.counts) != int(n) for s, n in zip(samples, self.takeover.frame_counts())):
+            return None
+        sampled = output_sampled(samples)
+        training = deepmd_module(TRAINING)
+        stat = deepmd_module(STAT)
+        change = training.model_change_out_bias
+
+        def gathered_predictions(sampled_systems: Any, keys: Any, model_forward: Any) -> Any:
+            return ({"energy": [p for p, _ in predictions]}, [m for _, m in predictions])
+
+        def with_merged_samples(_model: Any, _sample_func: Any,
+                                _bias_adjust_mode: str = "change-by-statistic") -> Any:
+            return change(_model, lambda: sampled, _bias_adjust_mode=_bias_adjust_mode)
+
+        def update_finetune_bias() -> None:
+            with patched(training, "model_change_out_bias", with_merged_samples):
+                if predictions is None:
+                    action()
+                    return
+                with patched(stat, COMPUTE_MODEL_PREDICT, gathered_predictions):
+                    action()
+
+        return update_finetune_bias
+
+
+def _prediction(dataset: Any, chosen: Sequence[int] | None = None, *, forward: Any,
+                predict: Any) -> tuple[Any, Any]:
+    """The loaded model's atomic energies and mask for a system's chosen frames (in the order
+    of its output samples), by DeePMD-kit's own ``_compute_model_predict``."""
+    import numpy as np
+
+    fids = np.concatenate([f for _, f in frames_by_set(dataset, chosen)])
+    batch = dataset.get_batch(fids.tolist())
+    sample = {"coord": batch["coord"], "atype": batch["atype"], "box": batch.get("box")}
+    values, masks = predict([sample], ["energy"], forward)
+    return values["energy"][0], masks[0]
+
 
 def mdloader_run_stat_on_chief(original: Callable[..., Any]) -> Callable[..., Any]:
     """``Trainer._run_stat_on_chief``: for the statistics initialization, every rank takes its
@@ -322,6 +429,12 @@ def mdloader_run_stat_on_chief(original: Callable[..., Any]) -> Callable[..., An
         takeover = InputStatTakeover.of(self, action) if operation == OPERATION else None
         if takeover is not None:
             ours = takeover.action(_JOB_STATS.merged(self, takeover))
+            if ours is not None:
+                action = ours
+        finetune = (FinetuneTakeover.of(self, action)
+                    if operation.startswith(FINETUNE_OPERATION) else None)
+        if finetune is not None:
+            ours = finetune.action(action, finetune.compute())
             if ours is not None:
                 action = ours
         return original(self, action, operation=operation)

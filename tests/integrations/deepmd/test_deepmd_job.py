@@ -28,12 +28,15 @@ REPO = Path(__file__).resolve().parents[3]
 OWN = ("sparse", "dense", "twin")  # each head its own descriptor
 SHARED = ("shared_sparse", "shared_dense")  # one descriptor, sel "auto", different data
 DEEPMD_DP = "import sys; from deepmd.main import main; main(sys.argv[1:])"
-READ_MODEL = r"""
+READ_MODELS = r"""
 import json, sys, torch, numpy as np
-state = torch.load(sys.argv[1], weights_only=False)["model"]
 keep = ("min_nbor_dist", ".mean", ".stddev", "davg", "dstd", "out_bias", "out_std")
-print("RESULT " + json.dumps({k: np.asarray(v.double()).tolist() for k, v in state.items()
-                              if any(w in k for w in keep)}))
+out = {}
+for path in sys.argv[1:]:
+    state = torch.load(path, weights_only=False)["model"]
+    out[path] = {k: np.asarray(v.double()).tolist() for k, v in state.items()
+                 if any(w in k for w in keep)}
+print("RESULT " + json.dumps(out))
 """
 
 
@@ -93,10 +96,28 @@ def _run(cmd: list[str], cwd: Path) -> str:
     return proc.stdout + proc.stderr
 
 
-def _statistics(peer: str, job: Path) -> dict:
-    out = _run([peer, "-c", READ_MODEL, str(job / "model.ckpt-1.pt")], job)
+def _statistics(peer: str, jobs: list[Path]) -> list[dict]:
+    """The saved statistics of each job's first checkpoint (one process reads them all)."""
+    paths = [str(job / "model.ckpt-1.pt") for job in jobs]
+    out = _run([peer, "-c", READ_MODELS, *paths], jobs[0])
     line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    found = json.loads(line[len("RESULT "):])
+    return [found[p] for p in paths]
+
+
+def _finetune_job(root: Path, name: str) -> Path:
+    """A single-task input on dense's systems, fine-tuned from the reference's sparse head."""
+    job = root / name
+    job.mkdir()
+    config = _config(root, ("dense",))
+    config["model"] = {"type_map": ["O", "H"], "descriptor": _descriptor(),
+                       "fitting_net": {"neuron": [8], "seed": 1}}
+    config["loss"] = config.pop("loss_dict")["dense"]
+    training = config["training"]
+    config["training"] = {"training_data": training["data_dict"]["dense"]["training_data"],
+                          "numb_steps": 1, "seed": 7, "disp_freq": 1, "save_freq": 1}
+    (job / "input.json").write_text(json.dumps(config))
+    return job
 
 
 def _job(root: Path, name: str, heads: tuple[str, ...]) -> Path:
@@ -117,10 +138,22 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     _run([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], reference)
     one = _job(root, "w1", OWN)
     two = _job(root, "w2", OWN + SHARED)
-    logs = {1: _run([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], one),
-            2: _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                     "-m", "mdloader", "dp", "--pt", "train", "input.json"], two)}
-    return {"peer": peer, "reference": reference, 1: one, 2: two, "logs": logs}
+    two_ranks = [peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    train = ["--pt", "train", "input.json"]
+    logs = {1: _run([peer, "-m", "mdloader", "dp", *train], one),
+            2: _run([*two_ranks, "-m", "mdloader", "dp", *train], two)}
+    # fine-tuning the reference's sparse head on dense's systems: change-by-statistic
+    finetune = ["--finetune", str(reference / "model.ckpt-1.pt"), "--model-branch", "sparse",
+                "--use-pretrain-script"]
+    tuned = {"deepmd": _finetune_job(root, "finetune-deepmd"),
+             "mdloader": _finetune_job(root, "finetune-mdloader")}
+    _run([peer, "-c", DEEPMD_DP, *train, *finetune], tuned["deepmd"])
+    logs["finetune"] = _run([*two_ranks, "-m", "mdloader", "dp", *train, *finetune],
+                            tuned["mdloader"])
+    stats = _statistics(peer, [reference, one, two, tuned["deepmd"], tuned["mdloader"]])
+    return {"reference": reference, 1: one, 2: two, "logs": logs,
+            "stats": dict(zip(["reference", 1, 2, "finetune-deepmd", "finetune-mdloader"],
+                              stats, strict=True))}
 
 
 def _own_heads(stats: dict) -> dict:
@@ -153,13 +186,38 @@ def test_one_build_one_statistics_pass_and_deepmd_kits_values(jobs: dict, world:
     if world == 2:  # one sel for the shared descriptor, though the heads' data differ
         assert resolved["shared_sparse"]["descriptor"]["sel"] == \
             resolved["shared_dense"]["descriptor"]["sel"]
-    theirs = _own_heads(_statistics(jobs["peer"], jobs["reference"]))
-    ours = _own_heads(_statistics(jobs["peer"], job))
-    assert theirs.keys() == ours.keys() and any("min_nbor_dist" in k for k in theirs)
+    theirs = _own_heads(jobs["stats"]["reference"])
+    ours = _own_heads(jobs["stats"][world])
     assert {k for k in theirs if "out_bias" in k} and {k for k in theirs if ".mean" in k}
+    _assert_equal(theirs, ours)
+
+
+def _assert_equal(theirs: dict, ours: dict, *, neighbours: bool = True) -> None:
+    """``min_nbor_dist`` bit for bit, every other statistic within 1e-10 relative."""
+    assert theirs.keys() == ours.keys()
+    assert any("min_nbor_dist" in k for k in theirs) or not neighbours
     for key in theirs:
         x, y = np.asarray(theirs[key]), np.asarray(ours[key])
         if "min_nbor_dist" in key:
-            assert x == y, key  # bit for bit
+            assert x == y, key
         else:
             np.testing.assert_allclose(y, x, rtol=1e-10, atol=1e-12, err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_finetune_bias_in_shares_equals_deepmd_kits_one_rank_run(jobs: dict) -> None:
+    """``--finetune --model-branch`` at W = 2: every rank predicts its share of the frames with
+    the loaded weights, one all-gather, and the changed bias is DeePMD-kit's one-rank value
+    (DeePMD-kit's own 2-rank job changes it by rank 0's frames alone)."""
+    log = jobs["logs"]["finetune"]
+    assert re.search(r"prediction statistics: 2 systems .*\(cached 0, computed 2 on 2 ranks", log)
+    assert re.search(r"statistics pass: 2 statistics, 4 parts of 2 systems .* one all-gather "
+                     r"on 2 ranks", log)
+    theirs, ours = jobs["stats"]["finetune-deepmd"], jobs["stats"]["finetune-mdloader"]
+    pretrained = jobs["stats"]["reference"]
+    bias = [k for k in theirs if "out_bias" in k]
+    assert bias and all(theirs[k] != pretrained[k.replace(".Default.", ".sparse.")]
+                        for k in bias)  # changed by the new data
+    _assert_equal(theirs, ours, neighbours=False)

@@ -158,18 +158,39 @@ def peer() -> str:
     return require_deepmd_python()
 
 
+@pytest.fixture(scope="module")
+def reference(peer: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """DeePMD-kit's own one-rank run of a case, once per module: its systems and job folder."""
+    done: dict[str, tuple[object, Path]] = {}
+
+    def of(case: str) -> tuple[object, Path]:
+        if case not in done:
+            make, descriptor, type_map = CASES[case]
+            root = tmp_path_factory.mktemp(case)
+            systems = make(root)
+            theirs = _job(root, "deepmd", systems, descriptor, type_map)
+            _run([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], theirs)
+            done[case] = systems, theirs
+        return done[case]
+
+    return of
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", list(CASES))
-def test_statistics_equal_deepmd_kits_own(peer: str, tmp_path: Path, case: str) -> None:
-    make, descriptor, type_map = CASES[case]
-    systems = make(tmp_path)
-    theirs = _job(tmp_path, "deepmd", systems, descriptor, type_map)
+def test_statistics_equal_deepmd_kits_own(peer: str, reference, tmp_path: Path,  # type: ignore
+                                          case: str) -> None:
+    _, descriptor, type_map = CASES[case]
+    systems, theirs = reference(case)
     ours = _job(tmp_path, "mdloader", systems, descriptor, type_map)
-    _run([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], theirs)
     log = _run([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     assert "neighbour statistics:" in log and "computed" in log
     assert "environment statistics:" in log and "output statistics:" in log  # mdloader's
+    # the neighbour statistics, the input statistics and the loader set read one build
+    assert log.count("job systems: one build of 1 sections (1 distinct requests") == 1
+    assert re.search(r"(built|loaded) \d+ systems \(", log) is None
+    assert log.count("statistics pass: ") == 1  # every block and the output: one all-gather
     _compare(peer, theirs, ours)
 
 
@@ -177,12 +198,11 @@ def test_statistics_equal_deepmd_kits_own(peer: str, tmp_path: Path, case: str) 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", ["se_e2_a-npy-nopbc", "se_atten-mixed-type"])
-def test_two_ranks_shard_and_equal_deepmd_kits_own(peer: str, tmp_path: Path, case: str) -> None:
-    make, descriptor, type_map = CASES[case]
-    systems = make(tmp_path)
-    theirs = _job(tmp_path, "deepmd", systems, descriptor, type_map)
+def test_two_ranks_shard_and_equal_deepmd_kits_own(peer: str, reference,  # type: ignore
+                                                   tmp_path: Path, case: str) -> None:
+    _, descriptor, type_map = CASES[case]
+    systems, theirs = reference(case)
     ours = _job(tmp_path, "mdloader", systems, descriptor, type_map)
-    _run([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], theirs)
     log = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     assert "on 2 ranks" in log and "environment statistics:" in log
