@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mdloader.distributed.collectives import broadcast_from_main
 from mdloader.distributed.group import current_world
 from mdloader.integrations.deepmd.seam import (
     COMPUTE_MODEL_PREDICT,
@@ -362,6 +363,7 @@ class FinetuneTakeover:
         takeover.log_frames()
         passes = takeover.request().passes()
         if self.mode == "change-by-statistic":
+            loaded_weights_everywhere(takeover.model)
             forward = private(takeover.model.atomic_model, FORWARD_WRAPPER)()
             predict = private(deepmd_module(STAT), COMPUTE_MODEL_PREDICT)
             passes.append(StatPass(
@@ -405,6 +407,24 @@ class FinetuneTakeover:
                     action()
 
         return update_finetune_bias
+
+
+def loaded_weights_everywhere(model: Any) -> None:
+    """Rank 0's weights in ``model`` on every rank (collective; one broadcast). DeePMD-kit loads
+    a fine-tuned checkpoint on rank 0 alone, and DDP copies it to the others later, after the
+    fine-tuning statistics: their forward needs it now (what DDP then copies is the same)."""
+    import torch
+
+    world = current_world()
+    if not world.distributed:
+        return
+    state = None
+    if world.is_main:
+        state = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                 for k, v in model.state_dict().items()}
+    state = broadcast_from_main(state, context="the fine-tuned model's loaded weights")
+    if not world.is_main:
+        model.load_state_dict(state)
 
 
 def _prediction(dataset: Any, chosen: Sequence[int] | None = None, *, forward: Any,
