@@ -168,9 +168,20 @@ def mdloader_nbor_stat(original: Callable[..., Any]) -> Callable[..., Any]:
         if type_map is not None and len(type_map) == 0:
             type_map = None
         own = train_data.datasets()  # creates the process group under torchrun first
-        datasets = _JOB.sharing_datasets(train_data) or own
-        stats = neighbour_statistics(datasets, rcut, type_map=type_map, mixed_type=mixed_type)
-        return min_nbor_dist(stats), np.asarray(stats.max_neighbours, dtype=int)
+        shared = _JOB.sharing_datasets(train_data)
+        datasets = shared or own
+        # heads sharing a descriptor ask for the same union: one pass for all of them (every
+        # rank decides alike, the key is a function of the input)
+        key = (id(shared), float(rcut), bool(mixed_type), tuple(type_map or ()))
+        if shared is None or key not in _JOB.neighbour_results:
+            stats = neighbour_statistics(datasets, rcut, type_map=type_map,
+                                         mixed_type=mixed_type)
+            found = (min_nbor_dist(stats), tuple(int(n) for n in stats.max_neighbours))
+            if shared is None:
+                return found[0], np.asarray(found[1], dtype=int)
+            _JOB.neighbour_results[key] = (shared, found)  # the list kept: its id stays unique
+        found = _JOB.neighbour_results[key][1]
+        return found[0], np.asarray(found[1], dtype=int)
 
     return get_nbor_stat
 
@@ -192,6 +203,8 @@ class JobRecord:
         self.role_of_list: dict[int, str | None] = {}
         self.loader_sets: dict[tuple[str | None, str], DpLoaderSet] = {}
         self.config: Any = None
+        self.unions: dict[tuple[str, ...], list[Any]] = {}
+        self.neighbour_results: dict[tuple[Any, ...], tuple[Any, Any]] = {}
         self.built: JobSystems | None = None
 
     def record_links(self, shared_links: Any) -> None:
@@ -209,6 +222,7 @@ class JobRecord:
         self.sections, self.tasks_of_data, self.section_of_task = [], {}, {}
         self.task_of_list, self.role_of_list, self.loader_sets = {}, {}, {}
         self.config = config
+        self.unions, self.neighbour_results = {}, {}
         self.built = None
         model, training = config.get("model", {}), config.get("training", {})
         if "model_dict" in model:
@@ -274,12 +288,14 @@ class JobRecord:
         return self.built.find(list(systems), patterns, type_map)
 
     def sharing_datasets(self, data: NeighbourStatData) -> list[Any] | None:
-        """The union of the training systems of every task sharing ``data``'s descriptor,
-        or ``None`` when its descriptor is its own."""
+        """The union of the training systems of every task sharing ``data``'s descriptor (one
+        list per group of tasks), or ``None`` when its descriptor is its own."""
         task = getattr(data, "task", None)
         group = self.shared.get(task) if task is not None else None
         if not group or len(group) < 2:
             return None
+        if group in self.unions:
+            return self.unions[group]
         union: list[Any] = []
         seen: set[int] = set()
         for member in group:
@@ -292,6 +308,7 @@ class JobRecord:
                 continue
             seen.add(id(view))
             union.extend(view)
+        self.unions[group] = union
         return union
 
 
