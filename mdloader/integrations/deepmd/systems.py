@@ -280,12 +280,13 @@ class JobRecord:
         """The job's datasets for these values (the job built on first use), else ``None``."""
         if not self.sections:
             return None
-        probe = JobSection.of(None, "", list(systems), patterns, type_map)
+        entries = systems if isinstance(systems, str) else list(systems)  # a path is one entry
+        probe = JobSection.of(None, "", entries, patterns, type_map)
         if all(s.request != probe.request for s in self.sections):
             return None
         if self.built is None:
             self.built = build_job(self.sections)
-        return self.built.find(list(systems), patterns, type_map)
+        return self.built.find(entries, patterns, type_map)
 
     def sharing_datasets(self, data: NeighbourStatData) -> list[Any] | None:
         """The union of the training systems of every task sharing ``data``'s descriptor (one
