@@ -146,6 +146,7 @@ class Poller(threading.Thread):
         self.ranks: dict[int, str] = {}  # pid -> rank
         self.peak_rss: dict[str, int] = {}
         self.peak_tree: dict[str, int] = {}
+        self.peak_workers: dict[str, int] = {}  # processes of a rank beside its main one
         self.cpu: dict[str, list[tuple[float, float]]] = {}
 
     def _rank(self, proc: psutil.Process) -> str | None:
@@ -159,6 +160,7 @@ class Poller(threading.Thread):
     def sample(self) -> None:
         rss: dict[str, int] = {}
         cpu: dict[str, float] = {}
+        workers: dict[str, int] = {}
         try:
             procs = self.root.children(recursive=True)
         except psutil.Error:
@@ -177,10 +179,14 @@ class Poller(threading.Thread):
             cpu[rank] = cpu.get(rank, 0.0) + times.user + times.system
             if main:
                 self.peak_rss[rank] = max(self.peak_rss.get(rank, 0), mem)
+            else:
+                workers[rank] = workers.get(rank, 0) + 1
         now = time.monotonic() - self.t0
         for rank, total in rss.items():
             self.peak_tree[rank] = max(self.peak_tree.get(rank, 0), total)
             self.cpu.setdefault(rank, []).append((now, cpu[rank]))
+            self.peak_workers[rank] = max(self.peak_workers.get(rank, 0),
+                                          workers.get(rank, 0))
 
     def run(self) -> None:
         while not self.stop.wait(POLL_S):

@@ -26,8 +26,8 @@ MARKERS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("first step", re.compile(r"Start to train \d+ steps")),
 )
 PHASES = ("start-up",) + tuple(name for name, _ in MARKERS)
-# DeePMD-kit prints "Batch <step>: trn: ..." when a step completes (``disp_freq: 1``)
-FIRST_STEP_DONE = re.compile(r"Batch\s+\d+: trn")
+# DeePMD-kit prints "Batch <step>: trn: ..." ("<task>_trn" per task) when a step completes
+FIRST_STEP_DONE = re.compile(r"Batch\s+\d+: (\w+_)?trn")  # multi-task: "<task>_trn"
 
 # ``mdloader train``'s log: no neighbour statistics (its reference model has no ``sel``)
 TRAIN_MARKERS: tuple[tuple[str, re.Pattern[str]], ...] = (

@@ -5,6 +5,11 @@ One command (defaults: 20 water systems, W = 1 and 2, all three, 600 s per launc
 
     python -m benchmarks.first_step.run [--systems 200 2000] [--world 1 2]
                                     [--only mdloader|deepmd|mdloader-train ...] [--timeout S]
+                                    [--tasks 8]
+
+With ``--tasks T`` (``mdloader dp`` and DeePMD-kit only) the input is multi-task: T heads
+sharing the water descriptor, each trained on its own ``--systems`` water systems (another
+seed per task), with equal ``model_prob``.
 
 For every (systems, W) each loader runs twice in fresh ``torchrun --standalone`` jobs (gloo,
 CPU, one OpenMP thread per rank) on DeePMD-kit's water example ``input.json`` with
@@ -58,6 +63,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data-base", default=DEFAULT_BASE)
     p.add_argument("--out", default=OUT)
     p.add_argument("--keep-jobs", action="store_true", help="keep the job folders (logs)")
+    p.add_argument("--tasks", type=int, default=1,
+                   help="T > 1: a multi-task input of T heads, each on its own systems")
     p.add_argument("--stat-nbatch", type=int, default=None,
                    help="model.data_stat_nbatch (default: the example's); a large value makes "
                    "the input statistics use every frame, mdloader's sharded case")
@@ -80,6 +87,36 @@ def job_input(root: str, steps: int, stat_nbatch: int | None = None) -> dict[str
     return config
 
 
+def multitask_input(roots: list[str], steps: int, stat_nbatch: int | None = None
+                    ) -> dict[str, Any]:
+    """:func:`job_input` as a multi-task input: one head per root, the water model's
+    descriptor and type map shared, each head its own fitting net, loss and systems."""
+    single = job_input(roots[0], steps, stat_nbatch)
+    model, training = single["model"], single["training"]
+    heads = [f"task{t}" for t in range(len(roots))]
+    head = {"type_map": "my_type_map", "descriptor": "my_descriptor",
+            "fitting_net": model["fitting_net"]}
+    if stat_nbatch is not None:
+        head["data_stat_nbatch"] = stat_nbatch
+    data = {h: {"training_data": {**training["training_data"], "systems": root}}
+            for h, root in zip(heads, roots, strict=True)}
+    rest = {k: v for k, v in training.items() if k != "training_data"}
+    return {"model": {"shared_dict": {"my_type_map": model["type_map"],
+                                      "my_descriptor": model["descriptor"]},
+                      "model_dict": {h: dict(head) for h in heads}},
+            "learning_rate": single["learning_rate"],
+            "loss_dict": {h: single["loss"] for h in heads},
+            "training": {**rest, "model_prob": {h: 1.0 for h in heads}, "data_dict": data}}
+
+
+def write_input(job: str, roots: list[str], steps: int, stat_nbatch: int | None) -> None:
+    """The job's ``input.json``: single-task on one root, else one task per root."""
+    config = (job_input(roots[0], steps, stat_nbatch) if len(roots) == 1
+              else multitask_input(roots, steps, stat_nbatch))
+    with open(os.path.join(job, "input.json"), "w") as out:
+        json.dump(config, out, indent=1)
+
+
 def record(run: dict[str, Any], world: int, impl: str) -> dict[str, Any]:
     """What one launch adds to the results: phases, time to first step, CPU and memory."""
     found = fsp.find_markers(run["lines"], impl)
@@ -95,6 +132,7 @@ def record(run: dict[str, Any], world: int, impl: str) -> dict[str, Any]:
            "cpu_s": cpu,
            "peak_rss_mib": [round(poller.peak_rss.get(r, 0) * mib, 1) for r in ranks],
            "peak_tree_rss_mib": [round(poller.peak_tree.get(r, 0) * mib, 1) for r in ranks],
+           "workers": [poller.peak_workers.get(r, 0) for r in ranks],
            "markers": {k: [round(t, 3), probes.scrubbed(line)[:200]]
                        for k, (t, line) in found.items()}}
     if run["status"] != "ok" or ready is None:
@@ -102,7 +140,7 @@ def record(run: dict[str, Any], world: int, impl: str) -> dict[str, Any]:
     return rec
 
 
-def run_pair(python: str, impl: str, root: str, nsys: int, world: int,
+def run_pair(python: str, impl: str, roots: list[str], nsys: int, world: int,
              args: argparse.Namespace, fh: Any, run_id: str) -> None:
     """A first start and a restart of one loader in one job folder."""
     job = tempfile.mkdtemp(prefix=f"mdl-first-step-{impl}-n{nsys}-w{world}-")
@@ -110,10 +148,11 @@ def run_pair(python: str, impl: str, root: str, nsys: int, world: int,
     first_ok = False
     for start in ("first", "restart"):
         base = {"kind": "first_step", "run": run_id, "impl": impl, "nsys": nsys, "world": world,
+                "tasks": len(roots),
                 "start": start, "timeout_s": args.timeout, "stat_nbatch": args.stat_nbatch,
                 "loadavg_1min": round(os.getloadavg()[0], 2)}
         if start == "first":  # a restart needs the first start's checkpoint
-            first_ok, rec = _launch_first(python, impl, job, root, world, env, args)
+            first_ok, rec = _launch_first(python, impl, job, roots, world, env, args)
             if "first" not in args.starts:
                 continue
         elif start not in args.starts:
@@ -122,8 +161,7 @@ def run_pair(python: str, impl: str, root: str, nsys: int, world: int,
             rec = {"status": "not run (the first start did not finish)", "phases": {},
                    "ready_s": None}
         else:
-            with open(os.path.join(job, "input.json"), "w") as out:
-                json.dump(job_input(root, 2, args.stat_nbatch), out, indent=1)
+            write_input(job, roots, 2, args.stat_nbatch)
             cmd = _cmd(python, impl, world, ["--restart", "model.ckpt.pt"])
             rec = record(run_logged(cmd, job, env, args.timeout), world, impl)
         fh.write(json.dumps({**base, **rec}) + "\n")
@@ -142,10 +180,9 @@ def _cmd(python: str, impl: str, world: int, extra: list[str]) -> list[str]:
     return torchrun(python, world, [*ENTRY[impl], "input.json", *extra])
 
 
-def _launch_first(python: str, impl: str, job: str, root: str, world: int,
+def _launch_first(python: str, impl: str, job: str, roots: list[str], world: int,
                   env: dict[str, str], args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
-    with open(os.path.join(job, "input.json"), "w") as out:
-        json.dump(job_input(root, 1, args.stat_nbatch), out, indent=1)
+    write_input(job, roots, 1, args.stat_nbatch)
     rec = record(run_logged(_cmd(python, impl, world, []), job, env, args.timeout), world,
                  impl)
     ok = rec["status"] == "ok" and os.path.exists(os.path.join(job, "model.ckpt.pt"))
@@ -159,17 +196,20 @@ def main(argv: list[str] | None = None) -> int:
               "or pass --python", file=sys.stderr)
         return 2
     impls = list(args.only or ENTRY)
+    if args.tasks > 1:  # mdloader train refuses multi-task inputs
+        impls = [i for i in impls if i != "mdloader-train"]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     run_id = time.strftime("%Y-%m-%d %H:%M:%S")
     with open(args.out, "a") as fh:
         fh.write(json.dumps({"kind": "first_step-meta", "run": run_id, "cpus": os.cpu_count(),
                              "systems": args.systems, "worlds": args.world, "impls": impls,
+                             "tasks": args.tasks,
                              "timeout_s": args.timeout, "loadavg": os.getloadavg()}) + "\n")
         for nsys in args.systems:
-            root = ensure_water(nsys, base=args.data_base)
+            roots = [ensure_water(nsys, base=args.data_base, seed=t) for t in range(args.tasks)]
             for i, world in enumerate(args.world):
                 for impl in (impls if i % 2 == 0 else impls[::-1]):
-                    run_pair(args.python, impl, root, nsys, world, args, fh, run_id)
+                    run_pair(args.python, impl, roots, nsys, world, args, fh, run_id)
     print(f"results: {os.path.relpath(args.out, REPO)}; the page: "
           "python -m benchmarks.report benchmarks/results/*.jsonl", flush=True)
     return 0

@@ -16,6 +16,7 @@ system and file, before the first step. Each pass logs one line on rank 0,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -73,6 +74,141 @@ def _progress(items: Sequence[int], desc: str, show: bool | None) -> Any:
                 dynamic_ncols=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class StatPass:
+    """One statistic over one list of systems, a part of a joint pass (:func:`joint_pass`).
+
+    ``compute(dataset)`` (``compute(dataset, chosen)`` when ``frames(position)`` names frames)
+    gives one system's partial result, a type :mod:`mdloader.stats.cache` can store;
+    ``settings`` and ``type_map`` key it with the system's stamp. A pass not ``cached`` (its
+    result depends on more than the system, e.g. a model's weights) is computed each time and
+    may return any picklable object.
+    """
+
+    datasets: Sequence[Any]
+    kind: str
+    settings: Mapping[str, Any]
+    type_map: Sequence[str] | None
+    compute: Callable[..., Any]
+    frames: Callable[[int], Sequence[int] | None] | None = None
+    cached: bool = True
+
+
+@dataclasses.dataclass
+class JointReport:
+    """What one joint pass did: per kind ``{"seconds", "systems", "cached", "computed",
+    "ranks"}`` over its distinct parts, and the pass as a whole (one all-gather)."""
+
+    kinds: dict[str, dict[str, float]]
+    passes: int
+    parts: int
+    systems: int
+    seconds: float
+    ranks: int
+
+    def line(self) -> str:
+        """The one line of the pass (tests and benchmarks read it)."""
+        return (f"statistics pass: {self.passes} statistics, {self.parts} parts of "
+                f"{self.systems} systems in {self.seconds:.2f} s, one all-gather on "
+                f"{self.ranks} ranks")
+
+
+def joint_pass(passes: Sequence[StatPass], *, mode: str | None = None,
+               folder: str | None = None, progress: bool | None = None,
+               ) -> tuple[list[list[Any]], JointReport]:
+    """Every pass's partial results (system order), on every rank, from ONE all-gather.
+
+    A part is one statistic of one system; parts equal in system, kind, settings, type map and
+    frames (two tasks on the same systems) are computed once. Each rank takes a disjoint share
+    of the distinct systems, balanced by work (frames x atoms x parts), and does all of their
+    parts, each reused from the per-system cache when it holds it.
+    """
+    world = current_world()
+    start = time.monotonic()
+    store, mode = stats_store(mode, folder)
+    units: dict[str, int] = {}  # identity of a part -> its index
+    unit_rows: list[tuple[int, int, Sequence[int] | None]] = []  # (pass, position, frames)
+    where: list[list[int]] = []
+    systems: dict[str, int] = {}
+    unit_system: list[int] = []
+    for p, spec in enumerate(passes):
+        row = []
+        for position, dataset in enumerate(spec.datasets):
+            chosen = None if spec.frames is None else spec.frames(position)
+            address = dataset.meta.address
+            identity = cache.cache_key(address, spec.kind, spec.settings, spec.type_map, chosen)
+            if identity not in units:
+                units[identity] = len(unit_rows)
+                unit_rows.append((p, position, chosen))
+                unit_system.append(systems.setdefault(address, len(systems)))
+            row.append(units[identity])
+        where.append(row)
+    first: dict[int, Any] = {}
+    parts_of = np.zeros(len(systems), dtype=np.int64)
+    for u, (p, position, _) in enumerate(unit_rows):
+        first.setdefault(unit_system[u], passes[p].datasets[position])
+        parts_of[unit_system[u]] += 1
+    order = [first[i] for i in range(len(systems))]
+    weights = system_weights(nframes_of(order), natoms_of(order)) * parts_of
+    mine = set(share(weights, world.rank, world.world_size).tolist())
+    todo = [u for u in range(len(unit_rows)) if unit_system[u] in mine]
+    parts: list[tuple[int, bytes]] = []
+    cached: list[int] = []
+    stamps: dict[int, Any] = {}
+    error, dataset, kind = None, None, ""
+    try:
+        for u in _progress(todo, "statistics", progress):
+            p, position, chosen = unit_rows[u]
+            spec = passes[p]
+            dataset, kind = spec.datasets[position], spec.kind
+            key = stamp = None
+            if store.folder is not None and spec.cached:
+                system = unit_system[u]
+                if system not in stamps:
+                    stamps[system] = system_stamp(dataset.meta.address, layout_of(dataset.meta))
+                stamp = stamps[system]
+                key = cache.cache_key(stamp, spec.kind, spec.settings, spec.type_map, chosen)
+            payload = (store.get(stamp, key) if stamp is not None and key is not None
+                       and mode == "check" else None)
+            if payload is not None and not _readable(payload, store.path(stamp, key)):
+                payload = None
+            if payload is not None:
+                cached.append(u)
+            else:
+                result = (spec.compute(dataset) if chosen is None
+                          else spec.compute(dataset, chosen))
+                payload = cache.dumps(result) if spec.cached else result
+                if stamp is not None and key is not None:
+                    store.put(stamp, key, payload)
+            parts.append((u, payload))
+    except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
+        if not isinstance(exc, MdloaderError) and dataset is not None:  # a bug: say where
+            exc.add_note(f"while computing the {kind} statistics of {dataset.meta.address}")
+        error = exc
+    store.report_failures()
+    kinds = sorted({s.kind for s in passes})
+    gathered = gather_from_every_rank((parts, cached), error,
+                                      context=f"{'/'.join(kinds) or 'no'} statistics")
+    payloads: dict[int, bytes] = {}
+    all_cached: set[int] = set()
+    for rank_parts, rank_cached in gathered:
+        payloads.update(rank_parts)
+        all_cached.update(rank_cached)
+    decoded = {u: cache.loads(payload) if passes[unit_rows[u][0]].cached else payload
+               for u, payload in payloads.items()}
+    seconds = time.monotonic() - start
+    by_kind: dict[str, dict[str, float]] = {}
+    for u, (p, _, _) in enumerate(unit_rows):
+        entry = by_kind.setdefault(passes[p].kind, {"seconds": seconds, "systems": 0,
+                                                    "cached": 0, "computed": 0,
+                                                    "ranks": world.world_size})
+        entry["systems"] += 1
+        entry["cached" if u in all_cached else "computed"] += 1
+    report = JointReport(by_kind, len(passes), len(unit_rows), len(systems), seconds,
+                         world.world_size)
+    return [[decoded[u] for u in row] for row in where], report
+
+
 def sharded_pass(datasets: Sequence[Any], kind: str, settings: Mapping[str, Any],
                  type_map: Sequence[str] | None, compute: Callable[[Any], Any], *,
                  mode: str | None = None, folder: str | None = None,
@@ -81,52 +217,17 @@ def sharded_pass(datasets: Sequence[Any], kind: str, settings: Mapping[str, Any]
                  ) -> tuple[list[Any], dict[str, float]]:
     """Every system's partial ``kind`` statistics, in system order, on every rank.
 
-    ``compute(dataset)`` gives one system's partial result (a type :mod:`mdloader.stats.cache`
-    can store); ``settings`` and ``type_map`` key the cache with each system's stamp;
-    ``frames(position)`` names the frames entering (``None``: all). Returns the parts and
-    ``{"seconds", "systems", "cached", "computed"}`` summed over ranks.
+    :func:`joint_pass` of one :class:`StatPass`. Returns the parts and
+    ``{"seconds", "systems", "cached", "computed", "ranks"}`` summed over ranks.
     """
-    world = current_world()
-    start = time.monotonic()
-    store, mode = stats_store(mode, folder)
-    weights = system_weights(nframes_of(datasets), natoms_of(datasets))
-    mine = share(weights, world.rank, world.world_size).tolist()
-    parts: list[tuple[int, bytes]] = []
-    cached = 0
-    error, dataset = None, None
-    try:
-        for position in _progress(mine, f"{kind} statistics", progress):
-            dataset = datasets[position]
-            chosen = None if frames is None else frames(position)
-            key = stamp = None
-            if store.folder is not None:
-                stamp = system_stamp(dataset.meta.address, layout_of(dataset.meta))
-                key = cache.cache_key(stamp, kind, settings, type_map, chosen)
-            payload = (store.get(stamp, key) if stamp is not None and key is not None
-                       and mode == "check" else None)
-            if payload is not None and not _readable(payload, store.path(stamp, key)):
-                payload = None
-            if payload is not None:
-                cached += 1
-            else:
-                payload = cache.dumps(compute(dataset) if chosen is None
-                                      else compute(dataset, chosen))
-                if stamp is not None and key is not None:
-                    store.put(stamp, key, payload)
-            parts.append((position, payload))
-    except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
-        if not isinstance(exc, MdloaderError) and dataset is not None:  # a bug: say where
-            exc.add_note(f"while computing the {kind} statistics of {dataset.meta.address}")
-        error = exc
-    store.report_failures()
-    gathered = gather_from_every_rank((parts, cached), error, context=f"{kind} statistics")
-    ordered = sorted((p for rank_parts, _ in gathered for p in rank_parts), key=lambda p: p[0])
-    results = [cache.loads(payload) for _, payload in ordered]
-    total_cached = sum(c for _, c in gathered)
-    report = {"seconds": time.monotonic() - start, "systems": len(results),
-              "cached": total_cached, "computed": len(results) - total_cached,
-              "ranks": world.world_size}
-    return results, report
+    results, report = joint_pass(
+        [StatPass(datasets, kind, settings, type_map, compute, frames)],
+        mode=mode, folder=folder, progress=progress)
+    counts = report.kinds.get(kind, {"systems": 0, "cached": 0, "computed": 0})
+    return results[0], {"seconds": report.seconds, "systems": len(results[0]),
+                        "cached": counts["cached"],
+                        "computed": len(results[0]) - counts["cached"],
+                        "ranks": report.ranks}
 
 
 def _readable(payload: bytes, source: str) -> bool:
@@ -179,40 +280,85 @@ def neighbour_statistics(datasets: Sequence[Any], rcut: float, *,
 
 
 
+@dataclasses.dataclass(frozen=True)
+class InputRequest:
+    """The input statistics one model asks of its training systems: the environment settings
+    of each descriptor block, the type map, the output ``key`` and the frames that enter
+    (``frames(position)``, ``None``: all)."""
+
+    datasets: Sequence[Any]
+    blocks: Sequence[EnvMatSettings]
+    type_map: Sequence[str] | None
+    key: str = "energy"
+    frames: Callable[[int], Sequence[int] | None] | None = None
+
+    def passes(self) -> list[StatPass]:
+        """One environment pass per block, then the output pass."""
+        env = [StatPass(self.datasets, "environment", dataclasses.asdict(block), self.type_map,
+                        functools.partial(_env_sums, block=block), self.frames)
+               for block in self.blocks]
+        return [*env, StatPass(self.datasets, "output", {"key": self.key}, self.type_map,
+                               functools.partial(_samples, key=self.key), self.frames)]
+
+
+def _env_sums(dataset: Any, chosen: Sequence[int] | None = None, *,
+              block: EnvMatSettings) -> EnvMatSums:
+    return system_env_sums(dataset, block, frames=chosen)
+
+
+def _samples(dataset: Any, chosen: Sequence[int] | None = None, *, key: str) -> OutputSamples:
+    return system_samples(dataset, 0, key=key, frames=chosen)
+
+
+def job_input_statistics(requests: Sequence[InputRequest], *, mode: str | None = None,
+                         folder: str | None = None, progress: bool | None = None,
+                         ) -> list[tuple[list[EnvMatSums], list[OutputSamples]]]:
+    """The input statistics of every request (every task of a job) from one joint pass.
+
+    Returns, per request and on every rank, the merged environment-matrix sums of each block
+    and each system's output samples (system order), from which DeePMD-kit's ``davg``/``dstd``
+    and output bias follow. The datasets must require each request's ``key``. Rank 0 logs a
+    line per kind and :meth:`JointReport.line`.
+    """
+    passes = [request.passes() for request in requests]
+    results, report = joint_pass([p for group in passes for p in group], mode=mode,
+                                 folder=folder, progress=progress)
+    if current_world().is_main:
+        for kind, counts in report.kinds.items():
+            log.info(report_line(kind, counts))
+        log.info(report.line())
+    out, at = [], 0
+    for request in requests:
+        nblocks = len(request.blocks)
+        sums = [env_mat.merge_all([EnvMatSums.zeros(block.ntypes), *results[at + b]])
+                for b, block in enumerate(request.blocks)]
+        out.append((sums, placed_samples(results[at + nblocks])))
+        at += nblocks + 1
+    return out
+
+
+def placed_samples(parts: Sequence[OutputSamples]) -> list[OutputSamples]:
+    """Each system's output samples with its position in this list (a part may come from the
+    cache of another job or task, where the system had another position)."""
+    return [dataclasses.replace(part, positions=np.column_stack(
+        [np.full(len(part.positions), i, dtype=np.int64), part.positions[:, 1]]))
+        for i, part in enumerate(parts)]
+
+
 def input_statistics(datasets: Sequence[Any], blocks: Sequence[EnvMatSettings], *,
                      type_map: Sequence[str] | None, key: str = "energy",
                      mode: str | None = None, folder: str | None = None,
                      progress: bool | None = None,
                      frames: Callable[[int], Sequence[int] | None] | None = None,
                      ) -> tuple[list[EnvMatSums], list[OutputSamples]]:
-    """The input statistics of the frames of ``datasets``, sharded over the ranks.
+    """The input statistics of the frames of ``datasets``, sharded over the ranks: the one
+    request of :func:`job_input_statistics` (one all-gather for every block and the output).
 
-    Returns, on every rank, the merged environment-matrix sums of each descriptor block in
-    ``blocks`` and each system's output samples of ``key`` (system order), from which
-    DeePMD-kit's ``davg``/``dstd`` and output bias follow. The datasets must require ``key``.
     ``frames(position)`` names the frames of a system that enter (``None``: all of them, the
     default for every system), so a subset drawn from the job's seed is computed in shares too.
     """
-    sums = []
-    for block in blocks:
-        parts, report = sharded_pass(
-            datasets, "environment", dataclasses.asdict(block), type_map,
-            lambda ds, chosen=None, block=block: system_env_sums(ds, block, frames=chosen),
-            mode=mode, folder=folder, progress=progress, frames=frames)
-        sums.append(env_mat.merge_all([EnvMatSums.zeros(block.ntypes), *parts]))
-        if current_world().is_main:
-            log.info(report_line("environment", report))
-    parts, report = sharded_pass(
-        datasets, "output", {"key": key}, type_map,
-        lambda ds, chosen=None: system_samples(ds, 0, key=key, frames=chosen),
-        mode=mode, folder=folder, progress=progress, frames=frames)
-    if current_world().is_main:
-        log.info(report_line("output", report))
-    # a cached entry may come from another job, where the system had another position
-    samples = [dataclasses.replace(part, positions=np.column_stack(
-        [np.full(len(part.positions), i, dtype=np.int64), part.positions[:, 1]]))
-        for i, part in enumerate(parts)]
-    return sums, samples
+    return job_input_statistics([InputRequest(datasets, blocks, type_map, key, frames)],
+                                mode=mode, folder=folder, progress=progress)[0]
 
 
 #: Atom-frames per second of the neighbour pass on one rank, a rounded measurement (see

@@ -1,32 +1,55 @@
 """DeePMD-kit's input statistics (``davg``/``dstd``, energy bias) computed by mdloader in shares.
 
 ``Trainer._run_stat_on_chief`` is wrapped (:func:`mdloader_run_stat_on_chief`). Unless something
-mdloader does not compute is needed (:func:`unsupported`), every rank first computes its share
-of the environment sums and energy samples and one all-gather per block merges them
-(:class:`InputStatTakeover`); rank 0 then runs DeePMD-kit's own ``compute_or_load_stat`` with
+mdloader does not compute is needed (:func:`unsupported`), the first statistics call of a
+trainer computes the statistics of every task it will ask for (:class:`JobInputStats`: each
+task's model, training set and ``data_stat_nbatch``) in one sharded pass with one all-gather
+(:func:`~mdloader.loading.statistics.job_input_statistics`; parts equal across tasks computed
+once); each task's call then has rank 0 run DeePMD-kit's own ``compute_or_load_stat`` with
 ``EnvMatStatSe`` handed the merged ``StatItem``s and a sampled function holding only energies
-and type counts, so DeePMD-kit's code derives the values. The frames of each system are those
-of :meth:`~mdloader.sampling.plan.LoaderPlan.statistics_frames` (a one-rank job's
+and type counts, so DeePMD-kit's code derives the values (and merges a shared descriptor's
+statistics afterwards as it does). The frames of each system are those of
+:meth:`~mdloader.sampling.plan.LoaderPlan.statistics_frames` (a one-rank job's
 ``make_stat_input``), so the values equal DeePMD-kit's one-rank run at any world size.
-Otherwise DeePMD-kit's action runs as is.
+Otherwise (a ``stat_file``, fparam, ...) DeePMD-kit's action runs as is, for that task.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import sys
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mdloader.distributed.collectives import broadcast_from_main
 from mdloader.distributed.group import current_world
 from mdloader.integrations.deepmd.seam import (
+    COMPUTE_MODEL_PREDICT,
     ENV_MAT_STAT,
+    FORWARD_WRAPPER,
+    STAT,
     STAT_ITEM,
+    TRAINING,
+    StatisticsCall,
     deepmd_module,
+    finetune_call,
+    patched,
+    private,
     statistics_call,
 )
+from mdloader.integrations.deepmd.systems import planned_task_input
 from mdloader.loading.loader import DpLoaderSet
-from mdloader.loading.statistics import input_statistics
+from mdloader.loading.statistics import (
+    InputRequest,
+    StatPass,
+    job_input_statistics,
+    joint_pass,
+    placed_samples,
+    report_line,
+)
+from mdloader.stats.frames import frames_by_set
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +82,45 @@ class InputStatTakeover:
         computes it: a stat file is set, fparam/aparam, exclusions or ``min_pair_dist`` are
         used)."""
         call = statistics_call(trainer, action)
-        if call is None:
-            return None
+        return None if call is None else cls.of_call(call)
+
+    @classmethod
+    def of_call(cls, call: StatisticsCall, *, quiet: bool = False) -> InputStatTakeover | None:
+        """The takeover of one model's statistics call, or ``None`` (DeePMD-kit's own)."""
         reason = unsupported(call.model, call.data, call.nbatch, call.stat_file_spec,
                              call.min_pair_dist)
         if reason:
-            log.info("input statistics: DeePMD-kit's own (%s)", reason)
+            if not quiet:
+                log.info("input statistics: DeePMD-kit's own (%s)", reason)
             return None
         blocks = env_blocks(call.model)
         if not blocks:
             return None
         return cls(call.model, call.data, call.get_sample, call.preset_observed_type, blocks,
                    int(call.nbatch))
+
+    def matches(self, other: InputStatTakeover) -> bool:
+        """Whether ``other`` asks for the very statistics this one computes."""
+        return (self.model is other.model and self.data is other.data
+                and self.nbatch == other.nbatch and self.settings == other.settings)
+
+    def request(self) -> InputRequest:
+        """What the joint pass computes for this model (its training set's frames)."""
+        return InputRequest(self.data.systems, self.settings,
+                            getattr(self.data, "type_map", None), frames=self.frames)
+
+    def log_frames(self) -> None:
+        """Rank 0's line on the frames that enter this model's statistics."""
+        counts = self.frame_counts()
+        total = int(sum(int(n) for n in self.data.nframes))
+        world = current_world()
+        if world.is_main and int(counts.sum()) == total:
+            log.info("input statistics: all frames of %d systems, in shares on %d ranks",
+                     len(self.data.systems), world.world_size)
+        elif world.is_main:
+            log.info("input statistics: %d of %d frames of %d systems (data_stat_nbatch=%d, "
+                     "the frames of a one-rank job), in shares on %d ranks", int(counts.sum()),
+                     total, len(self.data.systems), self.nbatch, world.world_size)
 
     @functools.cached_property
     def counts(self) -> Any:
@@ -93,19 +143,8 @@ class InputStatTakeover:
     def compute(self) -> tuple[list[Any], list[Any]]:
         """The merged environment sums of each block and every system's output samples
         (collective: every rank calls it)."""
-        type_map = getattr(self.data, "type_map", None)
-        counts = self.frame_counts()
-        total = int(sum(int(n) for n in self.data.nframes))
-        world = current_world()
-        if world.is_main and int(counts.sum()) == total:
-            log.info("input statistics: all frames of %d systems, in shares on %d ranks",
-                     len(self.data.systems), world.world_size)
-        elif world.is_main:
-            log.info("input statistics: %d of %d frames of %d systems (data_stat_nbatch=%d, "
-                     "the frames of a one-rank job), in shares on %d ranks", int(counts.sum()),
-                     total, len(self.data.systems), self.nbatch, world.world_size)
-        return input_statistics(self.data.systems, self.settings, type_map=type_map,
-                                frames=self.frames)
+        self.log_frames()
+        return job_input_statistics([self.request()])[0]
 
     def action(self, merged: tuple[list[Any], list[Any]]) -> Callable[[], None] | None:
         """Rank 0's statistics action on the merged results (``None``: some chosen frame has no
@@ -227,15 +266,195 @@ class _env_stats_from:  # noqa: N801 - a context manager used like a function
         self.cls.load_or_compute_stats = self.original
 
 
+class JobInputStats:
+    """Every task's input statistics of one trainer, computed together at its first call.
+
+    The first statistics call plans a takeover for every task the trainer will ask for (all of
+    them, or under ``--finetune`` those with new types), from the trainer (its models, stat-file
+    settings, losses) and the recorded input and training sets
+    (:func:`~mdloader.integrations.deepmd.systems.planned_task_input`); one joint pass computes
+    them. A later call whose takeover is not the planned one computes alone (every rank decides
+    alike: the plan is a function of the input).
+    """
+
+    def __init__(self) -> None:
+        self.results: weakref.WeakKeyDictionary[Any, list[tuple[InputStatTakeover, Any]]] = (
+            weakref.WeakKeyDictionary())
+
+    def merged(self, trainer: Any, takeover: InputStatTakeover) -> tuple[list[Any], list[Any]]:
+        """The merged statistics of ``takeover`` (collective at the trainer's first call)."""
+        if trainer not in self.results:
+            planned = [t for t in self.plan(trainer) if not t.matches(takeover)]
+            todo = [takeover, *planned]
+            for t in todo:
+                t.log_frames()
+            merged = job_input_statistics([t.request() for t in todo])
+            self.results[trainer] = list(zip(todo, merged, strict=True))
+        for planned_takeover, merged in self.results[trainer]:
+            if planned_takeover.matches(takeover):
+                return merged
+        return takeover.compute()
+
+    @staticmethod
+    def plan(trainer: Any) -> list[InputStatTakeover]:
+        """The takeovers of every task this trainer will compute statistics for."""
+        models = getattr(trainer, "model", None)
+        if not isinstance(models, dict):
+            return []
+        training = sys.modules[TRAINING]
+        links = getattr(trainer, "finetune_links", None)
+        specs = getattr(trainer, "stat_file_specs", {}) or {}
+        losses = getattr(trainer, "loss", {}) or {}
+        out = []
+        for key, model in models.items():
+            if links is not None and not links[key].get_has_new_type():
+                continue  # a fine-tuned task keeps its loaded statistics
+            found = planned_task_input(key)
+            if found is None or key not in specs or key not in losses:
+                continue
+            data, nbatch, min_pair_dist = found
+            call = StatisticsCall(model, lambda: None, None, specs[key], data, nbatch,
+                                  min_pair_dist)
+            takeover = InputStatTakeover.of_call(call, quiet=True)
+            if takeover is None:
+                continue
+            # what the trainer adds before this task's statistics (an energy model's labels)
+            data.add_data_requirement(list(losses[key].label_requirement)
+                                      + training.get_additional_data_requirement(model))
+            out.append(takeover)
+        return out
+
+
+_JOB_STATS = JobInputStats()
+
+#: The ``operation`` of DeePMD-kit's fine-tuning statistics start so (the task follows).
+FINETUNE_OPERATION = "fine-tuning statistics"
+
+
+class FinetuneTakeover:
+    """DeePMD-kit's fine-tuning bias statistics, in shares: every rank (all hold the loaded
+    weights) reads its share of the statistics frames and, for ``change-by-statistic``, runs
+    the model's forward on them; one all-gather brings every system's energies and
+    predictions, and rank 0 runs DeePMD-kit's own action on them (its ``compute_output_stats``
+    with the gathered predictions in place of its forward pass over every frame)."""
+
+    def __init__(self, takeover: InputStatTakeover, mode: str) -> None:
+        self.takeover = takeover
+        self.mode = mode
+
+    @classmethod
+    def of(cls, trainer: Any, action: Callable[[], None]) -> FinetuneTakeover | None:
+        """The takeover of a fine-tuning ``action``, or ``None`` (DeePMD-kit's own)."""
+        found = finetune_call(trainer, action)
+        if found is None:
+            return None
+        call, mode = found
+        reason = unsupported(call.model, call.data, call.nbatch, None, call.min_pair_dist)
+        if reason or mode not in ("change-by-statistic", "set-by-statistic"):
+            log.info("fine-tuning statistics: DeePMD-kit's own (%s)", reason or mode)
+            return None
+        return cls(InputStatTakeover(call.model, call.data, call.get_sample, None, [],
+                                     int(call.nbatch)), mode)
+
+    def compute(self) -> tuple[list[Any], list[Any] | None]:
+        """Every system's output samples and (``change-by-statistic``) the model's predictions
+        of its frames, on every rank (collective: one all-gather)."""
+        takeover = self.takeover
+        takeover.log_frames()
+        passes = takeover.request().passes()
+        if self.mode == "change-by-statistic":
+            loaded_weights_everywhere(takeover.model)
+            forward = private(takeover.model.atomic_model, FORWARD_WRAPPER)()
+            predict = private(deepmd_module(STAT), COMPUTE_MODEL_PREDICT)
+            passes.append(StatPass(
+                takeover.data.systems, "prediction", {"model": "loaded"},
+                getattr(takeover.data, "type_map", None),
+                functools.partial(_prediction, forward=forward, predict=predict),
+                takeover.frames, cached=False))
+        results, report = joint_pass(passes)
+        if current_world().is_main:
+            for kind, counts in report.kinds.items():
+                log.info(report_line(kind, counts))
+            log.info(report.line())
+        samples = placed_samples(results[0])
+        return samples, (results[1] if len(results) > 1 else None)
+
+    def action(self, action: Callable[[], None], merged: tuple[list[Any], list[Any] | None]
+               ) -> Callable[[], None] | None:
+        """Rank 0's fine-tuning action on the gathered results (``None``: some chosen frame has
+        no energy, DeePMD-kit's own sampling decides)."""
+        samples, predictions = merged
+        if any(len(s.counts) != int(n) for s, n in zip(samples, self.takeover.frame_counts())):
+            return None
+        sampled = output_sampled(samples)
+        training = deepmd_module(TRAINING)
+        stat = deepmd_module(STAT)
+        change = training.model_change_out_bias
+
+        def gathered_predictions(sampled_systems: Any, keys: Any, model_forward: Any) -> Any:
+            return ({"energy": [p for p, _ in predictions]}, [m for _, m in predictions])
+
+        def with_merged_samples(_model: Any, _sample_func: Any,
+                                _bias_adjust_mode: str = "change-by-statistic") -> Any:
+            return change(_model, lambda: sampled, _bias_adjust_mode=_bias_adjust_mode)
+
+        def update_finetune_bias() -> None:
+            with patched(training, "model_change_out_bias", with_merged_samples):
+                if predictions is None:
+                    action()
+                    return
+                with patched(stat, COMPUTE_MODEL_PREDICT, gathered_predictions):
+                    action()
+
+        return update_finetune_bias
+
+
+def loaded_weights_everywhere(model: Any) -> None:
+    """Rank 0's weights in ``model`` on every rank (collective; one broadcast). DeePMD-kit loads
+    a fine-tuned checkpoint on rank 0 alone, and DDP copies it to the others later, after the
+    fine-tuning statistics: their forward needs it now (what DDP then copies is the same)."""
+    import torch
+
+    world = current_world()
+    if not world.distributed:
+        return
+    state = None
+    if world.is_main:
+        state = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                 for k, v in model.state_dict().items()}
+    state = broadcast_from_main(state, context="the fine-tuned model's loaded weights")
+    if not world.is_main:
+        model.load_state_dict(state)
+
+
+def _prediction(dataset: Any, chosen: Sequence[int] | None = None, *, forward: Any,
+                predict: Any) -> tuple[Any, Any]:
+    """The loaded model's atomic energies and mask for a system's chosen frames (in the order
+    of its output samples), by DeePMD-kit's own ``_compute_model_predict``."""
+    import numpy as np
+
+    fids = np.concatenate([f for _, f in frames_by_set(dataset, chosen)])
+    batch = dataset.get_batch(fids.tolist())
+    sample = {"coord": batch["coord"], "atype": batch["atype"], "box": batch.get("box")}
+    values, masks = predict([sample], ["energy"], forward)
+    return values["energy"][0], masks[0]
+
+
 def mdloader_run_stat_on_chief(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``Trainer._run_stat_on_chief``: for the statistics initialization, every rank first
-    computes its share of the input statistics and one all-gather merges them; rank 0 then
-    runs DeePMD-kit's ``compute_or_load_stat`` on the merged result."""
+    """``Trainer._run_stat_on_chief``: for the statistics initialization, every rank takes its
+    share of the input statistics (every task's at the first call, one all-gather); rank 0
+    then runs DeePMD-kit's ``compute_or_load_stat`` on the merged result."""
 
     def _run_stat_on_chief(self: Any, action: Callable[[], None], *, operation: str) -> None:
         takeover = InputStatTakeover.of(self, action) if operation == OPERATION else None
         if takeover is not None:
-            ours = takeover.action(takeover.compute())
+            ours = takeover.action(_JOB_STATS.merged(self, takeover))
+            if ours is not None:
+                action = ours
+        finetune = (FinetuneTakeover.of(self, action)
+                    if operation.startswith(FINETUNE_OPERATION) else None)
+        if finetune is not None:
+            ours = finetune.action(action, finetune.compute())
             if ours is not None:
                 action = ours
         return original(self, action, operation=operation)

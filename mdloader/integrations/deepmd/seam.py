@@ -32,10 +32,12 @@ STAT_ITEM = "deepmd.utils.env_mat_stat"
 DP_MAIN = "deepmd.main"
 MODEL = "deepmd.pt.model.model.model"
 DESCRIPTOR = "deepmd.pt.model.descriptor.descriptor"
+STAT = "deepmd.pt.utils.stat"
+ATOMIC_MODEL = "deepmd.pt.model.atomic_model.base_atomic_model"
 
 #: Where ``install`` imports the modules it checks and patches.
 MODULES = (DATALOADER, MAIN, TRAINING, UPDATE_SEL, ENV_MAT_STAT, STAT_ITEM, DP_MAIN, MODEL,
-           DESCRIPTOR)
+           DESCRIPTOR, STAT, ATOMIC_MODEL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +105,26 @@ SEAM: tuple[SeamName, ...] = (
              "during `statistics_call` only: records the stat-file setting, opens nothing"),
     SeamName(TRAINING, "make_stat_input", "patch",
              "during `statistics_call` only: records the data and `data_stat_nbatch`"),
+    SeamName(TRAINING, "model_change_out_bias", "patch",
+             "during `finetune_call` only: records the fine-tuned model, its sampled function "
+             "and bias mode; during rank 0's fine-tuning action: handed the merged samples"),
+    SeamName(TRAINING, "get_additional_data_requirement", "call",
+             "the labels a task's training set needs, added when its input statistics are "
+             "computed with the first task's"),
+    SeamName(TRAINING, "Trainer.loss", "read",
+             "each task's `label_requirement` (the statistics of every task in one pass)",
+             False),
+    SeamName(TRAINING, "Trainer.stat_file_specs", "read",
+             "each task's stat-file setting (a task with a stat file keeps DeePMD-kit's "
+             "statistics)", False),
+    SeamName(TRAINING, "Trainer.finetune_links", "read",
+             "under `--finetune`, which tasks compute input statistics (new types)", False),
+    SeamName(STAT, "_compute_model_predict", "patch",
+             "during rank 0's fine-tuning action only: the predictions every rank made for "
+             "its share of the frames (one all-gather), instead of rank 0's forward pass"),
+    SeamName(ATOMIC_MODEL, "BaseAtomicModel._get_forward_wrapper_func", "call",
+             "the loaded model's forward, run by every rank on its share of the fine-tuning "
+             "statistics frames"),
     SeamName(TRAINING, "Trainer.model", "read",
              "the models whose `compute_or_load_stat` the statistics action calls", False),
     SeamName(MODEL, "BaseModel.compute_or_load_stat", "call",
@@ -245,47 +267,118 @@ def _patched(owner: Any, attr: str, value: Any) -> Iterator[None]:
             delattr(owner, attr)
 
 
-def statistics_call(trainer: Any, action: Callable[[], None]) -> StatisticsCall | None:
+def statistics_calls(trainer: Any, action: Callable[[], None]) -> list[StatisticsCall] | None:
     """Run DeePMD-kit's statistics ``action`` with its callees recording their arguments.
 
     The action is a closure of ``Trainer.__init__`` (no public hook hands its values out):
-    ``open_stat_file`` and the model's ``compute_or_load_stat`` record what the action passes,
-    then the sampled function's undecorated body runs with ``make_stat_input`` recording the
-    data. Nothing is read or computed. ``None`` when the action does not call them so.
+    ``open_stat_file`` and every model's ``compute_or_load_stat`` (each model of a multi-task
+    trainer) record what the action passes, then each sampled function's undecorated body runs
+    with ``make_stat_input`` recording the data. Nothing is read or computed. One call per
+    model the action computes, in its order; ``None`` when the action does not call them so.
     """
     training = sys.modules[TRAINING]
     models = trainer.model
     models = list(models.values()) if isinstance(models, dict) else [models]
-    seen: dict[str, Any] = {}
+    specs: list[Any] = []
+    seen: list[dict[str, Any]] = []
 
     @contextlib.contextmanager
     def open_stat_file(spec: Any) -> Iterator[None]:
-        seen["spec"] = spec
+        specs.append(spec)
         yield None
 
     def recorder(model: Any) -> Callable[..., None]:
         def compute_or_load_stat(sampled_func: Any, stat_file_path: Any = None,
                                  preset_observed_type: Any = None) -> None:
-            seen.update(model=model, get_sample=sampled_func, preset=preset_observed_type)
+            seen.append({"model": model, "get_sample": sampled_func,
+                         "preset": preset_observed_type,
+                         "spec": specs[-1] if specs else None, "opened": bool(specs)})
         return compute_or_load_stat
-
-    def make_stat_input(datasets: Any, dataloaders: Any, nbatch: Any,
-                        min_pair_dist: Any = 0.0, **kwargs: Any) -> list[Any]:
-        seen.update(dataloaders=dataloaders, nbatch=nbatch, min_pair_dist=min_pair_dist)
-        return []
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_patched(training, "open_stat_file", open_stat_file))
         for model in models:
             stack.enter_context(_patched(model, "compute_or_load_stat", recorder(model)))
         action()
-    inner = getattr(seen.get("get_sample"), "__wrapped__", None)  # functools.lru_cache's
-    if "spec" not in seen or inner is None:
+    calls = []
+    for entry in seen:
+        data = _sampled_input(entry["get_sample"]) if entry["opened"] else None
+        if data is None:
+            return None
+        calls.append(StatisticsCall(entry["model"], entry["get_sample"], entry["preset"],
+                                    entry["spec"], *data))
+    return calls or None
+
+
+def _sampled_input(get_sample: Any) -> tuple[Any, Any, Any] | None:
+    """The loader set, ``data_stat_nbatch`` and ``min_pair_dist`` a sampled function of
+    ``Trainer.__init__`` hands ``make_stat_input``: its undecorated body runs with
+    ``make_stat_input`` recording them (nothing is read); ``None`` when it does not."""
+    training = sys.modules[TRAINING]
+    inner = getattr(get_sample, "__wrapped__", None)  # functools.lru_cache's
+    if inner is None:
         return None
+    data: dict[str, Any] = {}
+
+    def make_stat_input(datasets: Any, dataloaders: Any, nbatch: Any,
+                        min_pair_dist: Any = 0.0, **kwargs: Any) -> list[Any]:
+        data.update(dataloaders=dataloaders, nbatch=nbatch, min_pair_dist=min_pair_dist)
+        return []
+
     with _patched(training, "make_stat_input", make_stat_input):
         inner()
-    if "dataloaders" not in seen:
+    if "dataloaders" not in data:
         return None
-    return StatisticsCall(seen["model"], seen["get_sample"], seen["preset"], seen["spec"],
-                          getattr(seen["dataloaders"], "loader_set", None), seen["nbatch"],
-                          seen["min_pair_dist"])
+    return (getattr(data["dataloaders"], "loader_set", None), data["nbatch"],
+            data["min_pair_dist"])
+
+
+def statistics_call(trainer: Any, action: Callable[[], None]) -> StatisticsCall | None:
+    """The one :class:`StatisticsCall` of ``action`` (:func:`statistics_calls`); ``None`` when
+    it computes no model, or several (then DeePMD-kit's own action runs)."""
+    calls = statistics_calls(trainer, action)
+    return calls[0] if calls is not None and len(calls) == 1 else None
+
+
+def finetune_call(trainer: Any, action: Callable[[], None]) -> tuple[StatisticsCall, str] | None:
+    """What DeePMD-kit's fine-tuning statistics ``action`` computes with, and its bias mode
+    (``"change-by-statistic"``, ``"set-by-statistic"``): ``model_change_out_bias`` records its
+    arguments and returns the model unchanged, so the action's own assignment changes nothing.
+    Nothing is read or computed. ``None`` when the action does not call it once."""
+    training = sys.modules[TRAINING]
+    seen: list[tuple[Any, Any, str]] = []
+
+    def model_change_out_bias(_model: Any, _sample_func: Any,
+                              _bias_adjust_mode: str = "change-by-statistic") -> Any:
+        seen.append((_model, _sample_func, _bias_adjust_mode))
+        return _model
+
+    with _patched(training, "model_change_out_bias", model_change_out_bias):
+        action()
+    if len(seen) != 1:
+        return None
+    model, get_sample, mode = seen[0]
+    data = _sampled_input(get_sample)
+    if data is None:
+        return None
+    return StatisticsCall(model, get_sample, None, None, *data), mode
+
+
+@contextlib.contextmanager
+def patched(owner: Any, attr: str, value: Any) -> Iterator[None]:
+    """``owner.attr`` is ``value`` while active (DeePMD-kit's own again afterwards)."""
+    with _patched(owner, attr, value):
+        yield
+
+
+#: DeePMD-kit's private names mdloader calls (each a :data:`SEAM` name), read by :func:`private`.
+FORWARD_WRAPPER = "_get_forward_wrapper_func"
+COMPUTE_MODEL_PREDICT = "_compute_model_predict"
+
+
+def private(owner: Any, name: str) -> Any:
+    """DeePMD-kit's private attribute ``name`` of ``owner`` (a module or object), one of the
+    names above: the seam is where DeePMD-kit's private names are read."""
+    if name not in (FORWARD_WRAPPER, COMPUTE_MODEL_PREDICT):
+        raise ConfigError(f"{name} is not a DeePMD-kit name of mdloader's seam")
+    return getattr(owner, name)

@@ -36,10 +36,11 @@ class DeferredSystems(list):
     """
 
     def __init__(self, entries: Sequence[str], patterns: Sequence[str] | None = None,
-                 task: str | None = None) -> None:
+                 task: str | None = None, role: str | None = None) -> None:
         super().__init__(entries)
         self.patterns = list(patterns) if patterns else None
         self.task = task
+        self.role = role
 
 
 def defer_discovery(systems: str | Sequence[str],
@@ -48,11 +49,11 @@ def defer_discovery(systems: str | Sequence[str],
 
     The result names the multi-task task whose input section holds ``systems`` (else ``None``).
     """
-    task = _JOB.task_of_systems(systems)
+    task, role = _JOB.task_of_systems(systems), _JOB.role_of_systems(systems)
     if isinstance(systems, str):
-        return DeferredSystems([systems], patterns, task)
+        return DeferredSystems([systems], patterns, task, role)
     if isinstance(systems, (list, tuple)):
-        return DeferredSystems(list(systems), patterns, task)
+        return DeferredSystems(list(systems), patterns, task, role)
     raise ConfigError(f"systems must be a path or a list of paths, got {type(systems).__name__}",
                       path="training.training_data.systems")
 
@@ -80,6 +81,7 @@ class DeepmdDpLoaderSet(DpLoaderSet):
                  modifier: Any = None) -> None:
         patterns = getattr(systems, "patterns", None)
         task = getattr(systems, "task", None)
+        role = getattr(systems, "role", None)
         if task is not None:
             seed = task_seed(seed, task)
         if isinstance(systems, DeferredSystems):
@@ -88,6 +90,8 @@ class DeepmdDpLoaderSet(DpLoaderSet):
         super().__init__(systems, batch_size, type_map, seed, shuffle, modifier,
                          rglob_patterns=patterns)
         self.dataloaders = LoaderSetBatches(self)
+        if role is not None:
+            _JOB.loader_sets[(task, role)] = self
 
 
 def task_seed(seed: int | Sequence[int] | None, task: str) -> int | list[int] | None:
@@ -164,9 +168,20 @@ def mdloader_nbor_stat(original: Callable[..., Any]) -> Callable[..., Any]:
         if type_map is not None and len(type_map) == 0:
             type_map = None
         own = train_data.datasets()  # creates the process group under torchrun first
-        datasets = _JOB.sharing_datasets(train_data) or own
-        stats = neighbour_statistics(datasets, rcut, type_map=type_map, mixed_type=mixed_type)
-        return min_nbor_dist(stats), np.asarray(stats.max_neighbours, dtype=int)
+        shared = _JOB.sharing_datasets(train_data)
+        datasets = shared or own
+        # heads sharing a descriptor ask for the same union: one pass for all of them (every
+        # rank decides alike, the key is a function of the input)
+        key = (id(shared), float(rcut), bool(mixed_type), tuple(type_map or ()))
+        if shared is None or key not in _JOB.neighbour_results:
+            stats = neighbour_statistics(datasets, rcut, type_map=type_map,
+                                         mixed_type=mixed_type)
+            found = (min_nbor_dist(stats), tuple(int(n) for n in stats.max_neighbours))
+            if shared is None:
+                return found[0], np.asarray(found[1], dtype=int)
+            _JOB.neighbour_results[key] = (shared, found)  # the list kept: its id stays unique
+        found = _JOB.neighbour_results[key][1]
+        return found[0], np.asarray(found[1], dtype=int)
 
     return get_nbor_stat
 
@@ -185,6 +200,11 @@ class JobRecord:
         self.shared: dict[str, tuple[str, ...]] = {}
         self.section_of_task: dict[str | None, JobSection] = {}
         self.task_of_list: dict[int, str | None] = {}
+        self.role_of_list: dict[int, str | None] = {}
+        self.loader_sets: dict[tuple[str | None, str], DpLoaderSet] = {}
+        self.config: Any = None
+        self.unions: dict[tuple[str, ...], list[Any]] = {}
+        self.neighbour_results: dict[tuple[Any, ...], tuple[Any, Any]] = {}
         self.built: JobSystems | None = None
 
     def record_links(self, shared_links: Any) -> None:
@@ -200,7 +220,9 @@ class JobRecord:
     def record_config(self, config: Any) -> None:
         """Every ``systems`` list of the normalized input; no I/O."""
         self.sections, self.tasks_of_data, self.section_of_task = [], {}, {}
-        self.task_of_list = {}
+        self.task_of_list, self.role_of_list, self.loader_sets = {}, {}, {}
+        self.config = config
+        self.unions, self.neighbour_results = {}, {}
         self.built = None
         model, training = config.get("model", {}), config.get("training", {})
         if "model_dict" in model:
@@ -218,6 +240,9 @@ class JobRecord:
                                         params.get("type_map"),
                                         key=f"{path}.{role}_data.systems")
                 self.sections.append(section)
+                owner_role = self.role_of_list.setdefault(id(part["systems"]), role)
+                if owner_role != role:  # one object for two roles: no role of its own
+                    self.role_of_list[id(part["systems"])] = None
                 if task is not None:  # one object held by two tasks: no task of its own
                     owner = self.task_of_list.setdefault(id(part["systems"]), task)
                     if owner != task:
@@ -233,24 +258,45 @@ class JobRecord:
         """The multi-task task whose input section holds this ``systems`` object."""
         return self.task_of_list.get(id(systems))
 
+    def role_of_systems(self, systems: Any) -> str | None:
+        """``"training"`` or ``"validation"``: the role of this ``systems`` object."""
+        return self.role_of_list.get(id(systems))
+
+    def training_set(self, task: str | None) -> DpLoaderSet | None:
+        """The training ``DpLoaderSet`` built for ``task`` (``None`` single-task), if any."""
+        return self.loader_sets.get((task, "training"))
+
+    def task_settings(self, task: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model section and the training data section of ``task`` in the recorded input
+        (``({}, {})`` when none was recorded)."""
+        config = self.config or {}
+        model, training = config.get("model", {}), config.get("training", {})
+        if task is not None:
+            model = model.get("model_dict", {}).get(task, {})
+            training = training.get("data_dict", {}).get(task, {})
+        return model, training.get("training_data", {}) or {}
+
     def datasets(self, systems: Any, patterns: Any, type_map: Any) -> Any:
         """The job's datasets for these values (the job built on first use), else ``None``."""
         if not self.sections:
             return None
-        probe = JobSection.of(None, "", list(systems), patterns, type_map)
+        entries = systems if isinstance(systems, str) else list(systems)  # a path is one entry
+        probe = JobSection.of(None, "", entries, patterns, type_map)
         if all(s.request != probe.request for s in self.sections):
             return None
         if self.built is None:
             self.built = build_job(self.sections)
-        return self.built.find(list(systems), patterns, type_map)
+        return self.built.find(entries, patterns, type_map)
 
     def sharing_datasets(self, data: NeighbourStatData) -> list[Any] | None:
-        """The union of the training systems of every task sharing ``data``'s descriptor,
-        or ``None`` when its descriptor is its own."""
+        """The union of the training systems of every task sharing ``data``'s descriptor (one
+        list per group of tasks), or ``None`` when its descriptor is its own."""
         task = getattr(data, "task", None)
         group = self.shared.get(task) if task is not None else None
         if not group or len(group) < 2:
             return None
+        if group in self.unions:
+            return self.unions[group]
         union: list[Any] = []
         seen: set[int] = set()
         for member in group:
@@ -263,6 +309,7 @@ class JobRecord:
                 continue
             seen.add(id(view))
             union.extend(view)
+        self.unions[group] = union
         return union
 
 
@@ -294,3 +341,14 @@ def recording_shared_params(original: Callable[..., Any]) -> Callable[..., Any]:
         return model, links
 
     return preprocess_shared_params
+
+
+def planned_task_input(task: str | None) -> tuple[DpLoaderSet, int, float] | None:
+    """What ``task``'s statistics initialization will pass, read from the recorded job: its
+    training ``DpLoaderSet``, ``data_stat_nbatch`` and ``min_pair_dist`` (``None``: unknown)."""
+    data = _JOB.training_set(task)
+    if data is None:
+        return None
+    model, training_data = _JOB.task_settings(task)
+    return (data, model.get("data_stat_nbatch", 10),
+            float(training_data.get("min_pair_dist", 0.0)))

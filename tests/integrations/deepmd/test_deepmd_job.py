@@ -1,9 +1,12 @@
-"""One build per ``mdloader dp`` job, for every task, and joint statistics of a shared descriptor.
+"""One build and one statistics pass per ``mdloader dp`` job, for every task.
 
 In process: :func:`~mdloader.loading.job.build_job` gives sections with equal requests one list.
-End to end (DeePMD-kit's venv, ``torchrun`` at W = 2): a two-head se_e2_a input whose heads
-share a descriptor with ``sel: "auto"`` over different data -- which DeePMD-kit cannot train,
-the two heads' ``sel`` differ -- trains, with one ``sel`` for both and one build in the log.
+End to end (DeePMD-kit's venv, 1 step each): a three-head se_e2_a input, each head its own
+descriptor (``sparse``, ``dense``, and ``twin`` on sparse's systems), trained by DeePMD-kit at
+W = 1 (the reference) and by ``mdloader dp`` at W = 1 and W = 2; at W = 2 the input also holds
+two heads sharing a descriptor with ``sel: "auto"`` over different data, which DeePMD-kit
+cannot train (the heads' ``sel`` differ). Each job's log shows one build and one statistics
+pass; every non-shared head's statistics equal DeePMD-kit's one-rank run.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 from support.deepmd_env import require_deepmd_python
 
@@ -21,7 +25,19 @@ from mdloader.loading.job import JobSection, build_job
 from mdloader.testing import make_dataset
 
 REPO = Path(__file__).resolve().parents[3]
-STEPS = 2
+OWN = ("sparse", "dense", "twin")  # each head its own descriptor
+SHARED = ("shared_sparse", "shared_dense")  # one descriptor, sel "auto", different data
+DEEPMD_DP = "import sys; from deepmd.main import main; main(sys.argv[1:])"
+READ_MODELS = r"""
+import json, sys, torch, numpy as np
+keep = ("min_nbor_dist", ".mean", ".stddev", "davg", "dstd", "out_bias", "out_std")
+out = {}
+for path in sys.argv[1:]:
+    state = torch.load(path, weights_only=False)["model"]
+    out[path] = {k: np.asarray(v.double()).tolist() for k, v in state.items()
+                 if any(w in k for w in keep)}
+print("RESULT " + json.dumps(out))
+"""
 
 
 def test_sections_with_equal_requests_share_one_list(tmp_path: Path) -> None:
@@ -38,75 +54,170 @@ def test_sections_with_equal_requests_share_one_list(tmp_path: Path) -> None:
     assert job.find(str(tmp_path / "c"), None, ["O", "H"]) is None
 
 
-def _multitask_job(tmp_path: Path) -> Path:
-    make_dataset(tmp_path / "sparse", 2, natoms_range=(3, 5), nframes=4, seed=1)
-    make_dataset(tmp_path / "dense", 2, natoms_range=(20, 24), nframes=4, seed=2)
-    head = {"type_map": "my_type_map", "descriptor": "my_descriptor",
-            "fitting_net": {"neuron": [8], "seed": 1}}
+def _descriptor() -> dict:
+    return {"type": "se_e2_a", "sel": "auto", "rcut_smth": 0.5, "rcut": 4.0, "neuron": [4, 8],
+            "axis_neuron": 4, "seed": 1}
+
+
+def _config(root: Path, heads: tuple[str, ...]) -> dict:
+    data_of = {"sparse": "sparse", "dense": "dense", "twin": "sparse",
+               "shared_sparse": "sparse", "shared_dense": "dense"}
+    shared_dict = {"my_type_map": ["O", "H"], "my_descriptor": _descriptor()}
     loss = {"type": "ener", "start_pref_e": 0.02, "limit_pref_e": 1, "start_pref_f": 1000,
             "limit_pref_f": 1}
-    config = {
-        "model": {
-            "shared_dict": {"my_type_map": ["O", "H"],
-                            "my_descriptor": {"type": "se_e2_a", "sel": "auto",
-                                              "rcut_smth": 0.5, "rcut": 4.0, "neuron": [4, 8],
-                                              "axis_neuron": 4, "seed": 1}},
-            "model_dict": {"sparse": dict(head), "dense": dict(head)}},
+
+    def head(name: str) -> dict:
+        return {"type_map": "my_type_map",
+                "descriptor": "my_descriptor" if name in SHARED else _descriptor(),
+                "fitting_net": {"neuron": [8], "seed": 1}}
+
+    def data(name: str) -> dict:
+        systems = [str(root / data_of[name])]
+        section = {"training_data": {"systems": systems, "batch_size": 1}}
+        if name != "twin":
+            section["validation_data"] = {"systems": list(systems), "batch_size": 1}
+        return section
+
+    return {
+        "model": {"shared_dict": shared_dict, "model_dict": {h: head(h) for h in heads}},
         "learning_rate": {"type": "exp", "decay_steps": 5, "start_lr": 1e-3, "stop_lr": 1e-5},
-        "loss_dict": {"sparse": loss, "dense": loss},
-        "training": {
-            "model_prob": {"sparse": 0.5, "dense": 0.5},
-            "data_dict": {t: {"training_data": {"systems": [str(tmp_path / t)], "batch_size": 1},
-                              "validation_data": {"systems": [str(tmp_path / t)],
-                                                  "batch_size": 1}}
-                          for t in ("sparse", "dense")},
-            "numb_steps": STEPS, "seed": 7, "disp_freq": 1, "save_freq": STEPS},
+        "loss_dict": {h: dict(loss) for h in heads},
+        "training": {"model_prob": {h: 1.0 for h in heads},
+                     "data_dict": {h: data(h) for h in heads},
+                     "numb_steps": 1, "seed": 7, "disp_freq": 1, "save_freq": 1},
     }
-    (tmp_path / "input.json").write_text(json.dumps(config))
-    return tmp_path
 
 
 def _run(cmd: list[str], cwd: Path) -> str:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", NUM_WORKERS="0")
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=280)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", NUM_WORKERS="0",
+               MDLOADER_CACHE_DIR=str(cwd / "cache"))
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout + proc.stderr
 
 
+def _statistics(peer: str, jobs: list[Path]) -> list[dict]:
+    """The saved statistics of each job's first checkpoint (one process reads them all)."""
+    paths = [str(job / "model.ckpt-1.pt") for job in jobs]
+    out = _run([peer, "-c", READ_MODELS, *paths], jobs[0])
+    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    found = json.loads(line[len("RESULT "):])
+    return [found[p] for p in paths]
+
+
+def _finetune_job(root: Path, name: str) -> Path:
+    """A single-task input on dense's systems, fine-tuned from the reference's sparse head."""
+    job = root / name
+    job.mkdir()
+    config = _config(root, ("dense",))
+    config["model"] = {"type_map": ["O", "H"], "descriptor": _descriptor(),
+                       "fitting_net": {"neuron": [8], "seed": 1}}
+    config["loss"] = config.pop("loss_dict")["dense"]
+    training = config["training"]
+    config["training"] = {"training_data": training["data_dict"]["dense"]["training_data"],
+                          "numb_steps": 1, "seed": 7, "disp_freq": 1, "save_freq": 1}
+    (job / "input.json").write_text(json.dumps(config))
+    return job
+
+
+def _job(root: Path, name: str, heads: tuple[str, ...]) -> Path:
+    job = root / name
+    job.mkdir()
+    (job / "input.json").write_text(json.dumps(_config(root, heads)))
+    return job
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """DeePMD-kit's one-rank run and ``mdloader dp`` at W = 1 and 2, each once per module."""
+    peer = require_deepmd_python()
+    root = tmp_path_factory.mktemp("job")
+    make_dataset(root / "sparse", 2, natoms_range=(3, 5), nframes=4, seed=1)
+    make_dataset(root / "dense", 2, natoms_range=(20, 24), nframes=4, seed=2)
+    reference = _job(root, "deepmd", OWN)
+    _run([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], reference)
+    one = _job(root, "w1", OWN)
+    two = _job(root, "w2", OWN + SHARED)
+    two_ranks = [peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    train = ["--pt", "train", "input.json"]
+    logs = {1: _run([peer, "-m", "mdloader", "dp", *train], one),
+            2: _run([*two_ranks, "-m", "mdloader", "dp", *train], two)}
+    # fine-tuning the reference's sparse head on dense's systems: change-by-statistic
+    finetune = ["--finetune", str(reference / "model.ckpt-1.pt"), "--model-branch", "sparse",
+                "--use-pretrain-script"]
+    tuned = {"deepmd": _finetune_job(root, "finetune-deepmd"),
+             "mdloader": _finetune_job(root, "finetune-mdloader")}
+    _run([peer, "-c", DEEPMD_DP, *train, *finetune], tuned["deepmd"])
+    logs["finetune"] = _run([*two_ranks, "-m", "mdloader", "dp", *train, *finetune],
+                            tuned["mdloader"])
+    stats = _statistics(peer, [reference, one, two, tuned["deepmd"], tuned["mdloader"]])
+    return {"reference": reference, 1: one, 2: two, "logs": logs,
+            "stats": dict(zip(["reference", 1, 2, "finetune-deepmd", "finetune-mdloader"],
+                              stats, strict=True))}
+
+
+def _own_heads(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if any(f".{h}." in k for h in OWN)}
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.timeout(320)
-def test_shared_auto_sel_over_different_data_trains_on_two_ranks(tmp_path: Path) -> None:
-    peer = require_deepmd_python()
-    job = _multitask_job(tmp_path)
-    out = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "-m", "mdloader", "dp", "--pt", "train", "input.json"], job)
-    # training and validation read the same systems in each task: two requests, one build
-    assert out.count("job systems: one build of 4 sections (2 distinct requests") == 1
-    assert re.search(r"(built|loaded) \d+ systems \(", out) is None  # no per-set build
-    model = json.loads((job / "out.json").read_text())["model"]["model_dict"]
-    sels = {t: model[t]["descriptor"]["sel"] for t in ("sparse", "dense")}
-    assert sels["sparse"] == sels["dense"]  # one sel for the shared descriptor
-    assert (job / f"model.ckpt-{STEPS}.pt").exists()
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [1, 2])
+def test_one_build_one_statistics_pass_and_deepmd_kits_values(jobs: dict, world: int) -> None:
+    log, job = jobs["logs"][world], jobs[world]
+    sections = 5 if world == 1 else 9  # twin has no validation; the rest training and validation
+    # every task's training and validation systems: two distinct requests, one build
+    assert log.count(f"job systems: one build of {sections} sections (2 distinct requests") == 1
+    assert re.search(r"(built|loaded) \d+ systems \(", log) is None  # no per-set build
+    # every task's input statistics in one pass and one all-gather: twin's parts are sparse's
+    heads = len(OWN) + (len(SHARED) if world == 2 else 0)
+    passes = re.findall(r"statistics pass: (\d+) statistics, (\d+) parts of (\d+) systems .*"
+                        r"one all-gather on (\d+) ranks", log)
+    assert len(passes) == 1 and passes[0][::3] == (str(2 * heads), str(world))
+    # parts: each head's environment and output of 2 systems; twin's are sparse's, and a shared
+    # head's output parts are its data's own head's (its environment has the shared sel)
+    assert passes[0][1:3] == ("8", "4") if world == 1 else 8 <= int(passes[0][1]) <= 10
+    assert log.count("input statistics: all frames of 2 systems") == heads
+    resolved = json.loads((job / "out.json").read_text())["model"]["model_dict"]
+    reference = json.loads((jobs["reference"] / "out.json").read_text())["model"]["model_dict"]
+    for head in OWN:
+        assert resolved[head]["descriptor"]["sel"] == reference[head]["descriptor"]["sel"]
+    if world == 2:  # one sel for the shared descriptor, though the heads' data differ
+        assert resolved["shared_sparse"]["descriptor"]["sel"] == \
+            resolved["shared_dense"]["descriptor"]["sel"]
+    theirs = _own_heads(jobs["stats"]["reference"])
+    ours = _own_heads(jobs["stats"][world])
+    assert {k for k in theirs if "out_bias" in k} and {k for k in theirs if ".mean" in k}
+    _assert_equal(theirs, ours)
+
+
+def _assert_equal(theirs: dict, ours: dict, *, neighbours: bool = True) -> None:
+    """``min_nbor_dist`` bit for bit, every other statistic within 1e-10 relative."""
+    assert theirs.keys() == ours.keys()
+    assert any("min_nbor_dist" in k for k in theirs) or not neighbours
+    for key in theirs:
+        x, y = np.asarray(theirs[key]), np.asarray(ours[key])
+        if "min_nbor_dist" in key:
+            assert x == y, key
+        else:
+            np.testing.assert_allclose(y, x, rtol=1e-10, atol=1e-12, err_msg=key)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(320)
-def test_single_task_builds_its_systems_once(tmp_path: Path) -> None:
-    peer = require_deepmd_python()
-    job = _multitask_job(tmp_path)
-    config = json.loads((job / "input.json").read_text())
-    shared = config["model"]["shared_dict"]
-    data = config["training"]["data_dict"]
-    config["model"] = {"type_map": shared["my_type_map"], "descriptor": shared["my_descriptor"],
-                       "fitting_net": {"neuron": [8], "seed": 1}}
-    config["loss"] = config.pop("loss_dict")["sparse"]
-    config["training"] = {"training_data": data["sparse"]["training_data"],
-                          "validation_data": data["dense"]["validation_data"],
-                          "numb_steps": STEPS, "seed": 7, "disp_freq": 1, "save_freq": STEPS}
-    (job / "input.json").write_text(json.dumps(config))
-    out = _run([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], job)
-    # the neighbour statistics and both loader sets take their systems from one build
-    assert out.count("job systems: one build of 2 sections (2 distinct requests") == 1
-    assert re.search(r"(built|loaded) \d+ systems \(", out) is None
-    assert (job / f"model.ckpt-{STEPS}.pt").exists()
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_finetune_bias_in_shares_equals_deepmd_kits_one_rank_run(jobs: dict) -> None:
+    """``--finetune --model-branch`` at W = 2: every rank predicts its share of the frames with
+    the loaded weights, one all-gather, and the changed bias is DeePMD-kit's one-rank value
+    (DeePMD-kit's own 2-rank job changes it by rank 0's frames alone)."""
+    log = jobs["logs"]["finetune"]
+    assert re.search(r"prediction statistics: 2 systems .*\(cached 0, computed 2 on 2 ranks", log)
+    assert re.search(r"statistics pass: 2 statistics, 4 parts of 2 systems .* one all-gather "
+                     r"on 2 ranks", log)
+    theirs, ours = jobs["stats"]["finetune-deepmd"], jobs["stats"]["finetune-mdloader"]
+    pretrained = jobs["stats"]["reference"]
+    bias = [k for k in theirs if "out_bias" in k]
+    assert bias and all(theirs[k] != pretrained[k.replace(".Default.", ".sparse.")]
+                        for k in bias)  # changed by the new data
+    _assert_equal(theirs, ours, neighbours=False)

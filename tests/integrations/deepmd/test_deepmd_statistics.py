@@ -158,18 +158,39 @@ def peer() -> str:
     return require_deepmd_python()
 
 
+@pytest.fixture(scope="module")
+def reference(peer: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """DeePMD-kit's own one-rank run of a case, once per module: its systems and job folder."""
+    done: dict[str, tuple[object, Path]] = {}
+
+    def of(case: str) -> tuple[object, Path]:
+        if case not in done:
+            make, descriptor, type_map = CASES[case]
+            root = tmp_path_factory.mktemp(case)
+            systems = make(root)
+            theirs = _job(root, "deepmd", systems, descriptor, type_map)
+            _run([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], theirs)
+            done[case] = systems, theirs
+        return done[case]
+
+    return of
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", list(CASES))
-def test_statistics_equal_deepmd_kits_own(peer: str, tmp_path: Path, case: str) -> None:
-    make, descriptor, type_map = CASES[case]
-    systems = make(tmp_path)
-    theirs = _job(tmp_path, "deepmd", systems, descriptor, type_map)
+def test_statistics_equal_deepmd_kits_own(peer: str, reference, tmp_path: Path,  # type: ignore
+                                          case: str) -> None:
+    _, descriptor, type_map = CASES[case]
+    systems, theirs = reference(case)
     ours = _job(tmp_path, "mdloader", systems, descriptor, type_map)
-    _run([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], theirs)
     log = _run([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     assert "neighbour statistics:" in log and "computed" in log
     assert "environment statistics:" in log and "output statistics:" in log  # mdloader's
+    # the neighbour statistics, the input statistics and the loader set read one build
+    assert log.count("job systems: one build of 1 sections (1 distinct requests") == 1
+    assert re.search(r"(built|loaded) \d+ systems \(", log) is None
+    assert log.count("statistics pass: ") == 1  # every block and the output: one all-gather
     _compare(peer, theirs, ours)
 
 
@@ -177,12 +198,11 @@ def test_statistics_equal_deepmd_kits_own(peer: str, tmp_path: Path, case: str) 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", ["se_e2_a-npy-nopbc", "se_atten-mixed-type"])
-def test_two_ranks_shard_and_equal_deepmd_kits_own(peer: str, tmp_path: Path, case: str) -> None:
-    make, descriptor, type_map = CASES[case]
-    systems = make(tmp_path)
-    theirs = _job(tmp_path, "deepmd", systems, descriptor, type_map)
+def test_two_ranks_shard_and_equal_deepmd_kits_own(peer: str, reference,  # type: ignore
+                                                   tmp_path: Path, case: str) -> None:
+    _, descriptor, type_map = CASES[case]
+    systems, theirs = reference(case)
     ours = _job(tmp_path, "mdloader", systems, descriptor, type_map)
-    _run([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], theirs)
     log = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     assert "on 2 ranks" in log and "environment statistics:" in log
@@ -194,26 +214,42 @@ def test_two_ranks_shard_and_equal_deepmd_kits_own(peer: str, tmp_path: Path, ca
     assert f"cached {len(systems)}, computed 0" in again
 
 
-def _subset_reference(peer: str, root: Path, case: str) -> tuple[list[str], Path, Path]:
-    """The systems, DeePMD-kit's own statistics run at W = 1 and an mdloader job, both done."""
-    mixed, descriptor, nbatch = SUBSET_CASES[case]
-    systems = _subset_data(root, mixed)
-    theirs = _subset_job(root, "deepmd", systems, descriptor, nbatch)
-    ours = _subset_job(root, "mdloader", systems, descriptor, nbatch)
-    log = _run([peer, "deepmd_statistics.py", "--pt", "train", "input.json"], theirs)
-    assert "input statistics:" not in log and "environment statistics:" not in log
-    return systems, theirs, ours
+@pytest.fixture(scope="module")
+def subset_reference(peer: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore
+    """DeePMD-kit's own statistics path of a subset case at W = 1, once per module."""
+    done: dict[str, tuple[list[str], Path]] = {}
+
+    def of(case: str) -> tuple[list[str], Path]:
+        if case not in done:
+            mixed, descriptor, nbatch = SUBSET_CASES[case]
+            root = tmp_path_factory.mktemp(case)
+            systems = _subset_data(root, mixed)
+            theirs = _subset_job(root, "deepmd", systems, descriptor, nbatch)
+            log = _run([peer, "deepmd_statistics.py", "--pt", "train", "input.json"], theirs)
+            assert "input statistics:" not in log and "environment statistics:" not in log
+            done[case] = systems, theirs
+        return done[case]
+
+    return of
+
+
+def _subset_reference(subset_reference, root: Path, case: str  # type: ignore[no-untyped-def]
+                      ) -> tuple[list[str], Path, Path]:
+    """The systems, DeePMD-kit's own statistics run at W = 1 (done) and an mdloader job."""
+    _, descriptor, nbatch = SUBSET_CASES[case]
+    systems, theirs = subset_reference(case)
+    return systems, theirs, _subset_job(root, "mdloader", systems, descriptor, nbatch)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", list(SUBSET_CASES))
-def test_subset_statistics_in_shares_equal_deepmd_kits_path(peer: str, tmp_path: Path,
-                                                            case: str) -> None:
+def test_subset_statistics_in_shares_equal_deepmd_kits_path(peer: str, subset_reference,  # type: ignore
+                                                            tmp_path: Path, case: str) -> None:
     """``data_stat_nbatch`` draws a subset: mdloader computes the statistics of the frames a
     one-rank job draws, in shares, and the saved model equals DeePMD-kit's own statistics path
     over the same loader; a second run takes every system from the cache."""
-    systems, theirs, ours = _subset_reference(peer, tmp_path, case)
+    systems, theirs, ours = _subset_reference(subset_reference, tmp_path, case)
     log = _run([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     nbatch = SUBSET_CASES[case][2]
     assert re.search(rf"input statistics: \d+ of \d+ frames of 12 systems \(data_stat_nbatch="
@@ -230,10 +266,11 @@ def test_subset_statistics_in_shares_equal_deepmd_kits_path(peer: str, tmp_path:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-def test_subset_statistics_on_two_ranks_equal_one_rank(peer: str, tmp_path: Path) -> None:
+def test_subset_statistics_on_two_ranks_equal_one_rank(peer: str, subset_reference,  # type: ignore
+                                                       tmp_path: Path) -> None:
     """At W = 2 the statistics are the one-rank job's (DeePMD-kit's own path at W = 2 reads
     rank 0's shard only, other frames)."""
-    systems, theirs, ours = _subset_reference(peer, tmp_path, "se_e2_a-nbatch2")
+    systems, theirs, ours = _subset_reference(subset_reference, tmp_path, "se_e2_a-nbatch2")
     log = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     _compare(peer, theirs, ours)
