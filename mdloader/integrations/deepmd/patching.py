@@ -38,6 +38,7 @@ from mdloader.integrations.deepmd.systems import (
 )
 from mdloader.integrations.deepmd.training import (
     SCHEDULED_TASKS,
+    displaying_get_data,
     recording_step_schedule,
     scheduled_trainer_run,
 )
@@ -84,8 +85,8 @@ def patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
             _original(mods, TRAINING, "Trainer.run"))),
         (TRAINING, "Trainer.__init__"): recording_trainer_init(
             _original(mods, TRAINING, "Trainer.__init__")),
-        (TRAINING, "Trainer.get_data"): counting_get_data(
-            _original(mods, TRAINING, "Trainer.get_data")),
+        (TRAINING, "Trainer.get_data"): counting_get_data(displaying_get_data(
+            _original(mods, TRAINING, "Trainer.get_data"))),
         (TRAINING, "Trainer.save_model"): saving_loader_state(
             _original(mods, TRAINING, "Trainer.save_model")),
     }

@@ -87,7 +87,12 @@ SEAM: tuple[SeamName, ...] = (
     SeamName(TRAINING, "Trainer.__init__", "wrap",
              "keeps the `--restart` checkpoint, whose loader state `run` restores"),
     SeamName(TRAINING, "Trainer.get_data", "wrap",
-             "counts the batches the trainer consumed from each stream (workers prefetch)"),
+             "counts the batches the trainer consumed from each stream (workers prefetch); "
+             "a display-time batch of a task the step does not train comes from that task's "
+             "display stream"),
+    SeamName(TRAINING, "Trainer.training_data", "patch",
+             "a task's iterator is the display stream for the length of one display draw",
+             False),
     SeamName(TRAINING, "Trainer.save_model", "wrap",
              "writes the loader state beside each checkpoint (rank 0, atomically)"),
     SeamName(TRAINING, "Trainer.nonfinite_grad_guard", "wrap",
