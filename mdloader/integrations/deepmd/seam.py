@@ -85,7 +85,11 @@ SEAM: tuple[SeamName, ...] = (
              "at a `--restart`, seeks every stream to the loader state saved beside the "
              "checkpoint and skips the step DeePMD-kit would run twice"),
     SeamName(TRAINING, "Trainer.__init__", "wrap",
-             "keeps the `--restart` checkpoint, whose loader state `run` restores"),
+             "keeps the `--restart` checkpoint, whose loader state `run` restores; refuses "
+             "`validating.full_validation` in one line"),
+    SeamName(TRAINING, "Trainer.full_validator", "read",
+             "set when `validating.full_validation` is on (it reads DeePMD-kit's own "
+             "`DeepmdData` of each system)", False),
     SeamName(TRAINING, "Trainer.get_data", "wrap",
              "counts the batches the trainer consumed from each stream (workers prefetch); "
              "a display-time batch of a task the step does not train comes from that task's "

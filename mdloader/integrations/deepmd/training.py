@@ -28,7 +28,7 @@ import numpy as np
 from mdloader import settings
 from mdloader.distributed.collectives import agreed_seed
 from mdloader.distributed.group import current_world
-from mdloader.errors import MdloaderError, StateDictError
+from mdloader.errors import ConfigError, MdloaderError, StateDictError
 from mdloader.loading.loader import DpLoaderSet
 from mdloader.sampling.order import normalize_seed
 from mdloader.sampling.plan import PlanOwner
@@ -163,6 +163,27 @@ def displaying_get_data(original: Callable[..., Any]) -> Callable[..., Any]:
             iterators[task_key] = training
 
     return get_data
+
+
+def refusing_full_validation(original: Callable[..., None]) -> Callable[..., None]:
+    """``Trainer.__init__`` that refuses ``validating.full_validation`` in one line.
+
+    DeePMD-kit's full validation evaluates every validation system whole, on rank 0 alone,
+    through each system's own ``DeepmdData`` (``dataset.data_system``), which mdloader's
+    systems do not have: it would fail with a ``TypeError`` at its first evaluation.
+    """
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if getattr(self, "full_validator", None) is not None:
+            raise ConfigError("DeePMD-kit's full validation is not supported under mdloader dp "
+                              "(it reads each system whole on rank 0 through DeePMD-kit's own "
+                              "reader); set it to false, or use mdloader train "
+                              "--full-validation: every validation frame once, sharded over "
+                              "the ranks", path="validating.full_validation")
+
+    return __init__
 
 
 def recording_step_schedule(original: Callable[..., Any]) -> Callable[..., Any]:

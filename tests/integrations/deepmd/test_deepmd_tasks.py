@@ -71,9 +71,10 @@ def test_the_dpa2_example_twice_on_two_ranks_trains_the_same_tasks_and_lcurve(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_dpa2_num_epoch_dict_example_meets_its_targets_exactly(tmp_path: Path) -> None:
-    # 3 systems x 80 frames, batch 1: 240 batches per epoch; 3 and 2 steps owed
+    # 3 systems x 80 frames, batch 1: 240 batches per epoch (DeePMD-kit's ceil may make it
+    # 241); 2.9 and 1.9 steps owed: 3 and 2
     job = dpa2_example(tmp_path, "input_torch_num_epoch_dict.json",
-                       {"num_epoch_dict": {"water_1": 3 / 240, "water_2": 2 / 240}})
+                       {"num_epoch_dict": {"water_1": 2.9 / 240, "water_2": 1.9 / 240}})
     dp_train(job, None, input_name="tiny.json")
     (run,) = spied(job)
     assert sorted(run["tasks"]) == ["water_1"] * 3 + ["water_2"] * 2
@@ -152,3 +153,17 @@ def test_an_unseeded_job_adopts_the_schedule_seed_of_its_loader_state() -> None:
             training.restore_schedule_seed(_Trainer(), 12345)
     finally:
         training.SCHEDULED_TASKS.training = saved
+
+
+def test_deepmd_kits_full_validation_is_refused_in_one_line() -> None:
+    from mdloader.errors import ConfigError
+    from mdloader.integrations.deepmd.training import refusing_full_validation
+
+    class Trainer:
+        def __init__(self, full: bool) -> None:
+            self.full_validator = object() if full else None
+
+    Trainer.__init__ = refusing_full_validation(Trainer.__init__)
+    assert Trainer(False).full_validator is None
+    with pytest.raises(ConfigError, match=r"^validating.full_validation: DeePMD-kit's full "):
+        Trainer(True)
