@@ -100,7 +100,7 @@ def single(data: Path, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamesp
     dp_train(run.whole, single_task_input(data), steps=6)
     run.whole_drawn = spied(run.whole)[0]["drawn"]["Default"]
     dp_train(run.parts, single_task_input(data), steps=3)
-    run.state_files = sorted(p.name for p in run.parts.glob("*.mdloader"))
+    run.state_files = sorted((p.name, p.resolve().name) for p in run.parts.glob("*.mdloader"))
     run.link = (run.parts / "model.ckpt.pt").is_symlink()
     run.restart_log = dp_train(run.parts, single_task_input(data), "--restart",
                                "model.ckpt.pt", steps=6)
@@ -119,7 +119,10 @@ def single(data: Path, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamesp
 @pytest.mark.timeout(900)
 def test_a_restart_continues_the_streams_of_an_uninterrupted_run(single: SimpleNamespace
                                                                   ) -> None:
-    assert single.state_files == ["model.ckpt-3.pt.mdloader"] and single.link
+    # one state, and DeePMD-kit's link to the latest checkpoint's files links it too
+    assert single.state_files == [("model.ckpt-3.pt.mdloader", "model.ckpt-3.pt.mdloader"),
+                                  ("model.ckpt.pt.mdloader", "model.ckpt-3.pt.mdloader")]
+    assert single.link
     assert "restored the loader state" in single.restart_log
     assert lcurve_rows(single.parts, 3) == lcurve_rows(single.whole, 3)
     assert len(lcurve_rows(single.whole, 3)) == 3
@@ -188,12 +191,15 @@ def test_two_ranks_restarted_on_one_finish_each_interrupted_pass_once(
 def multi(data: Path, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("multi")
     run = SimpleNamespace(whole=root / "whole", parts=root / "parts", elastic=root / "elastic")
-    dp_train(run.whole, multi_task_input(data), steps=6, world=2)
-    dp_train(run.parts, multi_task_input(data), steps=3, world=2)
+    same = {"MDLOADER_TASK_DRAW": "same"}   # the per-rank default: test_deepmd_tasks.py
+    dp_train(run.whole, multi_task_input(data), steps=6, world=2, env=same)
+    run.whole_ranks = spied(run.whole, 2)
+    dp_train(run.parts, multi_task_input(data), steps=3, world=2, env=same)
     run.before = spied(run.parts, 2)
     run.state = json.loads((run.parts / "model.ckpt-3.pt.mdloader").read_text())
     _copy_checkpoint(run.parts, "model.ckpt-3.pt", run.elastic)
-    dp_train(run.parts, multi_task_input(data), "--restart", "model.ckpt.pt", steps=6, world=2)
+    dp_train(run.parts, multi_task_input(data), "--restart", "model.ckpt.pt", steps=6, world=2,
+             env=same)
     dp_train(run.elastic, multi_task_input(data), "--restart", "model.ckpt-3.pt", steps=12)
     run.after = spied(run.elastic)[0]
     return run
@@ -204,6 +210,11 @@ def multi(data: Path, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespa
 @pytest.mark.timeout(900)
 def test_a_multi_task_restart_on_two_ranks_equals_an_uninterrupted_run(
         multi: SimpleNamespace) -> None:
+    # MDLOADER_TASK_DRAW=same: every rank trains the step's task; both tasks are trained
+    ranks = [rank["tasks"] for rank in multi.whole_ranks]
+    assert ranks[0] == ranks[1] and len(ranks[0]) == 6 and len(set(ranks[0])) == 2
+    # two launches write the same rows (the stopped run's 3 are the whole run's first 3)
+    assert lcurve_rows(multi.parts)[:3] == lcurve_rows(multi.whole)[:3]
     assert lcurve_rows(multi.parts, 3) == lcurve_rows(multi.whole, 3)
     assert len(lcurve_rows(multi.whole, 3)) == 3
     # every task's training, validation and display streams, and the schedule's seed
@@ -233,6 +244,7 @@ def tasks(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dic
     inputs = {"two": multi_task_input(data),
               "two, displayed once": multi_task_input(data, disp_freq=100),
               "three": multi_task_input(data, ("a", "b", "c"), data={"c": "a"})}
+    inputs["three"]["training"]["model_prob"]["c"] = 0.5   # b and c each train in 8 steps
     runs = {}
     for name, config in inputs.items():
         job = root / name.replace(", ", "-").replace(" ", "_")

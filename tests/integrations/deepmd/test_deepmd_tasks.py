@@ -3,8 +3,9 @@
 DeePMD-kit's own DPA-2 multi-task example (two heads sharing a DPA-2 descriptor, on the water
 data), shrunk to tiny sizes and a few steps, trains at W = 1 and 2: two launches at W = 2 train
 the same tasks and write the same ``lcurve.out``; its ``num_epoch_dict`` variant meets the
-per-task targets exactly at W = 1. A two-head se_e2_a input trains the same task on every rank
-on request. A spy (tests/support/deepmd_spy.py) records the task of every step on every rank.
+per-task targets exactly at W = 1. (The same task on every rank on request,
+``MDLOADER_TASK_DRAW=same``, is asserted on the two-rank runs of test_deepmd_resume.py.) A spy
+(tests/support/deepmd_spy.py) records the task of every step on every rank.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from pathlib import Path
 
 import pytest
 from support.deepmd_spy import dp_train, lcurve_rows, spied
-
-from mdloader.testing import make_dataset
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "tests" / "fixtures" / "deepmd-examples" / "water_multi_task"
@@ -84,38 +83,6 @@ def test_the_dpa2_num_epoch_dict_example_meets_its_targets_exactly(tmp_path: Pat
     (run,) = spied(job)
     assert Counter(run["tasks"]) == targets and min(targets.values()) >= 2
     assert len(lcurve_rows(job)) == sum(targets.values())
-
-
-def _head() -> dict:
-    return {"type_map": "type_map_all", "descriptor": "shared_descriptor",
-            "fitting_net": {"neuron": [8], "seed": 1}}
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.timeout(600)
-def test_same_task_on_every_rank_on_request(tmp_path: Path) -> None:
-    for name in ("a", "b"):
-        make_dataset(tmp_path / f"data_{name}", 2, nframes=4, seed=len(name) + ord(name))
-    data = {name: {"training_data": {"systems": [str(tmp_path / f"data_{name}")],
-                                     "batch_size": 1}} for name in ("a", "b")}
-    loss = {"type": "ener", "start_pref_e": 0.02, "limit_pref_e": 1, "start_pref_f": 1000,
-            "limit_pref_f": 1}
-    config = {
-        "model": {"shared_dict": {"type_map_all": ["O", "H"],
-                                  "shared_descriptor": {"type": "se_e2_a", "sel": [12, 24],
-                                                        "rcut_smth": 0.5, "rcut": 4.0,
-                                                        "neuron": [4, 8], "axis_neuron": 4,
-                                                        "seed": 1}},
-                  "model_dict": {"a": _head(), "b": _head()}},
-        "learning_rate": {"type": "exp", "decay_steps": 5, "start_lr": 1e-3, "stop_lr": 1e-3},
-        "loss_dict": {"a": loss, "b": loss},
-        "training": {"data_dict": data, "seed": 7, "disp_freq": 1, "save_freq": 100,
-                     "model_prob": {"a": 0.5, "b": 0.5}},
-    }
-    dp_train(tmp_path / "job", config, steps=6, world=2, env={"MDLOADER_TASK_DRAW": "same"})
-    ranks = spied(tmp_path / "job", 2)
-    assert ranks[0]["tasks"] == ranks[1]["tasks"] and len(set(ranks[0]["tasks"])) == 2
 
 
 def test_schedule_of_reads_deepmd_kit_training_section(monkeypatch: pytest.MonkeyPatch) -> None:
