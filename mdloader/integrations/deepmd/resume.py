@@ -183,14 +183,14 @@ def load_state(trainer: Any, checkpoint: str, streams: dict[str, WeightedSystemS
         raise StateDictError(f"{path} has no state for the stream(s) {', '.join(missing)} "
                              f"(it has {', '.join(sorted(saved)) or 'none'}): the input's "
                              "tasks or validation data changed since the checkpoint")
+    if state.get("schedule_seed") is not None and getattr(trainer, "multi_task", False):
+        restore_schedule_seed(trainer, int(state["schedule_seed"]))  # checked before any load
     for name, sampler in streams.items():
         if name in saved:
             sampler.load_state_dict(saved[name])
     if fresh:  # a state of an mdloader without display streams: only log lines differ
         log.info("the loader state has no display stream for %s: they start over",
                  ", ".join(fresh))
-    if state.get("schedule_seed") is not None and getattr(trainer, "multi_task", False):
-        restore_schedule_seed(trainer, int(state["schedule_seed"]))
     trainer.start_step += 1  # the checkpoint's own step is done: it is not run again
     scheduler = getattr(trainer, "scheduler", None)  # Adam-type optimizers have one
     if scheduler is not None:
