@@ -200,7 +200,7 @@ def multi(data: Path, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespa
     _copy_checkpoint(run.parts, "model.ckpt-3.pt", run.elastic)
     dp_train(run.parts, multi_task_input(data), "--restart", "model.ckpt.pt", steps=6, world=2,
              env=same)
-    dp_train(run.elastic, multi_task_input(data), "--restart", "model.ckpt-3.pt", steps=12)
+    dp_train(run.elastic, multi_task_input(data), "--restart", "model.ckpt-3.pt", steps=24)
     run.after = spied(run.elastic)[0]
     return run
 
@@ -229,7 +229,7 @@ def test_a_multi_task_restart_on_two_ranks_equals_an_uninterrupted_run(
 @pytest.mark.timeout(900)
 def test_a_multi_task_run_on_two_ranks_restarted_on_one_finishes_each_pass_once(
         multi: SimpleNamespace) -> None:
-    assert len(multi.after["tasks"]) == 12 - 3
+    assert len(multi.after["tasks"]) == 24 - 3
     for task in ("a", "b"):
         before = [rank["drawn"].get(task, []) for rank in multi.before]
         _drained_exactly_once(multi.state["streams"][f"training.{task}"], before,
