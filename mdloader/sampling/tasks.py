@@ -35,6 +35,7 @@ TAG_TASK_SHARED = 0x54534852  # "TSHR": task draws shared by all ranks
 TAG_TASK_WINDOW = 0x5457494E  # "TWIN": per-rank order inside an exact-count window
 TAG_TASK_WINDOW_SHARED = 0x5457534E  # "TWSN": window order shared by all ranks
 TAG_TASK_STREAM = 0x5453544D  # "TSTM": the data streams of one task
+TAG_TASK_DISPLAY = 0x54445350  # "TDSP": the display-time batches of one task
 TASK_CHUNK = 4096
 """Steps per chunk of draws: each chunk has its own generator, so step s is random access."""
 
@@ -51,6 +52,17 @@ def task_stream_seed(seed: int, task: str) -> int:
     depend on which other tasks the job has.
     """
     words = [int(seed) % SEED_MOD, TAG_TASK_STREAM, task_key_word(task)]
+    return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0])
+
+
+def display_stream_seed(stream_seed: int) -> int:
+    """The seed of a task's display-time batches, from the seed of its training stream.
+
+    A multi-task display step evaluates one batch of every task not trained at that step;
+    drawn from a stream keyed apart, those batches leave the training streams untouched, so
+    how often a job logs never changes what it trains.
+    """
+    words = [int(stream_seed) % SEED_MOD, TAG_TASK_DISPLAY]
     return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0])
 
 
@@ -197,19 +209,22 @@ class TaskCursor:
     """A schedule and the next step of one rank: the only state, one integer.
 
     ``choice`` has the signature of DeePMD-kit's ``dp_random.choice``, so the cursor stands in
-    for that module in DeePMD-kit's training loop: each call is one step.
+    for that module in DeePMD-kit's training loop: each call is one step. ``current`` is the
+    task of the step last drawn (``None`` before the first).
     """
 
     def __init__(self, schedule: TaskSchedule, rank: int, step: int = 0) -> None:
         self.schedule = schedule
         self.rank = int(rank)
         self.step = int(step)
+        self.current: int | None = None
 
     def choice(self, a: object = None, size: object = None, replace: bool = True,
                p: object = None) -> int:
         """The task of the current step; the cursor moves to the next step."""
         task = self.schedule.task(self.rank, self.step)
         self.step += 1
+        self.current = task
         return task
 
     def state_dict(self) -> dict[str, int]:

@@ -38,7 +38,9 @@ from mdloader.integrations.deepmd.systems import (
 )
 from mdloader.integrations.deepmd.training import (
     SCHEDULED_TASKS,
+    displaying_get_data,
     recording_step_schedule,
+    refusing_full_validation,
     scheduled_trainer_run,
 )
 from mdloader.loading.loader import get_sampler_from_params, get_weighted_sampler
@@ -82,10 +84,10 @@ def patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
             _original(mods, TRAINING, "resolve_step_schedule")),
         (TRAINING, "Trainer.run"): resuming_trainer_run(scheduled_trainer_run(
             _original(mods, TRAINING, "Trainer.run"))),
-        (TRAINING, "Trainer.__init__"): recording_trainer_init(
-            _original(mods, TRAINING, "Trainer.__init__")),
-        (TRAINING, "Trainer.get_data"): counting_get_data(
-            _original(mods, TRAINING, "Trainer.get_data")),
+        (TRAINING, "Trainer.__init__"): recording_trainer_init(refusing_full_validation(
+            _original(mods, TRAINING, "Trainer.__init__"))),
+        (TRAINING, "Trainer.get_data"): counting_get_data(displaying_get_data(
+            _original(mods, TRAINING, "Trainer.get_data"))),
         (TRAINING, "Trainer.save_model"): saving_loader_state(
             _original(mods, TRAINING, "Trainer.save_model")),
     }

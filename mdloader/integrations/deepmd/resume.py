@@ -9,7 +9,10 @@ sampler states to rank 0 at each checkpoint and writes them merged beside the ch
 stream is sought to its consumed count before the trainer's iterators start, on any number of
 ranks (a merged state resumes elastically), and the step DeePMD-kit would run twice (it restarts
 its loop at the saved step index) is skipped, so the run continues with the batches an
-uninterrupted run would have drawn.
+uninterrupted run would have drawn. The streams are the training and validation streams of
+every task and the display streams of a multi-task job
+(:class:`~mdloader.integrations.deepmd.training.DisplayStream`); the state also holds the task
+schedule's seed (an unseeded job's is rank 0's random one).
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ from typing import Any
 from mdloader.distributed.collectives import gather_to_main
 from mdloader.distributed.group import current_world
 from mdloader.errors import StateDictError
+from mdloader.integrations.deepmd.training import (
+    display_streams,
+    is_display_draw,
+    recorded_schedule_seed,
+    restore_schedule_seed,
+)
 from mdloader.persist import write_atomic
 from mdloader.sampling.elastic import merge_rank_states
 from mdloader.sampling.samplers import WeightedSystemSampler
@@ -45,7 +54,7 @@ def state_path(checkpoint: str | os.PathLike[str]) -> str:
 
 
 def stream_name(role: str, task: str | None) -> str:
-    """``training`` or ``validation``, then ``.<task>`` for a multi-task head."""
+    """``training``, ``validation`` or ``display``, then ``.<task>`` for a multi-task head."""
     return role if task is None else f"{role}.{task}"
 
 
@@ -59,6 +68,8 @@ def trainer_streams(trainer: Any) -> dict[str, WeightedSystemSampler]:
             sampler = getattr(loader, "sampler", None)
             if isinstance(sampler, WeightedSystemSampler):
                 streams[stream_name(role, task)] = sampler
+    for task, display in display_streams(trainer).items():
+        streams[stream_name("display", task)] = display.sampler
     return streams
 
 
@@ -102,7 +113,8 @@ def counting_get_data(original: Callable[..., Any]) -> Callable[..., Any]:
         result = original(self, is_train, task_key)
         tracker = _RUNNING.get(self)
         if tracker is not None:
-            role = "training" if is_train else "validation"
+            role = ("display" if is_display_draw(self, is_train, task_key) else
+                    "training" if is_train else "validation")
             tracker.took(stream_name(role, task_key if self.multi_task else None))
         return result
 
@@ -141,7 +153,7 @@ class GatheringGuard:
         return getattr(self._real, name)
 
 
-def _load(trainer: Any, checkpoint: str, streams: dict[str, WeightedSystemSampler]) -> None:
+def load_state(trainer: Any, checkpoint: str, streams: dict[str, WeightedSystemSampler]) -> None:
     """Seek every stream to the state saved beside ``checkpoint`` and skip the repeated step;
     warn once when there is none."""
     path = state_path(checkpoint)
@@ -165,13 +177,20 @@ def _load(trainer: Any, checkpoint: str, streams: dict[str, WeightedSystemSample
                              f"{checkpoint} restarts at step {trainer.start_step}: they are "
                              "not one checkpoint's")
     saved = state["streams"]
-    missing = sorted(set(streams) - set(saved))
+    fresh = sorted(n for n in streams if n.startswith("display.") and n not in saved)
+    missing = sorted(set(streams) - set(saved) - set(fresh))
     if missing:
         raise StateDictError(f"{path} has no state for the stream(s) {', '.join(missing)} "
                              f"(it has {', '.join(sorted(saved)) or 'none'}): the input's "
                              "tasks or validation data changed since the checkpoint")
+    if state.get("schedule_seed") is not None and getattr(trainer, "multi_task", False):
+        restore_schedule_seed(trainer, int(state["schedule_seed"]))  # checked before any load
     for name, sampler in streams.items():
-        sampler.load_state_dict(saved[name])
+        if name in saved:
+            sampler.load_state_dict(saved[name])
+    if fresh:  # a state of an mdloader without display streams: only log lines differ
+        log.info("the loader state has no display stream for %s: they start over",
+                 ", ".join(fresh))
     trainer.start_step += 1  # the checkpoint's own step is done: it is not run again
     scheduler = getattr(trainer, "scheduler", None)  # Adam-type optimizers have one
     if scheduler is not None:
@@ -190,7 +209,7 @@ def resuming_trainer_run(original: Callable[[Any], None]) -> Callable[[Any], Non
         streams = trainer_streams(self)
         checkpoint = _RESUME_FROM.get(self)
         if checkpoint is not None:
-            _load(self, checkpoint, streams)
+            load_state(self, checkpoint, streams)
         tracker = ConsumedBatches(streams)
         _RUNNING[self] = tracker
         guard = self.nonfinite_grad_guard
@@ -229,7 +248,8 @@ def saving_loader_state(original: Callable[..., None]) -> Callable[..., None]:
                       save_path)
             return
         state = {"format": STATE_FORMAT, "version": STATE_VERSION, "step": int(step),
-                 "world_size": current_world().world_size, "streams": streams}
+                 "world_size": current_world().world_size, "streams": streams,
+                 "schedule_seed": recorded_schedule_seed(self)}
         target = state_path(save_path)
         write_atomic(target, json.dumps(state).encode("utf-8"))
         _prune(os.path.dirname(target))

@@ -87,9 +87,18 @@ SEAM: tuple[SeamName, ...] = (
              "at a `--restart`, seeks every stream to the loader state saved beside the "
              "checkpoint and skips the step DeePMD-kit would run twice"),
     SeamName(TRAINING, "Trainer.__init__", "wrap",
-             "keeps the `--restart` checkpoint, whose loader state `run` restores"),
+             "keeps the `--restart` checkpoint, whose loader state `run` restores; refuses "
+             "`validating.full_validation` in one line"),
+    SeamName(TRAINING, "Trainer.full_validator", "read",
+             "set when `validating.full_validation` is on (it reads DeePMD-kit's own "
+             "`DeepmdData` of each system)", False),
     SeamName(TRAINING, "Trainer.get_data", "wrap",
-             "counts the batches the trainer consumed from each stream (workers prefetch)"),
+             "counts the batches the trainer consumed from each stream (workers prefetch); "
+             "a display-time batch of a task the step does not train comes from that task's "
+             "display stream"),
+    SeamName(TRAINING, "Trainer.training_data", "patch",
+             "a task's iterator is the display stream for the length of one display draw",
+             False),
     SeamName(TRAINING, "Trainer.save_model", "wrap",
              "writes the loader state beside each checkpoint (rank 0, atomically)"),
     SeamName(TRAINING, "Trainer.nonfinite_grad_guard", "wrap",

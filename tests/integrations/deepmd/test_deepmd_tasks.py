@@ -1,124 +1,88 @@
 """mdloader's multi-task schedule under DeePMD-kit's own trainer (``mdloader dp``).
 
-A two-head se_e2_a input shares one descriptor; a spy records the task DeePMD-kit's loop trained
-at every step on every rank. Two launches train the same tasks; ``num_epoch_dict`` targets are
-met exactly.
+DeePMD-kit's own DPA-2 multi-task example (two heads sharing a DPA-2 descriptor, on the water
+data), shrunk to tiny sizes and a few steps, trains at W = 1 and 2: two launches at W = 2 train
+the same tasks and write the same ``lcurve.out``; its ``num_epoch_dict`` variant meets the
+per-task targets exactly at W = 1. (The same task on every rank on request,
+``MDLOADER_TASK_DRAW=same``, is asserted on the two-rank runs of test_deepmd_resume.py.) A spy
+(tests/support/deepmd_spy.py) records the task of every step on every rank.
 """
 
 from __future__ import annotations
 
+import ast
 import json
-import os
-import subprocess
+import re
+import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
-from support.deepmd_env import require_deepmd_python
-
-from mdloader.testing import make_dataset
+from support.deepmd_spy import dp_train, lcurve_rows, spied
 
 REPO = Path(__file__).resolve().parents[3]
+EXAMPLE = REPO / "tests" / "fixtures" / "deepmd-examples" / "water_multi_task"
 
-SPY = r'''
-import json, os, sys
-import mdloader.integrations.deepmd as md
-from mdloader.integrations.deepmd.training import SCHEDULED_TASKS
-chosen = []
-_choice = SCHEDULED_TASKS.choice
-def choice(*a, **k):
-    task = _choice(*a, **k)
-    chosen.append(int(task))
-    return task
-SCHEDULED_TASKS.choice = choice
-code = md.run_dp(sys.argv[1:])
-with open(f"tasks.rank{os.environ.get('RANK', '0')}.json", "w") as fh:
-    json.dump({"tasks": chosen, "keys": ["a", "b"], "steps": len(chosen)}, fh)
-sys.exit(code)
-'''
+#: DeePMD-kit's DPA-2 example with every size cut down; its switches (three-body repinit,
+#: the repformer's updates and gates) are kept.
+TINY_REPINIT = {"tebd_dim": 4, "rcut": 3.0, "rcut_smth": 0.5, "nsel": 40, "neuron": [4, 8],
+                "axis_neuron": 4, "three_body_sel": 10, "three_body_rcut": 2.5,
+                "three_body_rcut_smth": 2.0}
+TINY_REPFORMER = {"rcut": 2.5, "rcut_smth": 2.0, "nsel": 12, "nlayers": 1, "g1_dim": 8,
+                  "g2_dim": 4, "attn2_hidden": 4, "attn2_nhead": 1, "attn1_hidden": 8,
+                  "attn1_nhead": 1}
 
 
-def _head() -> dict:
-    return {"type_map": "type_map_all", "descriptor": "shared_descriptor",
-            "fitting_net": {"neuron": [8], "seed": 1}}
-
-
-def multitask_job(tmp_path: Path, training: dict) -> Path:
-    """A two-head ``dp --pt train`` job on 4-frame systems, each head its own data."""
-    for name in ("a", "b"):
-        make_dataset(tmp_path / f"data_{name}", 2, nframes=4, seed=len(name) + ord(name))
-    data = {name: {"training_data": {"systems": [str(tmp_path / f"data_{name}")],
-                                     "batch_size": 1}} for name in ("a", "b")}
-    loss = {"type": "ener", "start_pref_e": 0.02, "limit_pref_e": 1, "start_pref_f": 1000,
-            "limit_pref_f": 1}
-    config = {
-        "model": {"shared_dict": {"type_map_all": ["O", "H"],
-                                  "shared_descriptor": {"type": "se_e2_a", "sel": [12, 24],
-                                                        "rcut_smth": 0.5, "rcut": 4.0,
-                                                        "neuron": [4, 8], "axis_neuron": 4,
-                                                        "seed": 1}},
-                  "model_dict": {"a": _head(), "b": _head()}},
-        "learning_rate": {"type": "exp", "decay_steps": 5, "start_lr": 1e-3, "stop_lr": 1e-3},
-        "loss_dict": {"a": loss, "b": loss},
-        "training": {"data_dict": data, "seed": 7, "disp_freq": 1, "save_freq": 100,
-                     **training},
-    }
-    (tmp_path / "input.json").write_text(json.dumps(config))
-    (tmp_path / "spy.py").write_text(SPY)
-    return tmp_path
-
-
-def _train(job: Path, world: int, **env: str) -> list[dict]:
-    peer = require_deepmd_python()
-    launch = ([peer] if world == 1 else
-              [peer, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"])
-    full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", NUM_WORKERS="0",
-                    **env)
-    proc = subprocess.run([*launch, "spy.py", "--pt", "train", "input.json",
-                           "--skip-neighbor-stat"], cwd=job, env=full_env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return [json.loads((job / f"tasks.rank{r}.json").read_text()) for r in range(world)]
-
-
-def _lcurve(job: Path) -> list[str]:
-    return [line for line in (job / "lcurve.out").read_text().splitlines()
-            if line.strip() and not line.startswith("#")]
+def dpa2_example(tmp_path: Path, name: str, training: dict) -> Path:
+    """DeePMD-kit's example ``name`` in its layout (``water/data`` beside it), shrunk, with
+    ``training`` merged into its training section; returns the folder to run it in."""
+    root = tmp_path / "examples"
+    if not root.exists():
+        shutil.copytree(EXAMPLE, root / "water_multi_task")
+        (root / "water").mkdir()
+        (root / "water" / "data").symlink_to(REPO / "examples" / "water" / "data")
+    folder = root / "water_multi_task" / "pytorch_example"
+    config = json.loads((folder / name).read_text())
+    descriptor = config["model"]["shared_dict"]["dpa2_descriptor"]
+    descriptor["repinit"].update(TINY_REPINIT)
+    descriptor["repformer"].update(TINY_REPFORMER)
+    for head in config["model"]["model_dict"].values():
+        head["fitting_net"]["neuron"] = [8]
+    config["training"].update({"disp_freq": 1, "save_freq": 100, **training})
+    (folder / "tiny.json").write_text(json.dumps(config))
+    return folder
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.timeout(600)
-def test_two_launches_train_the_same_tasks_and_write_the_same_lcurve(tmp_path: Path) -> None:
+@pytest.mark.timeout(900)
+def test_the_dpa2_example_twice_on_two_ranks_trains_the_same_tasks_and_lcurve(
+        tmp_path: Path) -> None:
     runs = []
     for launch in ("first", "second"):
-        job = multitask_job(tmp_path / launch, {"numb_steps": 8,
-                                                "model_prob": {"a": 0.5, "b": 0.5}})
-        runs.append((_train(job, 2), _lcurve(job)))
+        job = dpa2_example(tmp_path / launch, "input_torch.json", {"numb_steps": 3})
+        dp_train(job, None, world=2, input_name="tiny.json")
+        runs.append((spied(job, 2), lcurve_rows(job)))
     (first, first_curve), (second, second_curve) = runs
     assert [r["tasks"] for r in first] == [r["tasks"] for r in second]
-    assert first_curve == second_curve
-    assert all(len(r["tasks"]) == 8 for r in first)
+    assert first_curve == second_curve and len(first_curve) == 3
+    assert all(len(r["tasks"]) == 3 for r in first)
     assert first[0]["tasks"] != first[1]["tasks"]  # per-rank draws by default
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_num_epoch_dict_targets_are_met_exactly(tmp_path: Path) -> None:
-    # 2 systems x 4 frames, batch 1: 8 batches per epoch; 0.375 and 0.25 epochs: 3 and 2 steps
-    job = multitask_job(tmp_path, {"num_epoch_dict": {"a": 0.375, "b": 0.25}})
-    (run,) = _train(job, 1)
-    assert run["steps"] == 5
-    counts = {key: run["tasks"].count(i) for i, key in enumerate(run["keys"])}
-    assert counts == {"a": 3, "b": 2}
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_same_task_on_every_rank_on_request(tmp_path: Path) -> None:
-    job = multitask_job(tmp_path, {"numb_steps": 6, "model_prob": {"a": 0.5, "b": 0.5}})
-    ranks = _train(job, 2, MDLOADER_TASK_DRAW="same")
-    assert ranks[0]["tasks"] == ranks[1]["tasks"]
+@pytest.mark.timeout(600)
+def test_the_dpa2_num_epoch_dict_example_meets_its_targets_exactly(tmp_path: Path) -> None:
+    """DeePMD-kit turns ``num_epoch_dict`` into per-task target steps (its log line says them)
+    and draws each step's task at random, meeting them in expectation only; the schedule trains
+    each task exactly its target."""
+    job = dpa2_example(tmp_path, "input_torch_num_epoch_dict.json",
+                       {"num_epoch_dict": {"water_1": 2.9 / 240, "water_2": 1.9 / 240}})
+    log = dp_train(job, None, input_name="tiny.json")
+    targets = ast.literal_eval(re.search(r"per-task target steps: (\{.*?\})", log).group(1))
+    (run,) = spied(job)
+    assert Counter(run["tasks"]) == targets and min(targets.values()) >= 2
+    assert len(lcurve_rows(job)) == sum(targets.values())
 
 
 def test_schedule_of_reads_deepmd_kit_training_section(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,15 +90,52 @@ def test_schedule_of_reads_deepmd_kit_training_section(monkeypatch: pytest.Monke
     from mdloader.integrations.deepmd.training import ScheduledTasks, schedule_of
 
     monkeypatch.delenv("MDLOADER_TASK_DRAW", raising=False)
-    drawn = schedule_of({"seed": 7}, [0.25, 0.75], 10)
+    drawn = schedule_of(7, {"seed": 7}, [0.25, 0.75], 10)
     assert (drawn.seed, drawn.window, drawn.same_task_across_ranks) == (7, 0, False)
-    exact = schedule_of({"seed": None, "num_epoch_dict": {"a": 1, "b": 1}}, [0.6, 0.4], 5)
-    assert (exact.seed, exact.window) == (0, 5)
+    exact = schedule_of(11, {"seed": None, "num_epoch_dict": {"a": 1, "b": 1}}, [0.6, 0.4], 5)
+    assert (exact.seed, exact.window) == (11, 5)
     assert exact.counts(0, 0, 5).tolist() == [3, 2]
     monkeypatch.setenv("MDLOADER_TASK_DRAW", "same")
-    assert schedule_of({"seed": 7}, [0.5, 0.5], 4).same_task_across_ranks
+    assert schedule_of(7, {"seed": 7}, [0.5, 0.5], 4).same_task_across_ranks
     monkeypatch.setenv("MDLOADER_TASK_DRAW", "both")
     with pytest.raises(ConfigError, match="MDLOADER_TASK_DRAW"):
-        schedule_of({"seed": 7}, [0.5, 0.5], 4)
+        schedule_of(7, {"seed": 7}, [0.5, 0.5], 4)
     with pytest.raises(MdloaderError, match="outside Trainer.run"):
         ScheduledTasks().choice(2, p=[0.5, 0.5])
+
+
+class _Trainer:
+    """Stands for a trainer (kept by weak reference)."""
+
+
+def test_an_unseeded_job_adopts_the_schedule_seed_of_its_loader_state() -> None:
+    from mdloader.errors import StateDictError
+    from mdloader.integrations.deepmd import training
+
+    trainer = _Trainer()
+    saved = dict(training.SCHEDULED_TASKS.training)
+    try:
+        training.SCHEDULED_TASKS.training = {"seed": None}
+        drawn = training.schedule_seed(trainer)          # rank 0's random seed (one process)
+        assert training.schedule_seed(trainer) == drawn  # drawn once per trainer
+        training.restore_schedule_seed(trainer, 12345)
+        assert training.schedule_seed(trainer) == 12345
+        training.SCHEDULED_TASKS.training = {"seed": 7}
+        with pytest.raises(StateDictError, match="seed 12345 but the input has training.seed 7"):
+            training.restore_schedule_seed(_Trainer(), 12345)
+    finally:
+        training.SCHEDULED_TASKS.training = saved
+
+
+def test_deepmd_kits_full_validation_is_refused_in_one_line() -> None:
+    from mdloader.errors import ConfigError
+    from mdloader.integrations.deepmd.training import refusing_full_validation
+
+    class Trainer:
+        def __init__(self, full: bool) -> None:
+            self.full_validator = object() if full else None
+
+    Trainer.__init__ = refusing_full_validation(Trainer.__init__)
+    assert Trainer(False).full_validator is None
+    with pytest.raises(ConfigError, match=r"^validating.full_validation: DeePMD-kit's full "):
+        Trainer(True)
