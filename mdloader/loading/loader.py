@@ -35,7 +35,7 @@ from mdloader.distributed.group import current_world
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.loading.build import build_systems
 from mdloader.loading.system_list import SystemDatasets, kept_systems, natoms_of, nframes_of
-from mdloader.loading.worker_memory import settle_worker
+from mdloader.loading.worker_memory import settle_worker, share_heap_with_forks
 from mdloader.sampling.order import FrameOrder, normalize_seed
 from mdloader.sampling.plan import LoaderPlan, PlanOwner
 from mdloader.sampling.probability import StyleRule, select_prob_source
@@ -146,6 +146,7 @@ class DpLoaderSet(Dataset):
         self.sampler: WeightedSystemSampler | None = None
         self._warned_worker = False
         self.plan_owner.subscribe(self._plan_changed)
+        share_heap_with_forks()  # DataLoader workers fork from this process
 
     # -- the plan: sizes, batch counts and the seed, read from one place ----------------------
     @property

@@ -1,19 +1,31 @@
 """Keep a forked DataLoader worker from copying the heap it inherits.
 
-A forked worker shares its parent's pages until it writes one. CPython's cyclic garbage
-collector writes the header of every object it visits, so the first full collection in a worker
-would copy every page of the inherited heap (the system table, the plan, the imported modules).
-:func:`settle_worker` moves the inherited objects out of the collector's reach
-(:func:`gc.freeze`) once per worker process, before it reads its first batch; objects the worker
-makes afterwards are collected as usual.
+A forked worker shares its parent's pages until either side writes one. Three writers turned
+shared pages into private copies (``benchmarks/throughput/worker_memory.py``, figures in
+``docs/benchmarks.md``):
+
+* the worker's cyclic garbage collector, which writes the header of every object it visits:
+  :func:`settle_worker` moves the inherited objects out of its reach (:func:`gc.freeze`) once
+  per worker, before its first batch;
+* the parent's collector, once it runs a full collection while workers live: the parent
+  freezes its heap right before each fork (:func:`share_heap_with_forks`, CPython's recipe
+  for forking servers);
+* an import in the worker, which writes across the inherited heap: the modules the read path
+  imports at its first call (:data:`READ_PATH_IMPORTS`) are imported in the parent instead.
 """
 
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 
+#: Modules the read path imports lazily, at its first call: ``numpy.ma`` (``np.unique`` imports
+#: it at its first call, numpy 2) and ``resource`` (the open-file limit of the map cache).
+READ_PATH_IMPORTS = ("numpy.ma", "resource")
+
 _settled_pid: int | None = None
+_hooked = False
 
 
 def settle_worker() -> None:
@@ -27,3 +39,20 @@ def settle_worker() -> None:
     if _settled_pid != pid:
         gc.freeze()
         _settled_pid = pid
+
+
+def share_heap_with_forks() -> None:
+    """In the process that will fork the workers (once per process): import
+    :data:`READ_PATH_IMPORTS` now, and freeze the heap right before every fork.
+
+    What the freeze costs the parent: its cyclic collector no longer visits the objects alive
+    at a fork (reference counting still frees them); a reference cycle among them that becomes
+    garbage later stays allocated, as in any process that calls :func:`gc.freeze`.
+    """
+    global _hooked
+    if _hooked:
+        return
+    for name in READ_PATH_IMPORTS:
+        importlib.import_module(name)
+    os.register_at_fork(before=gc.freeze)
+    _hooked = True
