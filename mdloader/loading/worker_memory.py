@@ -7,9 +7,10 @@ shared pages into private copies (``benchmarks/throughput/worker_memory.py``, fi
 * the worker's cyclic garbage collector, which writes the header of every object it visits:
   :func:`settle_worker` moves the inherited objects out of its reach (:func:`gc.freeze`) once
   per worker, before its first batch;
-* the parent's collector, once it runs a full collection while workers live: the parent
-  freezes its heap right before each fork (:func:`share_heap_with_forks`, CPython's recipe
-  for forking servers);
+* a collection in the worker before that first batch: the parent freezes its heap for the
+  moment of each fork (:func:`share_heap_with_forks`), so a worker starts with it frozen; the
+  parent unfreezes at once and keeps collecting its own cycles (a full collection there while
+  workers live still copies the pages it visits);
 * an import in the worker, which writes across the inherited heap: the modules the read path
   imports at its first call (:data:`READ_PATH_IMPORTS`) are imported in the parent instead.
 """
@@ -43,16 +44,16 @@ def settle_worker() -> None:
 
 def share_heap_with_forks() -> None:
     """In the process that will fork the workers (once per process): import
-    :data:`READ_PATH_IMPORTS` now, and freeze the heap right before every fork.
+    :data:`READ_PATH_IMPORTS` now, and freeze the heap for the moment of every fork.
 
-    What the freeze costs the parent: its cyclic collector no longer visits the objects alive
-    at a fork (reference counting still frees them); a reference cycle among them that becomes
-    garbage later stays allocated, as in any process that calls :func:`gc.freeze`.
+    The child starts with the inherited objects frozen, so its collector never writes to their
+    pages; the parent unfreezes right after the fork, so its own collector keeps visiting them
+    and no reference cycle is kept alive for good.
     """
     global _hooked
     if _hooked:
         return
     for name in READ_PATH_IMPORTS:
         importlib.import_module(name)
-    os.register_at_fork(before=gc.freeze)
+    os.register_at_fork(before=gc.freeze, after_in_parent=gc.unfreeze)
     _hooked = True
