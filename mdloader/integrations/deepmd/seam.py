@@ -87,7 +87,12 @@ SEAM: tuple[SeamName, ...] = (
     SeamName(TRAINING, "Trainer.__init__", "wrap",
              "keeps the `--restart` checkpoint, whose loader state `run` restores"),
     SeamName(TRAINING, "Trainer.get_data", "wrap",
-             "counts the batches the trainer consumed from each stream (workers prefetch)"),
+             "counts the batches the trainer consumed from each stream (workers prefetch); "
+             "refuses a training batch holding NaN/inf; on an agreed stop signal, saves the "
+             "checkpoint of the last step done and stops every rank before the same step"),
+    SeamName(TRAINING, "Trainer.ckpt_store", "call",
+             "on a stop signal: `path_for` and `publish` of that checkpoint, as the loop "
+             "saves one (with `lr_schedule.value` and `save_model`)", False),
     SeamName(TRAINING, "Trainer.save_model", "wrap",
              "writes the loader state beside each checkpoint (rank 0, atomically)"),
     SeamName(TRAINING, "Trainer.nonfinite_grad_guard", "wrap",
