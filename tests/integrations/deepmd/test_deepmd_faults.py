@@ -118,7 +118,12 @@ class Job:
         return out
 
     def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
+        """torchrun and its ranks (each in a session of its own)."""
+        for pid in [*self.ranks().values(), self.proc.pid]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.communicate()
 
 
@@ -235,7 +240,8 @@ def test_a_stop_signal_writes_a_checkpoint_that_resumes(tmp_path: Path) -> None:
     """SIGTERM to torchrun mid-training: every rank stops after the same step, rank 0 writes a
     checkpoint with its loader state, every rank exits 143 with one line. DeePMD-kit's own loop
     has no signal handler: its ranks died at once, no checkpoint of that step. The restart
-    continues from it, and SIGUSR1 (added to torchrun's signals) stops it the same way."""
+    continues from it, and SIGUSR1 sent to every rank (as Slurm sends it to every process of a
+    step; torchrun itself dies of SIGUSR1) stops it the same way."""
     _input(tmp_path)
     job = Job(tmp_path)
     job.wait_for_steps()
@@ -252,14 +258,14 @@ def test_a_stop_signal_writes_a_checkpoint_that_resumes(tmp_path: Path) -> None:
     assert (tmp_path / f"model.ckpt-{step}.pt.mdloader").exists()
     assert "mdloader: error:" not in out, out[-4000:]
 
-    again = Job(tmp_path, "--restart", f"model.ckpt-{step}.pt",
-                TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    again = Job(tmp_path, "--restart", f"model.ckpt-{step}.pt")
     start = time.monotonic()
     while _steps_done(tmp_path) <= step + 3:
         assert again.proc.poll() is None, again.proc.stdout.read()[-4000:]  # type: ignore
         assert time.monotonic() - start < DEADLINE, "the restart never trained"
         time.sleep(0.1)
-    again.proc.send_signal(signal.SIGUSR1)
+    for pid in again.ranks().values():
+        os.killpg(pid, signal.SIGUSR1)
     again.fault = time.monotonic()
     out = again.end(bound=60)
     print(f"SIGUSR1 to torchrun after the restart: every rank ended {again.seconds:.1f} s after")
