@@ -268,7 +268,7 @@ def test_a_stop_signal_writes_a_checkpoint_that_resumes(tmp_path: Path) -> None:
         os.killpg(pid, signal.SIGUSR1)
     again.fault = time.monotonic()
     out = again.end(bound=60)
-    print(f"SIGUSR1 to torchrun after the restart: every rank ended {again.seconds:.1f} s after")
+    print(f"SIGUSR1 to every rank after the restart: every rank ended {again.seconds:.1f} s after")
     assert "restored the loader state" in out, out[-4000:]
     later = re.findall(r"mdloader: stopped on rank (\d): SIGUSR1 after step (\d+)", out)
     assert len(later) == 2 and later[0][1] == later[1][1] and int(later[0][1]) > step, out[-4000:]
