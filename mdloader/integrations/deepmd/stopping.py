@@ -13,7 +13,9 @@ wraps ``Trainer.get_data``, which every rank calls once per training step:
   every rank ends with one line (:class:`StoppedAfterStep`, exit 143).
 * **Non-finite data.** A training batch whose inputs or labels hold NaN/inf is a
   :class:`~mdloader.errors.NonFiniteError` naming the step, the frames, the system and the file;
-  the rank fails alone and every rank prints that line (:mod:`.failures`).
+  the rank fails alone and every rank prints that line (:mod:`.failures`). The check runs on the
+  CPU as the batch leaves the DataLoader (:class:`CheckedBatches`), before DeePMD-kit moves it
+  to the device.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from mdloader.errors import NonFiniteError, StopRequested
 from mdloader.settings import resolve
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-CHECKED_INPUTS = ("coord", "box")
 
 _received: list[str] = []
 _training = False  # the first training batch was taken: a signal only sets the flag
@@ -92,16 +93,51 @@ def guarded_get_data(original: Callable[..., Any]) -> Callable[..., Any]:
         if taken and taken % int(resolve("stop_check_steps")) == 0:
             if any_rank([bool(_received)], activity=f"DeePMD-kit's training step {step}")[0]:
                 _stop(self, step, _received[0] if _received else "a stop signal on another rank")
+        checked = _checked_batches(self, task_key)
+        if checked is not None:
+            checked.step = step
         result = original(self, is_train, task_key)
-        input_dict, label_dict, log_dict = result
-        if input_dict:
+        if result[0]:
             _fetched[self] = taken + 1
-            problem = nonfinite_batch(self, task_key, input_dict, label_dict, log_dict, step)
-            if problem is not None:
-                raise problem
         return result
 
     return get_data
+
+
+class CheckedBatches:
+    """A task's training batches, each checked for NaN/inf as DeePMD-kit's ``get_data`` takes it
+    from the DataLoader: on the CPU, before it moves the batch to the device (a check on the
+    device would cost a device-to-host synchronisation per step)."""
+
+    def __init__(self, batches: Iterator[Any], trainer: Any, task_key: str) -> None:
+        self.batches, self.step = batches, 0
+        self.trainer, self.task_key = weakref.proxy(trainer), task_key
+
+    def __iter__(self) -> CheckedBatches:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.batches)
+        problem = nonfinite_batch(self.trainer, self.task_key, batch, self.step)
+        if problem is not None:
+            raise problem
+        return batch
+
+
+def _checked_batches(trainer: Any, task_key: str) -> CheckedBatches | None:
+    """The trainer's training iterator of ``task_key``, wrapped once in :class:`CheckedBatches`
+    (``None`` where the trainer has none)."""
+    holder = trainer.training_data
+    key = task_key if isinstance(holder, dict) else None
+    batches = holder.get(key) if key is not None else holder
+    if batches is None or isinstance(batches, CheckedBatches):
+        return batches
+    checked = CheckedBatches(batches, trainer, task_key)
+    if key is not None:
+        holder[key] = checked
+    else:
+        trainer.training_data = checked
+    return checked
 
 
 def _stop(trainer: Any, step: int, signal_name: str) -> None:
@@ -118,23 +154,21 @@ def _stop(trainer: Any, step: int, signal_name: str) -> None:
     raise StoppedAfterStep(name, step, str(path))
 
 
-def nonfinite_batch(trainer: Any, task_key: str, input_dict: Mapping[str, Any],
-                    label_dict: Mapping[str, Any], log_dict: Mapping[str, Any],
+def nonfinite_batch(trainer: Any, task_key: str, batch: Mapping[str, Any],
                     step: int) -> NonFiniteError | None:
-    """The first input or label of a training batch that holds NaN/inf, as an error naming the
-    frames, the system and the file; ``None`` for a finite batch."""
-    arrays = {key: input_dict.get(key) for key in CHECKED_INPUTS}
-    arrays.update({key: value for key, value in label_dict.items()
-                   if not key.startswith("find_") and torch.is_tensor(value)})
-    fids = [int(f) for f in log_dict.get("fid", [])]
-    for key, value in arrays.items():
-        if not torch.is_tensor(value) or not value.is_floating_point():
+    """The first floating-point array of a training batch (as the DataLoader gives it, on the
+    CPU) that holds NaN/inf, as an error naming the frames, the system and the file; ``None``
+    for a finite batch."""
+    fids = [int(f) for f in batch.get("fid", [])]
+    for key, value in batch.items():
+        if key.startswith("find_") or not torch.is_tensor(value) \
+                or not value.is_floating_point() or value.device.type != "cpu":
             continue
         ok = torch.isfinite(value.reshape(value.shape[0], -1)).all(dim=1)
         if bool(ok.all()):
             continue
         bad = [fid for fid, fine in zip(fids, ok.tolist()) if not fine]
-        system = _system(trainer, task_key, int(log_dict["sid"]))
+        system = _system(trainer, task_key, int(batch["sid"]))
         file = diagnostics.frame_file(system.meta, key, bad[0]) if bad and system else None
         return NonFiniteError(
             f"{key} holds NaN/inf in frames {bad} of the batch of training step {step} "

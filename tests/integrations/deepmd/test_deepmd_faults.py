@@ -1,7 +1,8 @@
 """Faults during DeePMD-kit's training under ``mdloader dp``, 2 gloo ranks under real torchrun:
 every rank ends within seconds with the same one line naming the rank, the system and the file.
 
-Each test is one launch (a DeePMD-kit launch costs most of this file's time), on a tiny model.
+A DeePMD-kit launch costs most of this file's time: each test is one launch (the stop signal's
+two: the stop and its restart, which ends with the NaN labels), on a tiny model and tiny systems.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mdloader.testing import make_system
 
 REPO = Path(__file__).resolve().parents[3]
 DEADLINE = 300.0  # a hang guard for the whole job, several times a run's length here
-DESCRIPTOR = {"type": "se_e2_a", "sel": "auto", "rcut_smth": 0.5, "rcut": 4.0,
+DESCRIPTOR = {"type": "se_e2_a", "sel": [12, 24], "rcut_smth": 0.5, "rcut": 4.0,
               "neuron": [4, 8], "axis_neuron": 4, "seed": 1}
 LOSS = {"type": "ener", "start_pref_e": 0.02, "limit_pref_e": 1, "start_pref_f": 1000,
         "limit_pref_f": 1}
@@ -31,7 +32,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _systems(root: Path, n: int = 2) -> list[Path]:
-    return [Path(make_system(root / "data", f"sys{i}", natoms=6, nframes=400, seed=i,
+    return [Path(make_system(root / "data", f"sys{i}", natoms=6, nframes=30, seed=i,
                              keys=("energy", "force"))) for i in range(n)]
 
 
@@ -39,12 +40,12 @@ def _input(root: Path, *, save_freq: int = 100000) -> list[Path]:
     """A single-task input over two systems; their ``force.npy`` files."""
     systems = _systems(root)
     config = {
-        "model": {"type_map": ["O", "H"], "descriptor": DESCRIPTOR,
+        "model": {"type_map": ["O", "H"], "descriptor": DESCRIPTOR, "data_stat_nbatch": 1,
                   "fitting_net": {"neuron": [8, 8], "seed": 1}},
         "learning_rate": {"type": "exp", "decay_steps": 50, "start_lr": 1e-3, "stop_lr": 1e-5},
         "loss": LOSS,
         "training": {"training_data": {"systems": [str(s) for s in systems], "batch_size": 1},
-                     "numb_steps": 100000, "seed": 7, "disp_freq": 5, "save_freq": save_freq},
+                     "numb_steps": 100000, "seed": 7, "disp_freq": 1, "save_freq": save_freq},
     }
     (root / "input.json").write_text(json.dumps(config))
     return [s / "set.000" / "force.npy" for s in systems]
@@ -53,20 +54,20 @@ def _input(root: Path, *, save_freq: int = 100000) -> list[Path]:
 def _multitask_input(root: Path) -> list[Path]:
     """Two heads sharing one descriptor, each over its own system; their ``force.npy``."""
     systems = _systems(root)
-    descriptor = dict(DESCRIPTOR, sel=[12, 24])
+    descriptor = DESCRIPTOR
     heads = {name: {"type_map": "type_map_all", "descriptor": "shared_descriptor",
                     "fitting_net": {"neuron": [8, 8], "seed": i}}
              for i, name in enumerate(("head_a", "head_b"))}
     config = {
         "model": {"shared_dict": {"type_map_all": ["O", "H"], "shared_descriptor": descriptor},
-                  "model_dict": heads},
+                  "model_dict": heads, "data_stat_nbatch": 1},
         "learning_rate": {"type": "exp", "decay_steps": 50, "start_lr": 1e-3, "stop_lr": 1e-5},
         "loss_dict": {name: LOSS for name in heads},
         "training": {"model_prob": {"head_a": 0.5, "head_b": 0.5},
                      "data_dict": {name: {"training_data": {"systems": [str(s)],
                                                             "batch_size": 1}}
                                    for name, s in zip(heads, systems)},
-                     "numb_steps": 100000, "seed": 7, "disp_freq": 5, "save_freq": 100000},
+                     "numb_steps": 100000, "seed": 7, "disp_freq": 1, "save_freq": 100000},
     }
     (root / "input.json").write_text(json.dumps(config))
     return [s / "set.000" / "force.npy" for s in systems]
@@ -209,26 +210,6 @@ def test_a_killed_rank_with_workers_ends_the_survivor_within_seconds(tmp_path: P
     assert job.seconds < 15, f"rank 0 took {job.seconds:.1f} s (a hang guard: ~1-2 s expected)"
 
 
-@pytest.mark.timeout(400)
-def test_nan_labels_end_every_rank_with_the_file(tmp_path: Path) -> None:
-    """NaN written into one system's forces mid-training: DeePMD-kit's loop stopped at its next
-    display on rank 0 (``RuntimeError: NaN detected at batch 10``, no system or file); now the
-    rank that draws the batch names the frames, the system and the file, before the update."""
-    targets = _input(tmp_path)
-    job = Job(tmp_path)
-    job.wait_for_steps()
-    forces = np.load(targets[1], mmap_mode="r+")
-    forces[:] = np.nan
-    forces.flush()
-    del forces
-    job.fault = time.monotonic()
-    out = job.end()
-    print(f"NaN labels under mdloader dp: every rank ended {job.seconds:.1f} s after")
-    line = _one_line_on_every_rank(out)
-    assert "NonFiniteError: force holds NaN/inf in frames" in line, line
-    assert f"file: {targets[1]}" in line and f"system: {targets[1].parent.parent}" in line, line
-
-
 def _steps_done(root: Path) -> int:
     rows = [line.split() for line in (root / "lcurve.out").read_text().splitlines()
             if line.strip() and not line.startswith("#")]
@@ -236,39 +217,53 @@ def _steps_done(root: Path) -> int:
 
 
 @pytest.mark.timeout(500)
-def test_a_stop_signal_writes_a_checkpoint_that_resumes(tmp_path: Path) -> None:
-    """SIGTERM to torchrun mid-training: every rank stops after the same step, rank 0 writes a
+def test_a_stop_signal_writes_a_checkpoint_that_resumes_and_nan_labels_end_the_restart(
+        tmp_path: Path) -> None:
+    """SIGUSR1 to rank 0 and SIGTERM to rank 1 mid-training (each to the rank's process group,
+    as ``torchrun`` and Slurm send them): every rank stops after the same step, rank 0 writes a
     checkpoint with its loader state, every rank exits 143 with one line. DeePMD-kit's own loop
-    has no signal handler: its ranks died at once, no checkpoint of that step. The restart
-    continues from it, and SIGUSR1 sent to every rank (as Slurm sends it to every process of a
-    step; torchrun itself dies of SIGUSR1) stops it the same way."""
-    _input(tmp_path)
+    has no signal handler: its ranks died at once, no checkpoint of that step.
+
+    The restart continues from it; then NaN written into one system's forces: DeePMD-kit's loop
+    stopped at its next display on rank 0 (``RuntimeError: NaN detected at batch 10``, no system
+    or file); now the rank that draws the batch names the frames, the system and the file,
+    before the update (checked on the CPU, before the batch moves to the device)."""
+    targets = _input(tmp_path)
     job = Job(tmp_path)
     job.wait_for_steps()
-    job.proc.send_signal(signal.SIGTERM)
+    ranks = job.ranks()
+    os.killpg(ranks[0], signal.SIGUSR1)
+    os.killpg(ranks[1], signal.SIGTERM)
     job.fault = time.monotonic()
     out = job.end(bound=60)
-    print(f"SIGTERM to torchrun under mdloader dp: every rank ended {job.seconds:.1f} s after")
-    stopped = re.findall(r"mdloader: stopped on rank (\d): SIGTERM after step (\d+): (.*)", out)
-    assert sorted(r for r, _, _ in stopped) == ["0", "1"], out[-4000:]
-    assert stopped[0][1:] == stopped[1][1:], stopped
-    step = int(stopped[0][1])
-    assert f"model.ckpt-{step}.pt" in stopped[0][2], stopped[0]
+    print(f"SIGUSR1/SIGTERM to the ranks under mdloader dp: every rank ended {job.seconds:.1f} s "
+          "after")
+    stopped = dict((r, (name, step)) for r, name, step, _ in re.findall(
+        r"mdloader: stopped on rank (\d): (SIG\w+) after step (\d+): (.*)", out))
+    assert sorted(stopped) == ["0", "1"], out[-4000:]
+    assert stopped["0"][0] == "SIGUSR1" and stopped["0"][1] == stopped["1"][1], stopped
+    step = int(stopped["0"][1])
+    assert f"checkpoint model.ckpt-{step}.pt written with its loader state" in out, out[-4000:]
     assert (tmp_path / f"model.ckpt-{step}.pt").exists()
     assert (tmp_path / f"model.ckpt-{step}.pt.mdloader").exists()
-    assert "mdloader: error:" not in out, out[-4000:]
+    assert "mdloader: error:" not in out and job.proc.returncode != 0, out[-4000:]
 
     again = Job(tmp_path, "--restart", f"model.ckpt-{step}.pt")
     start = time.monotonic()
-    while _steps_done(tmp_path) <= step + 3:
+    while _steps_done(tmp_path) <= step + 1:
         assert again.proc.poll() is None, again.proc.stdout.read()[-4000:]  # type: ignore
         assert time.monotonic() - start < DEADLINE, "the restart never trained"
         time.sleep(0.1)
-    for pid in again.ranks().values():
-        os.killpg(pid, signal.SIGUSR1)
+    forces = np.load(targets[1], mmap_mode="r+")
+    forces[:] = np.nan
+    forces.flush()
+    del forces
     again.fault = time.monotonic()
-    out = again.end(bound=60)
-    print(f"SIGUSR1 to every rank after the restart: every rank ended {again.seconds:.1f} s after")
+    out = again.end()
+    print(f"NaN labels under mdloader dp: every rank ended {again.seconds:.1f} s after")
     assert "restored the loader state" in out, out[-4000:]
-    later = re.findall(r"mdloader: stopped on rank (\d): SIGUSR1 after step (\d+)", out)
-    assert len(later) == 2 and later[0][1] == later[1][1] and int(later[0][1]) > step, out[-4000:]
+    line = _one_line_on_every_rank(out)
+    assert "NonFiniteError: force holds NaN/inf in frames" in line, line
+    assert re.search(r"of the batch of training step (\d+)", line), line
+    assert int(re.search(r"training step (\d+)", line)[1]) > step, line
+    assert f"file: {targets[1]}" in line and f"system: {targets[1].parent.parent}" in line, line
