@@ -43,8 +43,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def session() -> StopSignals:
-    """What the whole run, error reporting and teardown included, runs inside."""
-    return StopSignals()
+    """What the whole run, error reporting and teardown included, runs inside: a stop signal
+    before the first training step ends the rank at once."""
+    return StopSignals(at_once=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -201,7 +201,8 @@ def process_group(activity: Activity | None = None) -> Iterator[World]:
     world = init_from_env()
     job = next_job()
     if world.distributed:
-        create_cpu_groups()
+        with stop_while_joining(world.rank):  # made in C++, deaf to Python's signal handlers
+            create_cpu_groups()
     try:
         yield world
     except BaseException as exc:

@@ -35,6 +35,7 @@ from mdloader.distributed.group import current_world
 from mdloader.errors import ConfigError, StateDictError
 from mdloader.loading.build import build_systems
 from mdloader.loading.system_list import SystemDatasets, kept_systems, natoms_of, nframes_of
+from mdloader.loading.worker_lifetime import bind_to_rank
 from mdloader.loading.worker_memory import settle_worker, share_heap_with_forks
 from mdloader.sampling.order import FrameOrder, normalize_seed
 from mdloader.sampling.plan import LoaderPlan, PlanOwner
@@ -200,6 +201,7 @@ class DpLoaderSet(Dataset):
         in_worker = get_worker_info() is not None
         if in_worker:
             settle_worker()
+            bind_to_rank()
         if isinstance(idx, tuple):
             batch = self.read(int(idx[0]), idx[1])
         else:

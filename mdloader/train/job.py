@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,8 +115,11 @@ def train(config: Config, *, output: str = ".", restart: str | None = None,
         raise ConfigError(f"must be an integer >= 0, got {numb_steps}", path="--numb-steps")
     check_output(output)
     activity = Activity("building the loader")
-    with process_group(activity) as world:
-        with stop_at_once():  # nothing to save before the first step: a signal ends the run
+    with ExitStack() as group:
+        # Nothing to save before the first step: a signal ends the run, one received since the
+        # command started (while torch was imported, say) included, before it joins the group.
+        with stop_at_once():
+            world = group.enter_context(process_group(activity))
             trainer = _Trainer(config, world, output=output, numb_steps=numb_steps,
                                num_workers=num_workers, options=options,
                                full_validation=full_validation, activity=activity)

@@ -46,17 +46,22 @@ class StopSignals:
     """Within ``with``, SIGTERM and SIGUSR1 set :attr:`received` instead of ending the process.
 
     Nested blocks share what was received; the outermost one starts with nothing received.
-    Outside the main thread (where Python cannot install handlers) it does nothing.
+    With ``at_once`` a signal raises :class:`~mdloader.errors.StopRequested` until the first
+    :func:`stop_at_once` block ends: the command line's, whose job has nothing to save before
+    then (a signal while torch is imported would otherwise wait for the next phase, seconds
+    later). Outside the main thread (where Python cannot install handlers) it does nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, at_once: bool = False) -> None:
         self._previous: dict[int, Any] = {}
+        self._at_once = at_once
 
     def __enter__(self) -> StopSignals:
-        global _depth
+        global _depth, _at_once
         if threading.current_thread() is threading.main_thread():
             if _depth == 0:
                 _received.clear()
+                _at_once = self._at_once
             _depth += 1
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, _note)
@@ -64,11 +69,13 @@ class StopSignals:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        global _depth
+        global _depth, _at_once
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         if self._previous:
             _depth -= 1
+            if _depth == 0:
+                _at_once = False
         self._previous.clear()
 
     @property

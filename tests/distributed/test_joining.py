@@ -4,6 +4,7 @@ rank at once with one line, not at torchrun's SIGKILL 30 s later (2 real gloo ra
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,3 +70,53 @@ def test_sigterm_while_waiting_for_a_late_rank_ends_every_rank_at_once(tmp_path:
 def test_a_rank_that_starts_late_is_waited_for(tmp_path: Path) -> None:
     code, out, _ = _run(tmp_path, late=4.0, stop_after=None)
     assert code == 0 and out.count("joined") == 2, out[-3000:]
+
+
+LOST_PEER_SCRIPT = """
+import importlib.abc, os, signal, sys, time
+from pathlib import Path
+started = Path("rank1-imports-its-job")
+if os.environ["RANK"] == "0":
+    while not started.exists():
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)  # lost while rank 1 starts up
+
+
+class SlowImport(importlib.abc.MetaPathFinder):
+    # mdloader train's import of its job: torch's import, seconds on a loaded machine
+    def find_spec(self, name, path=None, target=None):
+        if name == "mdloader.train.job" and not started.exists():
+            started.touch()
+            time.sleep(60)
+        return None
+
+
+sys.meta_path.insert(0, SlowImport())
+from mdloader.cli.main import main
+sys.exit(main(["train", "input.json"]))
+"""
+
+
+def test_a_peer_lost_while_mdloader_train_starts_ends_the_survivor_at_once(tmp_path: Path) -> None:
+    """``kill -9`` of rank 0 while rank 1 still imports torch: ``torchrun``'s SIGTERM only set a
+    flag then, and rank 1 went on to wait for rank 0 in the rendezvous, silent, until the
+    SIGKILL 30 s later. A signal before the first step now ends the rank at once, with one line."""
+    script = tmp_path / "rank.py"
+    script.write_text(LOST_PEER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node=2", str(script)], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the job did not end within 120 s")
+    lost = (tmp_path / "rank1-imports-its-job").stat().st_mtime
+    seconds = time.time() - lost
+    assert "mdloader: stopped on rank 1: SIGTERM before the first training step: nothing to " \
+           "save" in out, out[-3000:]
+    assert re.search(r"exitcode\s*: 143", out) and proc.returncode != 0, out[-3000:]
+    assert seconds < BOUND, f"{seconds:.1f} s after rank 0 was lost:\n{out[-3000:]}"

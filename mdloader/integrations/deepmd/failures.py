@@ -35,7 +35,15 @@ def ending_together(run: Callable[[], T]) -> T:
     job = next_job()
     try:
         return run()
-    except (SystemExit, KeyboardInterrupt, StopRequested):
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except StopRequested as exc:  # every rank got the signal: none waits for another
+        if not current_world().distributed:
+            raise
+        group_ended()
+        failure = published_failure(job)
+        if failure is not None:  # the launcher stopped this rank because another one failed
+            raise failure from exc
         raise
     except BaseException as exc:
         if not current_world().distributed:

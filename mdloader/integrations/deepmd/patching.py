@@ -26,6 +26,7 @@ from mdloader.integrations.deepmd.resume import (
 )
 from mdloader.integrations.deepmd.seam import MAIN, TRAINING, UPDATE_SEL, owner_of
 from mdloader.integrations.deepmd.shims import cpu_ddp, trainer_dist, trainer_torch
+from mdloader.integrations.deepmd.stopping import guarded_get_data, stop_signals
 from mdloader.integrations.deepmd.systems import (
     DeepmdDpLoaderSet,
     defer_discovery,
@@ -86,8 +87,8 @@ def patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
             _original(mods, TRAINING, "Trainer.run"))),
         (TRAINING, "Trainer.__init__"): recording_trainer_init(refusing_full_validation(
             _original(mods, TRAINING, "Trainer.__init__"))),
-        (TRAINING, "Trainer.get_data"): counting_get_data(displaying_get_data(
-            _original(mods, TRAINING, "Trainer.get_data"))),
+        (TRAINING, "Trainer.get_data"): counting_get_data(guarded_get_data(displaying_get_data(
+            _original(mods, TRAINING, "Trainer.get_data")))),
         (TRAINING, "Trainer.save_model"): saving_loader_state(
             _original(mods, TRAINING, "Trainer.save_model")),
     }
@@ -170,16 +171,18 @@ def installed() -> bool:
 def run_dp(argv: Sequence[str] | None = None) -> int:
     """``dp`` with mdloader underneath: ``run_dp(["--pt", "train", "input.json"])``.
 
-    Works under ``torchrun`` like ``dp`` itself. Returns the exit code (argparse exits of
-    DeePMD-kit's parser become return values; other exceptions propagate, under a started
-    group as the job's first failure on every rank:
+    Works under ``torchrun`` like ``dp`` itself; SIGTERM and SIGUSR1 stop it after an agreed
+    step with a checkpoint (:mod:`~mdloader.integrations.deepmd.stopping`). Returns the exit
+    code (argparse exits of DeePMD-kit's parser become return values; other exceptions
+    propagate, under a started group as the job's first failure on every rank:
     :func:`~mdloader.integrations.deepmd.failures.ending_together`).
     """
     install()
     dp_main = seam.deepmd_module(seam.DP_MAIN).main
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        ending_together(lambda: dp_main(args))
+        with stop_signals():
+            ending_together(lambda: dp_main(args))
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return 0

@@ -94,11 +94,17 @@ SEAM: tuple[SeamName, ...] = (
              "`DeepmdData` of each system)", False),
     SeamName(TRAINING, "Trainer.get_data", "wrap",
              "counts the batches the trainer consumed from each stream (workers prefetch); "
-             "a display-time batch of a task the step does not train comes from that task's "
+             "refuses a training batch holding NaN/inf; on an agreed stop signal, saves the "
+             "checkpoint of the last step done and stops every rank before the same step; a "
+             "display-time batch of a task the step does not train comes from that task's "
              "display stream"),
     SeamName(TRAINING, "Trainer.training_data", "patch",
-             "a task's iterator is the display stream for the length of one display draw",
+             "a task's iterator is the display stream for the length of one display draw; its "
+             "training iterators are wrapped to check each batch for NaN/inf on the CPU",
              False),
+    SeamName(TRAINING, "Trainer.ckpt_store", "call",
+             "on a stop signal: `path_for` and `publish` of that checkpoint, as the loop "
+             "saves one (with `lr_schedule.value` and `save_model`)", False),
     SeamName(TRAINING, "Trainer.save_model", "wrap",
              "writes the loader state beside each checkpoint (rank 0, atomically)"),
     SeamName(TRAINING, "Trainer.nonfinite_grad_guard", "wrap",

@@ -12,7 +12,7 @@ import logging
 import types
 from typing import Any
 
-from mdloader.distributed.group import stop_while_joining
+from mdloader.distributed.group import create_cpu_groups, stop_while_joining
 from mdloader.world import World
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,8 @@ def cpu_fallback_backend(backend: Any, dist_module: Any) -> Any:
 
 def trainer_dist(real: types.ModuleType) -> ModuleProxy:
     """DeePMD-kit's ``torch.distributed``: a gloo fallback for NCCL, a group created earlier
-    (for mdloader's neighbour statistics) kept, a stop signal honoured while joining it
+    (for mdloader's neighbour statistics) kept, a stop signal honoured while joining it and
+    while mdloader's CPU groups are made right after
     (:func:`~mdloader.distributed.group.stop_while_joining`), a barrier before
     ``destroy_process_group`` (gloo may otherwise abort a rank at exit)."""
 
@@ -52,7 +53,10 @@ def trainer_dist(real: types.ModuleType) -> ModuleProxy:
         if real.is_initialized():
             return None
         with stop_while_joining(World.from_env().rank):
-            return real.init_process_group(cpu_fallback_backend(backend, real), *args, **kwargs)
+            joined = real.init_process_group(cpu_fallback_backend(backend, real), *args,
+                                             **kwargs)
+            create_cpu_groups()  # now, while every rank is alive (as mdloader train does)
+        return joined
 
     def destroy_process_group(group: Any = None) -> None:
         if group is None and real.is_initialized() and real.get_world_size() > 1:
