@@ -42,6 +42,7 @@ QUICK_WORLDS, QUICK_SIZES = (8, 64, 512), (1_000,)
 RESUME_STEP = 100_000
 WINDOW = 32
 DEFAULT = os.path.join(RESULTS, "scale", "quick.jsonl")
+FULL = os.path.join(RESULTS, "scale", "full.jsonl")
 
 
 def sizes(nsys: int) -> tuple[np.ndarray, np.ndarray]:
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     nsyss = args.nsys or (QUICK_SIZES if args.quick else SIZES)
     if args.quick and args.budget == 60.0:
         args.budget = 10.0
-    out = args.out or (DEFAULT if args.quick else os.path.join(RESULTS, "scale", "full.jsonl"))
+    out = args.out or (DEFAULT if args.quick else FULL)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     records: list[dict[str, Any]] = []
     with open(out, "w") as fh:
