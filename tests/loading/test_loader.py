@@ -325,8 +325,11 @@ def test_transport_batch_pickles_tensors_as_numpy(systems, monkeypatch):
 
     ls = DpLoaderSet(systems[0], 2, TYPE_MAP, seed=1)
     assert type(ls[BatchKey(0, (0, 1), 0)]) is dict and type(ls[0]) is dict
-    # "in a worker"
+    # "in a worker", without what a real worker does to its own process (freezing its heap,
+    # dying with its parent, ignoring stop signals): this is the test process
     monkeypatch.setattr("mdloader.loading.loader.get_worker_info", lambda: object())
+    monkeypatch.setattr("mdloader.loading.loader.settle_worker", lambda: None)
+    monkeypatch.setattr("mdloader.loading.loader.bind_to_rank", lambda: None)
     assert type(ls[BatchKey(0, (0, 1), 0)]) is TransportBatch
     assert type(ls[0]) is TransportBatch
     batch = {"coord": torch.arange(6.0).reshape(1, 2, 3), "atype": torch.tensor([[0, 1]]),
