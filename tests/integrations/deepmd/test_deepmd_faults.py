@@ -146,8 +146,10 @@ def _one_line_on_every_rank(out: str) -> str:
 FAULTS = {
     "truncated": (lambda target: os.truncate(target, target.stat().st_size // 3),
                   "CorruptFileError: the npy file shrank while it was read"),
+    # "while it was read" where the reading process had mapped it, "after the build" where it
+    # had not yet (another worker, or the first read of that file): both name system and file
     "moved away": (lambda target: target.rename(target.with_name("away.npy")),
-                   "MissingDataError: the npy file is gone (moved or deleted while it was read)"),
+                   "MissingDataError: the npy file is gone (moved or deleted "),
 }
 
 
