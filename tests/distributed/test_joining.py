@@ -17,6 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BOUND = 20.0
 """Seconds from the SIGTERM to torchrun's exit: a hang guard, several times the 0.2 s measured,
 below the 30 s after which torchrun kills its ranks (how it ended before)."""
+LOST_PEER_BOUND = 28.0
+"""Seconds from a rank's loss during start-up to torchrun's exit: 4.5-9.6 s measured (torchrun's
+own teardown included), so as loose as it can be while still below torchrun's 30 s kill; the
+survivor's own line tells the fix from the old end."""
 
 pytestmark = [pytest.mark.distributed]
 
@@ -119,4 +123,4 @@ def test_a_peer_lost_while_mdloader_train_starts_ends_the_survivor_at_once(tmp_p
     assert "mdloader: stopped on rank 1: SIGTERM before the first training step: nothing to " \
            "save" in out, out[-3000:]
     assert re.search(r"exitcode\s*: 143", out) and proc.returncode != 0, out[-3000:]
-    assert seconds < BOUND, f"{seconds:.1f} s after rank 0 was lost:\n{out[-3000:]}"
+    assert seconds < LOST_PEER_BOUND, f"{seconds:.1f} s after rank 0 was lost:\n{out[-3000:]}"
