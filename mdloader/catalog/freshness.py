@@ -30,46 +30,53 @@ from mdloader.catalog.index_file import SavedIndex
 from mdloader.catalog.table import SystemTable
 from mdloader.data.formats import get_backend
 from mdloader.data.formats.capabilities import Freshness, has
-from mdloader.fs_calls import Overlap, timed
-from mdloader.persist import changed_since
+from mdloader.fs_calls import Overlap
+from mdloader.persist import changed_paths
 
 
 def changed(paths: Sequence[str], since_ns: int, overlap: Overlap) -> np.ndarray:
     """For each path, whether it is gone or changed at or after ``since_ns`` (ns since epoch)."""
-    return np.fromiter(overlap.map(lambda path: timed(changed_since, path, since_ns), paths),
+    return np.fromiter(overlap.map_batches(lambda part: changed_paths(part, since_ns), paths),
                        dtype=bool, count=len(paths))
 
 
-def system_paths(table: SystemTable) -> tuple[list[str], np.ndarray, list[int]]:
+def system_paths(table: SystemTable, addresses: list[str] | None = None
+                 ) -> tuple[list[str], np.ndarray, list[int]]:
     """The paths checked for the systems of ``table`` (each format's ``freshness_paths``,
     :mod:`mdloader.data.formats.capabilities`), the row of each path, and the rows of systems
     that cannot be checked (described again at every start).
 
-    Each row's format comes from the table (no address is parsed again)."""
-    addresses, layouts = table.addresses(), table.layouts()
+    Each row's format comes from the table (no address is parsed again); ``addresses``: the
+    table's, when decoded already."""
+    addresses = table.addresses() if addresses is None else addresses
+    layouts = table.layouts()
     paths: list[str] = []
-    rows: list[int] = []
+    rows: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
     uncheckable: list[int] = []
     for name, of_backend in table.rows_by_backend().items():
         backend = get_backend(name)
         if not has(backend, Freshness):  # never saved as fresh: described at every start
             uncheckable.extend(of_backend.tolist())
             continue
-        paths_of = backend.freshness_paths  # type: ignore[attr-defined]
+        by_layout: dict[tuple[bool, tuple[str, ...]], list[int]] = {}
         for row in of_backend.tolist():
-            found = paths_of(addresses[row], layouts[row])
+            by_layout.setdefault(layouts[row], []).append(row)
+        for layout, group in by_layout.items():
+            found = backend.freshness_paths(  # type: ignore[attr-defined]
+                [addresses[r] for r in group], layout)
             if found is None:
-                uncheckable.append(row)
+                uncheckable.extend(group)
                 continue
             paths.extend(found)
-            rows.extend([row] * len(found))
-    return paths, np.asarray(rows, dtype=np.int64), uncheckable
+            rows.append(np.repeat(np.asarray(group, dtype=np.int64), len(found) // len(group)))
+    return paths, np.concatenate(rows), uncheckable
 
 
 def stale_systems(table: SystemTable, since_ns: int, overlap: Overlap) -> np.ndarray:
     """Whether each system of ``table`` changed since ``since_ns`` (see the module docstring)."""
-    paths, rows, uncheckable = system_paths(table)
-    distinct = _distinct(table, paths)
+    addresses = table.addresses()
+    paths, rows, uncheckable = system_paths(table, addresses)
+    distinct = _distinct(addresses, paths)
     flags = changed(distinct, since_ns, overlap)
     if distinct is not paths:  # back from the distinct paths to every path
         found = dict(zip(distinct, flags.tolist()))
@@ -80,12 +87,11 @@ def stale_systems(table: SystemTable, since_ns: int, overlap: Overlap) -> np.nda
     return stale
 
 
-def _distinct(table: SystemTable, paths: list[str]) -> list[str]:
+def _distinct(addresses: list[str], paths: list[str]) -> list[str]:
     """``paths`` without repeats (an HDF5 file holds many systems: one stat). Only systems with
-    a fragment (``file#group``) share a container, so when no address has one and no address
-    repeats, the paths are distinct already and are not hashed."""
-    addresses = table.addresses()
-    if not any("#" in a for a in addresses) and len(set(addresses)) == len(addresses):
+    a fragment (``file#group``) share a container, so when no address has one, the paths are
+    not hashed (a system listed twice is checked twice)."""
+    if not any("#" in a for a in addresses):
         return paths
     return list(dict.fromkeys(paths))
 

@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 
 from mdloader.catalog import index, index_file
+from mdloader.catalog.freshness import check_saved
 from mdloader.data.formats import hdf5, release_handles
 from mdloader.data.system import build_system_meta
 from mdloader.errors import ConfigError, ShapeError, StaleDataError
+from mdloader.fs_calls import Measurement, Overlap
 from mdloader.loading import build
 from mdloader.testing import make_system
 
@@ -148,6 +150,27 @@ def test_a_changed_system_is_described_again_and_only_it(tmp_path: Path, change:
     report = _build(root)
     assert (report.source, report.described, report.reused) == ("index (updated)", 1, 3)
     assert _build(root).source in ("index", "index (updated)")  # settled: reused next time
+
+
+def test_a_check_in_threads_flags_what_a_check_in_one_thread_flags(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paths are checked in chunks (in threads where the file system waits): the same
+    systems are flagged either way, whichever chunk holds the changed path."""
+    root = _tree(tmp_path / "data", n=40)  # 200 paths: the probe, then chunks
+    _build(root)
+    changed = {"b/sys.0": "type.raw in place", "a/sys.21": "array removed",
+               "a/sys.39": "array added to a set"}
+    for name, change in changed.items():
+        CHANGES[change](root / name)
+    saved = index.load(index.index_request(str(root), None, TYPE_MAP, None))
+    assert saved is not None
+    since = saved.since_ns - int(SETTLE * 1e9)
+    serial = check_saved(saved, since, Overlap(1)).systems
+    monkeypatch.setattr(Measurement, "threads", lambda self, most: 3)
+    threaded = Overlap(8)
+    assert (check_saved(saved, since, threaded).systems == serial).all() and threaded.threads == 3
+    flagged = {saved.table.address(int(row)) for row in np.flatnonzero(serial)}
+    assert flagged == {str(root / name) for name in changed}
 
 
 def test_added_and_removed_systems_anywhere_below_a_root(tmp_path: Path) -> None:

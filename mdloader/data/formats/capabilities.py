@@ -53,10 +53,12 @@ class FolderWalk(Protocol):
 class Freshness(Protocol):
     """A saved description can be trusted while the paths it depends on are unchanged."""
 
-    def freshness_paths(self, address: str, layout: tuple[bool, tuple[str, ...]]
+    def freshness_paths(self, addresses: Sequence[str], layout: tuple[bool, tuple[str, ...]]
                         ) -> list[str] | None:
-        """The paths whose change means the saved description of ``address`` may be wrong
-        (``layout``: has its own type map, its set names); ``None``: described again."""
+        """The paths whose change means the saved descriptions of ``addresses`` (systems of one
+        ``layout``: has its own type map, its set names) may be wrong: each system's in turn,
+        as many for each; ``None``: described again. One call for many systems, because a
+        check of a large index builds half a million paths."""
 
 
 @runtime_checkable
@@ -142,5 +144,5 @@ def freshness_paths(backend: Backend, address: str, layout: tuple[bool, tuple[st
     """The paths a saved description of ``address`` depends on; ``None`` (the default):
     never saved as fresh, described again at every start."""
     if has(backend, Freshness):
-        return backend.freshness_paths(address, layout)  # type: ignore[attr-defined]
+        return backend.freshness_paths([address], layout)  # type: ignore[attr-defined]
     return None

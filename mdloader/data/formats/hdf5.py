@@ -203,11 +203,10 @@ class Hdf5Backend(SetBackend):
                     if group == "/" or a == prefix or a.startswith(prefix + "/")]
         return hdf5_systems(file, group, patterns)
 
-    def freshness_paths(self, address: str, layout: tuple[bool, tuple[str, ...]]
+    def freshness_paths(self, addresses: Sequence[str], layout: tuple[bool, tuple[str, ...]]
                         ) -> list[str] | None:
         """The file: any change to it describes its systems again."""
-        path = address.partition("#")[0]
-        return [path]
+        return [address.partition("#")[0] for address in addresses]
 
     def release(self) -> None:
         release()

@@ -17,7 +17,7 @@ import math
 import mmap
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -373,7 +373,7 @@ class NpyBackend(SetBackend):
             return None
         return Location(self.name, address.rstrip("/") or "/", "")
 
-    def freshness_paths(self, address: str, layout: tuple[bool, tuple[str, ...]]
+    def freshness_paths(self, addresses: Sequence[str], layout: tuple[bool, tuple[str, ...]]
                         ) -> list[str] | None:
         """The folder, ``type.raw``, ``type_map.raw`` (when it has one), each ``set.*`` folder
         and its ``coord.npy`` (a set rewritten in place with other frames rewrites it); another
@@ -383,7 +383,7 @@ class NpyBackend(SetBackend):
             extra = ("/type_map.raw",) if layout[0] else ()
             sets = [end for s in layout[1] for end in ("/" + s, f"/{s}/coord.npy")]
             ends = self._ends[layout] = ("", "/type.raw", *extra, *sets)
-        return [address + end for end in ends]
+        return [address + end for address in addresses for end in ends]
 
     def __init__(self) -> None:
         super().__init__(NPY_FOLDERS)
