@@ -7,6 +7,12 @@ W = 1 (the reference) and by ``mdloader dp`` at W = 1 and W = 2; at W = 2 the in
 two heads sharing a descriptor with ``sel: "auto"`` over different data, which DeePMD-kit
 cannot train (the heads' ``sel`` differ). Each job's log shows one build and one statistics
 pass; every non-shared head's statistics equal DeePMD-kit's one-rank run.
+
+Fine-tuning from the reference, by DeePMD-kit at W = 1 and ``mdloader dp`` at W = 2 (the bias
+statistics in shares): single-task (``--model-branch sparse`` on dense's systems) and
+multi-task, whose heads resume ``sparse``, fine-tune from ``dense`` on sparse's systems
+(``change-by-statistic``) and start a fitting net afresh (``finetune_head: "RANDOM"``,
+``set-by-statistic``) on both data sets; every head's statistics equal DeePMD-kit's.
 """
 
 from __future__ import annotations
@@ -120,6 +126,34 @@ def _finetune_job(root: Path, name: str) -> Path:
     return job
 
 
+#: the multi-task fine-tune's heads: their data and ``finetune_head`` (none: ``sparse`` resumes
+#: the pretrained head of its name; "RANDOM": a new fitting net, the first head's descriptor)
+TUNED = {"sparse": (("sparse",), None), "from_dense": (("sparse",), "dense"),
+         "fresh": (("sparse", "dense"), "RANDOM")}
+
+
+def _multitask_finetune_job(root: Path, name: str) -> Path:
+    """A multi-task input of the :data:`TUNED` heads, fine-tuned from the reference."""
+    job = root / name
+    job.mkdir()
+    config = _config(root, ("sparse",))
+    loss = config["loss_dict"]["sparse"]
+    config["model"]["model_dict"], config["loss_dict"] = {}, {}
+    config["training"]["model_prob"], config["training"]["data_dict"] = {}, {}
+    for head, (data, source) in TUNED.items():
+        model = {"type_map": "my_type_map", "descriptor": _descriptor(),
+                 "fitting_net": {"neuron": [8], "seed": 1}}
+        if source is not None:
+            model["finetune_head"] = source
+        config["model"]["model_dict"][head] = model
+        config["loss_dict"][head] = dict(loss)
+        config["training"]["model_prob"][head] = 1.0
+        config["training"]["data_dict"][head] = {
+            "training_data": {"systems": [str(root / d) for d in data], "batch_size": 1}}
+    (job / "input.json").write_text(json.dumps(config))
+    return job
+
+
 def _job(root: Path, name: str, heads: tuple[str, ...]) -> Path:
     job = root / name
     job.mkdir()
@@ -129,7 +163,8 @@ def _job(root: Path, name: str, heads: tuple[str, ...]) -> Path:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """DeePMD-kit's one-rank run and ``mdloader dp`` at W = 1 and 2, each once per module."""
+    """DeePMD-kit's one-rank run and ``mdloader dp`` at W = 1 and 2, and fine-tuning from it by
+    both (single- and multi-task), each once per module."""
     peer = require_deepmd_python()
     root = tmp_path_factory.mktemp("job")
     make_dataset(root / "sparse", 2, natoms_range=(3, 5), nframes=4, seed=1)
@@ -143,17 +178,22 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     logs = {1: _run([peer, "-m", "mdloader", "dp", *train], one),
             2: _run([*two_ranks, "-m", "mdloader", "dp", *train], two)}
     # fine-tuning the reference's sparse head on dense's systems: change-by-statistic
-    finetune = ["--finetune", str(reference / "model.ckpt-1.pt"), "--model-branch", "sparse",
-                "--use-pretrain-script"]
-    tuned = {"deepmd": _finetune_job(root, "finetune-deepmd"),
-             "mdloader": _finetune_job(root, "finetune-mdloader")}
-    _run([peer, "-c", DEEPMD_DP, *train, *finetune], tuned["deepmd"])
+    pretrained = ["--finetune", str(reference / "model.ckpt-1.pt"), "--use-pretrain-script"]
+    finetune = [*pretrained, "--model-branch", "sparse"]
+    tuned = {"finetune-deepmd": _finetune_job(root, "finetune-deepmd"),
+             "finetune-mdloader": _finetune_job(root, "finetune-mdloader"),
+             "multitask-deepmd": _multitask_finetune_job(root, "multitask-deepmd"),
+             "multitask-mdloader": _multitask_finetune_job(root, "multitask-mdloader")}
+    _run([peer, "-c", DEEPMD_DP, *train, *finetune], tuned["finetune-deepmd"])
     logs["finetune"] = _run([*two_ranks, "-m", "mdloader", "dp", *train, *finetune],
-                            tuned["mdloader"])
-    stats = _statistics(peer, [reference, one, two, tuned["deepmd"], tuned["mdloader"]])
+                            tuned["finetune-mdloader"])
+    # multi-task: no --model-branch (each head's finetune_head, or its name, chooses)
+    _run([peer, "-c", DEEPMD_DP, *train, *pretrained], tuned["multitask-deepmd"])
+    logs["multitask"] = _run([*two_ranks, "-m", "mdloader", "dp", *train, *pretrained],
+                             tuned["multitask-mdloader"])
+    stats = _statistics(peer, [reference, one, two, *tuned.values()])
     return {"reference": reference, 1: one, 2: two, "logs": logs,
-            "stats": dict(zip(["reference", 1, 2, "finetune-deepmd", "finetune-mdloader"],
-                              stats, strict=True))}
+            "stats": dict(zip(["reference", 1, 2, *tuned], stats, strict=True))}
 
 
 def _own_heads(stats: dict) -> dict:
@@ -221,3 +261,31 @@ def test_finetune_bias_in_shares_equals_deepmd_kits_one_rank_run(jobs: dict) -> 
     assert bias and all(theirs[k] != pretrained[k.replace(".Default.", ".sparse.")]
                         for k in bias)  # changed by the new data
     _assert_equal(theirs, ours, neighbours=False)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_multitask_finetune_equals_deepmd_kits_one_rank_run(jobs: dict) -> None:
+    """Multi-task ``--finetune`` at W = 2: a resumed head keeps its pretrained statistics; a head
+    fine-tuned from another changes its bias by the loaded model's predictions in shares, and a
+    ``RANDOM`` head sets it from its data; each by one all-gather, equal to DeePMD-kit's."""
+    log = jobs["logs"]["multitask"]
+    assert log.count("Model branch sparse will resume training.") == 1
+    # from_dense predicts its 2 systems in shares; fresh (set-by-statistic) predicts nothing
+    assert len(re.findall(r"prediction statistics: 2 systems .*\(cached 0, computed 2 on 2 "
+                          r"ranks", log)) == 1
+    passes = re.findall(r"statistics pass: (\d+) statistics, (\d+) parts of (\d+) systems .* "
+                        r"one all-gather on (\d+) ranks", log)
+    assert passes == [("2", "4", "2", "2"), ("1", "4", "4", "2")]
+    theirs, ours = jobs["stats"]["multitask-deepmd"], jobs["stats"]["multitask-mdloader"]
+    pretrained = jobs["stats"]["reference"]
+    assert {k.split(".")[1] for k in theirs} == set(TUNED)
+    resumed = {k: v for k, v in theirs.items() if ".sparse." in k}
+    assert resumed and all(v == pretrained[k] for k, v in resumed.items())
+    bias = "model.{}.atomic_model.out_bias"
+    assert theirs[bias.format("from_dense")] != pretrained[bias.format("dense")]
+    fresh = np.asarray(theirs[bias.format("fresh")])  # a new fitting net's bias is zero
+    assert np.all(fresh != 0) and all(not np.allclose(fresh, pretrained[bias.format(h)])
+                                      for h in OWN)  # set by both data sets, no head's
+    _assert_equal(theirs, ours)
