@@ -1,4 +1,5 @@
-"""Run DeePMD-kit's own statistics code in its interpreter and read back what it printed."""
+"""Run DeePMD-kit's own statistics code in its interpreter and read back what it printed, or
+what its trainer saved."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import json
 import os
 import subprocess
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from support.deepmd_env import require_deepmd_python
 
@@ -134,3 +138,14 @@ def run(script: str, args: dict, *, timeout: float = 600) -> dict:
     if proc.returncode != 0 or not lines:
         raise RuntimeError((proc.stdout + proc.stderr)[-4000:])
     return json.loads(lines[-1][len("RESULT "):])
+
+
+SAVED_STATISTICS = ("min_nbor_dist", ".mean", ".stddev", "davg", "dstd", "out_bias", "out_std")
+
+
+def saved_statistics(checkpoint: Path) -> dict[str, list]:
+    """The statistics a DeePMD-kit checkpoint saved, by parameter name (tensors only: read with
+    the tests' own torch, no launch of DeePMD-kit's interpreter)."""
+    state = torch.load(checkpoint, weights_only=True, map_location="cpu")["model"]
+    return {k: np.asarray(v.double()).tolist() for k, v in state.items()
+            if any(w in k for w in SAVED_STATISTICS)}

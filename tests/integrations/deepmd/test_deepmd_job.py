@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.deepmd_env import require_deepmd_python
+from support.deepmd_ref import saved_statistics
 
 from mdloader.loading.job import JobSection, build_job
 from mdloader.testing import make_dataset
@@ -34,16 +35,6 @@ REPO = Path(__file__).resolve().parents[3]
 OWN = ("sparse", "dense", "twin")  # each head its own descriptor
 SHARED = ("shared_sparse", "shared_dense")  # one descriptor, sel "auto", different data
 DEEPMD_DP = "import sys; from deepmd.main import main; main(sys.argv[1:])"
-READ_MODELS = r"""
-import json, sys, torch, numpy as np
-keep = ("min_nbor_dist", ".mean", ".stddev", "davg", "dstd", "out_bias", "out_std")
-out = {}
-for path in sys.argv[1:]:
-    state = torch.load(path, weights_only=False)["model"]
-    out[path] = {k: np.asarray(v.double()).tolist() for k, v in state.items()
-                 if any(w in k for w in keep)}
-print("RESULT " + json.dumps(out))
-"""
 
 
 def test_sections_with_equal_requests_share_one_list(tmp_path: Path) -> None:
@@ -100,15 +91,6 @@ def _run(cmd: list[str], cwd: Path) -> str:
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout + proc.stderr
-
-
-def _statistics(peer: str, jobs: list[Path]) -> list[dict]:
-    """The saved statistics of each job's first checkpoint (one process reads them all)."""
-    paths = [str(job / "model.ckpt-1.pt") for job in jobs]
-    out = _run([peer, "-c", READ_MODELS, *paths], jobs[0])
-    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-    found = json.loads(line[len("RESULT "):])
-    return [found[p] for p in paths]
 
 
 def _finetune_job(root: Path, name: str) -> Path:
@@ -191,7 +173,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     _run([peer, "-c", DEEPMD_DP, *train, *pretrained], tuned["multitask-deepmd"])
     logs["multitask"] = _run([*two_ranks, "-m", "mdloader", "dp", *train, *pretrained],
                              tuned["multitask-mdloader"])
-    stats = _statistics(peer, [reference, one, two, *tuned.values()])
+    stats = [saved_statistics(job / "model.ckpt-1.pt") for job in
+             [reference, one, two, *tuned.values()]]
     return {"reference": reference, 1: one, 2: two, "logs": logs,
             "stats": dict(zip(["reference", 1, 2, *tuned], stats, strict=True))}
 

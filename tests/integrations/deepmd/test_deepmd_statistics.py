@@ -17,19 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.deepmd_env import require_deepmd_python
+from support.deepmd_ref import saved_statistics
 
 from mdloader.testing import make_dataset, make_lmdb, make_system
 
 REPO = Path(__file__).resolve().parents[3]
 DEEPMD_DP = "import sys; from deepmd.main import main; main(sys.argv[1:])"
 
-READ_MODEL = r"""
-import json, sys, torch, numpy as np
-state = torch.load(sys.argv[1], weights_only=False)["model"]
-keep = ("min_nbor_dist", ".mean", ".stddev", "davg", "dstd", "out_bias", "out_std")
-print("RESULT " + json.dumps({k: np.asarray(v.double()).tolist() for k, v in state.items()
-                              if any(w in k for w in keep)}))
-"""
 
 SE_E2_A = {"type": "se_e2_a", "sel": "auto", "rcut_smth": 0.5, "rcut": 4.0, "neuron": [4, 8],
            "axis_neuron": 4, "seed": 1}
@@ -125,10 +119,8 @@ def _run(cmd: list[str], cwd: Path, **env: str) -> str:
     return proc.stdout + proc.stderr
 
 
-def _model(peer: str, job: Path) -> dict:
-    out = _run([peer, "-c", READ_MODEL, str(job / "model.ckpt-1.pt")], job)
-    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+def _model(job: Path) -> dict:
+    return saved_statistics(job / "model.ckpt-1.pt")
 
 
 def _job(root: Path, name: str, systems: object, descriptor: dict, type_map: list[str]) -> Path:
@@ -138,12 +130,12 @@ def _job(root: Path, name: str, systems: object, descriptor: dict, type_map: lis
     return job
 
 
-def _compare(peer: str, theirs: Path, ours: Path, *, inputs: bool = True) -> None:
+def _compare(theirs: Path, ours: Path, *, inputs: bool = True) -> None:
     """Equal ``sel`` and ``min_nbor_dist``; with ``inputs`` also the input statistics."""
     descriptor = [json.loads((j / "out.json").read_text())["model"]["descriptor"]
                   for j in (theirs, ours)]
     assert descriptor[0] == descriptor[1]  # the resolved sel (DPA-2: nsel of each block)
-    a, b = _model(peer, theirs), _model(peer, ours)
+    a, b = _model(theirs), _model(ours)
     assert a.keys() == b.keys() and any("min_nbor_dist" in k for k in a)
     for key in a:
         x, y = np.asarray(a[key]), np.asarray(b[key])
@@ -191,7 +183,7 @@ def test_statistics_equal_deepmd_kits_own(peer: str, reference, tmp_path: Path, 
     assert log.count("job systems: one build of 1 sections (1 distinct requests") == 1
     assert re.search(r"(built|loaded) \d+ systems \(", log) is None
     assert log.count("statistics pass: ") == 1  # every block and the output: one all-gather
-    _compare(peer, theirs, ours)
+    _compare(theirs, ours)
 
 
 @pytest.mark.slow
@@ -208,7 +200,7 @@ def test_two_ranks_shard_and_equal_deepmd_kits_own(peer: str, reference,  # type
     assert "on 2 ranks" in log and "environment statistics:" in log
     # every rank computed a share of the input statistics: a 2-rank job's davg/dstd/bias are
     # DeePMD-kit's one-rank values (DeePMD-kit's own 2-rank job sees rank 0's frames only)
-    _compare(peer, theirs, ours)
+    _compare(theirs, ours)
     again = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                   "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     assert f"cached {len(systems)}, computed 0" in again
@@ -255,12 +247,12 @@ def test_subset_statistics_in_shares_equal_deepmd_kits_path(peer: str, subset_re
     assert re.search(rf"input statistics: \d+ of \d+ frames of 12 systems \(data_stat_nbatch="
                      rf"{nbatch}, the frames of a one-rank job\), in shares on 1 ranks", log)
     assert re.search(r"environment statistics: 12 systems .*\(cached 0, computed 12", log)
-    _compare(peer, theirs, ours)
-    before = _model(peer, ours)
+    _compare(theirs, ours)
+    before = _model(ours)
     again = _run([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     assert re.search(r"environment statistics: 12 systems .*\(cached 12, computed 0", again)
     assert re.search(r"output statistics: 12 systems .*\(cached 12, computed 0", again)
-    assert _model(peer, ours) == before
+    assert _model(ours) == before
 
 
 @pytest.mark.slow
@@ -273,6 +265,6 @@ def test_subset_statistics_on_two_ranks_equal_one_rank(peer: str, subset_referen
     systems, theirs, ours = _subset_reference(subset_reference, tmp_path, "se_e2_a-nbatch2")
     log = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
-    _compare(peer, theirs, ours)
+    _compare(theirs, ours)
     assert "in shares on 2 ranks" in log
     assert re.search(r"environment statistics: 12 systems .*\(cached 0, computed 12 on 2", log)
