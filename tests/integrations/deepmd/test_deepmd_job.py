@@ -8,8 +8,8 @@ two heads sharing a descriptor with ``sel: "auto"`` over different data, which D
 cannot train (the heads' ``sel`` differ). Each job's log shows one build and one statistics
 pass; every non-shared head's statistics equal DeePMD-kit's one-rank run.
 
-Fine-tuning from the reference, by DeePMD-kit at W = 1 and ``mdloader dp`` at W = 2 (the bias
-statistics in shares): single-task (``--model-branch sparse`` on dense's systems) and
+Fine-tuning from the reference, by DeePMD-kit at W = 1 and ``mdloader dp`` at W = 1 and 2 (the
+bias statistics in shares): single-task (``--model-branch sparse`` on dense's systems) and
 multi-task, whose heads resume ``sparse``, fine-tune from ``dense`` on sparse's systems
 (``change-by-statistic``) and start a fitting net afresh (``finetune_head: "RANDOM"``,
 ``set-by-statistic``) on both data sets; every head's statistics equal DeePMD-kit's.
@@ -163,16 +163,15 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     pretrained = ["--finetune", str(reference / "model.ckpt-1.pt"), "--use-pretrain-script"]
     finetune = [*pretrained, "--model-branch", "sparse"]
     tuned = {"finetune-deepmd": _finetune_job(root, "finetune-deepmd"),
-             "finetune-mdloader": _finetune_job(root, "finetune-mdloader"),
-             "multitask-deepmd": _multitask_finetune_job(root, "multitask-deepmd"),
-             "multitask-mdloader": _multitask_finetune_job(root, "multitask-mdloader")}
+             "multitask-deepmd": _multitask_finetune_job(root, "multitask-deepmd")}
     _run([peer, "-c", DEEPMD_DP, *train, *finetune], tuned["finetune-deepmd"])
-    logs["finetune"] = _run([*two_ranks, "-m", "mdloader", "dp", *train, *finetune],
-                            tuned["finetune-mdloader"])
     # multi-task: no --model-branch (each head's finetune_head, or its name, chooses)
     _run([peer, "-c", DEEPMD_DP, *train, *pretrained], tuned["multitask-deepmd"])
-    logs["multitask"] = _run([*two_ranks, "-m", "mdloader", "dp", *train, *pretrained],
-                             tuned["multitask-mdloader"])
+    for world, launch in ((1, [peer]), (2, two_ranks)):
+        for kind, make, args in (("finetune", _finetune_job, finetune),
+                                 ("multitask", _multitask_finetune_job, pretrained)):
+            job = tuned[f"{kind}-mdloader-{world}"] = make(root, f"{kind}-mdloader-{world}")
+            logs[kind, world] = _run([*launch, "-m", "mdloader", "dp", *train, *args], job)
     stats = [saved_statistics(job / "model.ckpt-1.pt") for job in
              [reference, one, two, *tuned.values()]]
     return {"reference": reference, 1: one, 2: two, "logs": logs,
@@ -230,15 +229,17 @@ def _assert_equal(theirs: dict, ours: dict, *, neighbours: bool = True) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-def test_finetune_bias_in_shares_equals_deepmd_kits_one_rank_run(jobs: dict) -> None:
-    """``--finetune --model-branch`` at W = 2: every rank predicts its share of the frames with
-    the loaded weights, one all-gather, and the changed bias is DeePMD-kit's one-rank value
+@pytest.mark.parametrize("world", [1, 2])
+def test_finetune_bias_in_shares_equals_deepmd_kits_one_rank_run(jobs: dict, world: int) -> None:
+    """``--finetune --model-branch`` at W = 1 and 2: every rank predicts its share of the frames
+    with the loaded weights, one all-gather, and the changed bias is DeePMD-kit's one-rank value
     (DeePMD-kit's own 2-rank job changes it by rank 0's frames alone)."""
-    log = jobs["logs"]["finetune"]
-    assert re.search(r"prediction statistics: 2 systems .*\(cached 0, computed 2 on 2 ranks", log)
+    log = jobs["logs"]["finetune", world]
+    assert re.search(rf"prediction statistics: 2 systems .*\(cached 0, computed 2 on {world} "
+                     r"ranks", log)
     assert re.search(r"statistics pass: 2 statistics, 4 parts of 2 systems .* one all-gather "
-                     r"on 2 ranks", log)
-    theirs, ours = jobs["stats"]["finetune-deepmd"], jobs["stats"]["finetune-mdloader"]
+                     rf"on {world} ranks", log)
+    theirs, ours = jobs["stats"]["finetune-deepmd"], jobs["stats"][f"finetune-mdloader-{world}"]
     pretrained = jobs["stats"]["reference"]
     bias = [k for k in theirs if "out_bias" in k]
     assert bias and all(theirs[k] != pretrained[k.replace(".Default.", ".sparse.")]
@@ -249,19 +250,20 @@ def test_finetune_bias_in_shares_equals_deepmd_kits_one_rank_run(jobs: dict) -> 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-def test_multitask_finetune_equals_deepmd_kits_one_rank_run(jobs: dict) -> None:
-    """Multi-task ``--finetune`` at W = 2: a resumed head keeps its pretrained statistics; a head
-    fine-tuned from another changes its bias by the loaded model's predictions in shares, and a
-    ``RANDOM`` head sets it from its data; each by one all-gather, equal to DeePMD-kit's."""
-    log = jobs["logs"]["multitask"]
+@pytest.mark.parametrize("world", [1, 2])
+def test_multitask_finetune_equals_deepmd_kits_one_rank_run(jobs: dict, world: int) -> None:
+    """Multi-task ``--finetune`` at W = 1 and 2: a resumed head keeps its pretrained statistics;
+    a head fine-tuned from another changes its bias by the loaded model's predictions in shares,
+    and a ``RANDOM`` head sets it from its data; each by one all-gather, equal to DeePMD-kit's."""
+    log = jobs["logs"]["multitask", world]
     assert log.count("Model branch sparse will resume training.") == 1
     # from_dense predicts its 2 systems in shares; fresh (set-by-statistic) predicts nothing
-    assert len(re.findall(r"prediction statistics: 2 systems .*\(cached 0, computed 2 on 2 "
-                          r"ranks", log)) == 1
+    assert len(re.findall(rf"prediction statistics: 2 systems .*\(cached 0, computed 2 on "
+                          rf"{world} ranks", log)) == 1
     passes = re.findall(r"statistics pass: (\d+) statistics, (\d+) parts of (\d+) systems .* "
                         r"one all-gather on (\d+) ranks", log)
-    assert passes == [("2", "4", "2", "2"), ("1", "4", "4", "2")]
-    theirs, ours = jobs["stats"]["multitask-deepmd"], jobs["stats"]["multitask-mdloader"]
+    assert passes == [("2", "4", "2", str(world)), ("1", "4", "4", str(world))]
+    theirs, ours = jobs["stats"]["multitask-deepmd"], jobs["stats"][f"multitask-mdloader-{world}"]
     pretrained = jobs["stats"]["reference"]
     assert {k.split(".")[1] for k in theirs} == set(TUNED)
     resumed = {k: v for k, v in theirs.items() if ".sparse." in k}
