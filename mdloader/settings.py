@@ -72,6 +72,12 @@ SETTINGS: dict[str, Setting] = {
         "How `mdloader dp` picks the task of each multi-task step: each rank its own draw "
         "(per-rank, DeePMD-kit's rule) or the same task on every rank (same).",
         choices=("per-rank", "same")),
+    "dp_workers": Setting(
+        "MDLOADER_DP_WORKERS", lambda: "one", str, None, "mode",
+        "How `mdloader dp` reads the trainer's data streams: one pool of DeePMD-kit's "
+        "NUM_WORKERS DataLoader workers for every task and role (one) or DeePMD-kit's "
+        "DataLoader per task and role, each with its own workers (per-loader).",
+        choices=("one", "per-loader")),
     "build_workers": Setting(
         "MDLOADER_BUILD_WORKERS", lambda: 32, int, 1, "thread",
         "Most threads rank 0 uses to walk the tree, describe systems and check an index when "

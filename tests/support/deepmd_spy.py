@@ -2,8 +2,8 @@
 
 The spy runs ``mdloader dp`` in the DeePMD-kit interpreter and records, on every rank, the
 task of each step and the batch it trained (``Trainer._next_training_batch``: the batch the
-optimizer step uses, never a display-time or validation one) as ``[sid, fids]``, in
-``spy.rank<R>.json``.
+optimizer step uses, never a display-time or validation one) as ``[sid, fids]``, and the most
+child processes (DataLoader workers) the rank had at once, in ``spy.rank<R>.json``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from support.deepmd_env import require_deepmd_python
 REPO = Path(__file__).resolve().parents[2]
 
 SPY = r'''
-import json, os, sys
+import glob, json, os, sys, threading, time
 import numpy as np
 import mdloader.integrations.deepmd as md
 from mdloader.integrations.deepmd import seam
@@ -36,9 +36,21 @@ def _next_training_batch(self, task_key="Default"):
              np.asarray(batch[2]["fid"]).reshape(-1).tolist()])
     return batch
 trainer._next_training_batch = _next_training_batch
+most = [0]
+def _count_children():
+    while True:
+        pids = set()
+        for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+            try:
+                pids.update(open(path).read().split())
+            except OSError:
+                pass
+        most[0] = max(most[0], len(pids))
+        time.sleep(0.02)
+threading.Thread(target=_count_children, daemon=True).start()
 code = md.run_dp(sys.argv[1:])
 with open(f"spy.rank{os.environ.get('RANK', '0')}.json", "w") as fh:
-    json.dump({"tasks": tasks, "drawn": drawn}, fh)
+    json.dump({"tasks": tasks, "drawn": drawn, "most_children": most[0]}, fh)
 sys.exit(code)
 '''
 
@@ -57,8 +69,8 @@ def dp_train(job: Path, config: dict[str, Any] | None, *extra: str, steps: int |
     peer = require_deepmd_python()
     launch = ([peer] if world == 1 else
               [peer, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"])
-    full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", NUM_WORKERS="0",
-                    **(env or {}))
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                "NUM_WORKERS": "0", **(env or {})}
     proc = subprocess.run([*launch, "spy.py", "--pt", "train", input_name,
                            "--skip-neighbor-stat", *extra], cwd=job, env=full_env,
                           capture_output=True, text=True, timeout=300)
@@ -67,8 +79,8 @@ def dp_train(job: Path, config: dict[str, Any] | None, *extra: str, steps: int |
 
 
 def spied(job: Path, world: int = 1) -> list[dict[str, Any]]:
-    """What each rank's spy recorded in the last launch in ``job``: ``tasks`` (one per step)
-    and ``drawn`` (by task, DeePMD-kit's ``Default`` for a single task)."""
+    """What each rank's spy recorded in the last launch in ``job``: ``tasks`` (one per step),
+    ``drawn`` (by task, DeePMD-kit's ``Default`` for a single task) and ``most_children``."""
     return [json.loads((job / f"spy.rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -44,6 +44,7 @@ from mdloader.integrations.deepmd.training import (
     refusing_full_validation,
     scheduled_trainer_run,
 )
+from mdloader.integrations.deepmd.worker_pool import pooled_trainer_run
 from mdloader.loading.loader import get_sampler_from_params, get_weighted_sampler
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
         (TRAINING, "resolve_step_schedule"): recording_step_schedule(
             _original(mods, TRAINING, "resolve_step_schedule")),
         (TRAINING, "Trainer.run"): resuming_trainer_run(scheduled_trainer_run(
-            _original(mods, TRAINING, "Trainer.run"))),
+            pooled_trainer_run(_original(mods, TRAINING, "Trainer.run")))),
         (TRAINING, "Trainer.__init__"): recording_trainer_init(refusing_full_validation(
             _original(mods, TRAINING, "Trainer.__init__"))),
         (TRAINING, "Trainer.get_data"): counting_get_data(guarded_get_data(displaying_get_data(

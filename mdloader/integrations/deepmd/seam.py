@@ -85,7 +85,8 @@ SEAM: tuple[SeamName, ...] = (
     SeamName(TRAINING, "Trainer.run", "wrap",
              "sets the task schedule at the trainer's first step (`start_step` on a restart); "
              "at a `--restart`, seeks every stream to the loader state saved beside the "
-             "checkpoint and skips the step DeePMD-kit would run twice"),
+             "checkpoint and skips the step DeePMD-kit would run twice; puts the streams of "
+             "one pool of DataLoader workers in place of the trainer's iterators"),
     SeamName(TRAINING, "Trainer.__init__", "wrap",
              "keeps the `--restart` checkpoint, whose loader state `run` restores; refuses "
              "`validating.full_validation` in one line"),
@@ -99,9 +100,17 @@ SEAM: tuple[SeamName, ...] = (
              "display-time batch of a task the step does not train comes from that task's "
              "display stream"),
     SeamName(TRAINING, "Trainer.training_data", "patch",
-             "a task's iterator is the display stream for the length of one display draw; its "
-             "training iterators are wrapped to check each batch for NaN/inf on the CPU",
-             False),
+             "during `run`, a stream of the one worker pool; a task's iterator is the display "
+             "stream for the length of one display draw; its training iterators are wrapped to "
+             "check each batch for NaN/inf on the CPU", False),
+    SeamName(TRAINING, "Trainer.validation_data", "patch",
+             "during `run`, a stream of the one worker pool", False),
+    SeamName(TRAINING, "Trainer.disp_freq", "read",
+             "with `display_in_training` and `valid_numb_batch`: the steps at which the loop "
+             "draws validation batches, forecast for the worker pool", False),
+    SeamName(TRAINING, "NUM_WORKERS", "read",
+             "the worker processes of the one pool (DeePMD-kit's number per DataLoader)"),
+    SeamName(TRAINING, "DEVICE", "read", "the pool pins its batches' memory unless it is the CPU"),
     SeamName(TRAINING, "Trainer.ckpt_store", "call",
              "on a stop signal: `path_for` and `publish` of that checkpoint, as the loop "
              "saves one (with `lr_schedule.value` and `save_model`)", False),

@@ -1,0 +1,146 @@
+"""One pool of DataLoader workers for several streams: each stream serves its own keys in order,
+whatever order they are asked for in, with real worker processes."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import random
+
+import pytest
+
+from mdloader.integrations.deepmd.worker_pool import is_display_step, loop_forecast
+from mdloader.loading.stream_pool import StreamPool
+
+
+class CountingKeys:
+    """A stream's key source: keys 0, 1, 2, ... (what a sampler's ``next_key`` is to a pool)."""
+
+    def __init__(self) -> None:
+        self.drawn = 0
+
+    def next_key(self) -> int:
+        self.drawn += 1
+        return self.drawn - 1
+
+
+class Echo:
+    """A dataset whose batch of key ``k`` names its stream, the key and the reading process."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, key: int) -> dict[str, object]:
+        return {"stream": self.name, "key": int(key), "pid": os.getpid()}
+
+
+def make_pool(names: list[str], forecast: list[int] | None, workers: int,
+              **kwargs: object) -> tuple[StreamPool, list[CountingKeys]]:
+    sources = [CountingKeys() for _ in names]
+    ahead = itertools.cycle(forecast) if forecast else itertools.cycle(range(len(names)))
+    pool = StreamPool([Echo(n) for n in names], sources, ahead, names, num_workers=workers,
+                      **kwargs)
+    return pool, sources
+
+
+READERS: set[int] = set()
+
+
+def take(pool: StreamPool, requests: list[int]) -> dict[int, list[int]]:
+    """Ask for ``requests`` in order; each stream's keys as they came, checked by name (the
+    reading processes are added to ``READERS``)."""
+    got: dict[int, list[int]] = {}
+    for stream in requests:
+        batch = next(pool.stream(stream))
+        assert batch["stream"] == pool.names[stream]
+        got.setdefault(stream, []).append(batch["key"])
+        READERS.add(batch["pid"])
+    return got
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_foreseen_order_serves_each_stream_its_keys_in_order(workers: int) -> None:
+    forecast = [0, 1, 0, 2, 2, 1]
+    pool, sources = make_pool(["t.a", "t.b", "v.a"], forecast, workers)
+    requests = forecast * 5
+    READERS.clear()
+    got = take(pool, requests)
+    for stream in range(3):
+        assert got[stream] == list(range(requests.count(stream)))
+    if workers:
+        assert pool.unforeseen == 0, "a forecast order needed no request out of turn"
+        assert os.getpid() not in READERS and len(READERS) == workers
+        # the workers read ahead by the prefetch depth, never more
+        assert sum(s.drawn for s in sources) == len(requests) + pool.prefetched
+    else:
+        assert sum(s.drawn for s in sources) == len(requests)
+    assert not any(pool.held), "nothing is left held when the forecast is right"
+    pool.close()
+
+
+def test_any_order_serves_each_stream_its_keys_in_order(
+        caplog: pytest.LogCaptureFixture) -> None:
+    rng = random.Random(5)
+    pool, sources = make_pool(["a", "b", "c", "d"], [0, 1, 2, 3], 2)
+    requests = [rng.choice([0, 0, 0, 1, 2, 3]) for _ in range(200)]
+    with caplog.at_level(logging.WARNING, logger="mdloader"):
+        got = take(pool, requests)
+    for stream in range(4):
+        assert got[stream] == list(range(requests.count(stream)))
+    assert "was asked for less often than forecast" in caplog.text
+    assert all(len(h) <= pool.max_held + 1 for h in pool.held)
+    assert sum(s.drawn for s in sources) <= len(requests) + sum(map(len, pool.held)) \
+        + pool.prefetched + 4
+    pool.close()
+
+
+def test_a_retried_request_is_served_from_its_stream_and_holds_little() -> None:
+    """DeePMD-kit draws a task again when a batch has no valid frame: an extra request."""
+    forecast = [0, 1, 1, 2]
+    pool, _ = make_pool(["a", "b", "c"], forecast, 2)
+    requests = []
+    for step, stream in enumerate(forecast * 30):
+        requests.append(stream)
+        if step % 7 == 3:
+            requests.append(stream)  # the retry
+    got = take(pool, requests)
+    for stream in range(3):
+        assert got[stream] == list(range(requests.count(stream)))
+    assert max(len(h) for h in pool.held) <= pool.prefetched + 2
+    pool.close()
+
+
+def test_a_stream_forecast_but_never_asked_for_is_read_on_demand_after_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    pool, sources = make_pool(["train", "valid"], [0, 1], 2, max_held=5)
+    with caplog.at_level(logging.WARNING, logger="mdloader"):
+        got = take(pool, [0] * 60)
+    assert got[0] == list(range(60))
+    assert "valid was asked for less often than forecast" in caplog.text
+    assert len(pool.held[1]) <= 5 + 1 + pool.prefetched
+    assert sources[1].drawn <= 5 + 1 + pool.prefetched
+    later = take(pool, [1, 1])
+    assert later[1] == [0, 1], "the held batches are still served first, in order"
+    pool.close()
+
+
+def test_the_loop_forecast_is_deepmd_kits_order() -> None:
+    """Each step its training stream; after steps 0, 4, 9, ... (DeePMD-kit displays the 1st
+    and every disp_freq-th) the validation streams; a stream not in the pool (None) skips."""
+    tasks = [0, 1, None, 0, 1, 1, 0, 0, 1, 0, 0]
+
+    def training(start: int, stop: int) -> list[int | None]:
+        return [tasks[s % len(tasks)] for s in range(start, stop)]
+
+    got = list(itertools.islice(loop_forecast(training, 3, displays=True, disp_freq=5,
+                                              validation=[2, 2, 3]), 12))
+    # steps 3..: 0, 1 (step 4 displays), 1, 0, 0, 1, 0 (step 9 displays)
+    assert got == [0, 1, 2, 2, 3, 1, 0, 0, 1, 0, 2, 2]
+    assert [s for s in range(12) if is_display_step(s, 5)] == [0, 4, 9]
+    quiet = list(itertools.islice(loop_forecast(training, 0, displays=False, disp_freq=1,
+                                                validation=[2]), 4))
+    assert quiet == [0, 1, 0, 1]
