@@ -5,7 +5,7 @@ One command (defaults: 20 water systems, W = 1 and 2, all three, 600 s per launc
 
     python -m benchmarks.first_step.run [--systems 200 2000] [--world 1 2]
                                     [--only mdloader|deepmd|mdloader-train ...] [--timeout S]
-                                    [--tasks 8]
+                                    [--tasks 8] [--steps N]
 
 With ``--tasks T`` (``mdloader dp`` and DeePMD-kit only) the input is multi-task: T heads
 sharing the water descriptor, each trained on its own ``--systems`` water systems (another
@@ -13,8 +13,9 @@ seed per task), with equal ``model_prob``.
 
 For every (systems, W) each loader runs twice in fresh ``torchrun --standalone`` jobs (gloo,
 CPU, one OpenMP thread per rank) on DeePMD-kit's water example ``input.json`` with
-``numb_steps: 1``: a **first start** (empty job folder, empty mdloader cache) and a **restart**
-(``--restart model.ckpt.pt`` in the same folder, with whatever the first start cached).
+``numb_steps: 1`` (``--steps N``: N): a **first start** (empty job folder, empty mdloader cache)
+and a **restart** (``--restart model.ckpt.pt`` in the same folder, with whatever the first start
+cached). The meta record keeps the ``MDLOADER_*`` and ``NUM_WORKERS`` variables in force.
 DeePMD-kit runs as ``python -m benchmarks.first_step.dp_cpu`` (its own ``dp`` with CPU
 fallbacks only), mdloader as ``python -m mdloader dp``, both with the DeePMD-kit venv's python
 (``scripts/deepmd-env.sh``); ``mdloader train`` (its own reference model, no DeePMD-kit import)
@@ -65,6 +66,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-jobs", action="store_true", help="keep the job folders (logs)")
     p.add_argument("--tasks", type=int, default=1,
                    help="T > 1: a multi-task input of T heads, each on its own systems")
+    p.add_argument("--steps", type=int, default=1,
+                   help="steps of the first start (the restart trains one more): more steps "
+                   "let the worker and memory peaks cover every task's loaders")
     p.add_argument("--stat-nbatch", type=int, default=None,
                    help="model.data_stat_nbatch (default: the example's); a large value makes "
                    "the input statistics use every frame, mdloader's sharded case")
@@ -150,6 +154,7 @@ def run_pair(python: str, impl: str, roots: list[str], nsys: int, world: int,
         base = {"kind": "first_step", "run": run_id, "impl": impl, "nsys": nsys, "world": world,
                 "tasks": len(roots),
                 "start": start, "timeout_s": args.timeout, "stat_nbatch": args.stat_nbatch,
+                "steps": args.steps + (start == "restart"),
                 "loadavg_1min": round(os.getloadavg()[0], 2)}
         if start == "first":  # a restart needs the first start's checkpoint
             first_ok, rec = _launch_first(python, impl, job, roots, world, env, args)
@@ -161,7 +166,7 @@ def run_pair(python: str, impl: str, roots: list[str], nsys: int, world: int,
             rec = {"status": "not run (the first start did not finish)", "phases": {},
                    "ready_s": None}
         else:
-            write_input(job, roots, 2, args.stat_nbatch)
+            write_input(job, roots, args.steps + 1, args.stat_nbatch)
             cmd = _cmd(python, impl, world, ["--restart", "model.ckpt.pt"])
             rec = record(run_logged(cmd, job, env, args.timeout), world, impl)
         fh.write(json.dumps({**base, **rec}) + "\n")
@@ -182,7 +187,7 @@ def _cmd(python: str, impl: str, world: int, extra: list[str]) -> list[str]:
 
 def _launch_first(python: str, impl: str, job: str, roots: list[str], world: int,
                   env: dict[str, str], args: argparse.Namespace) -> tuple[bool, dict[str, Any]]:
-    write_input(job, roots, 1, args.stat_nbatch)
+    write_input(job, roots, args.steps, args.stat_nbatch)
     rec = record(run_logged(_cmd(python, impl, world, []), job, env, args.timeout), world,
                  impl)
     ok = rec["status"] == "ok" and os.path.exists(os.path.join(job, "model.ckpt.pt"))
@@ -204,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         fh.write(json.dumps({"kind": "first_step-meta", "run": run_id, "cpus": os.cpu_count(),
                              "systems": args.systems, "worlds": args.world, "impls": impls,
                              "tasks": args.tasks,
-                             "timeout_s": args.timeout, "loadavg": os.getloadavg()}) + "\n")
+                             "timeout_s": args.timeout, "loadavg": os.getloadavg(),
+                             "env": {k: v for k, v in os.environ.items()
+                                     if k.startswith("MDLOADER_") or k == "NUM_WORKERS"}})
+                 + "\n")
         for nsys in args.systems:
             roots = [ensure_water(nsys, base=args.data_base, seed=t) for t in range(args.tasks)]
             for i, world in enumerate(args.world):
