@@ -114,7 +114,9 @@ class StreamPool:
         self.prefetched = self.loader.prefetch_factor * self.num_workers if num_workers else 0
         self.max_held = int(max_held) if max_held is not None else 4 * self.prefetched + 16
         self.held: list[collections.deque[Any]] = [collections.deque() for _ in names]
-        self.unforeseen = 0
+        self.served = 0
+        self.unforeseen = 0  # requests with nothing of their stream in flight
+        self.most_held = 0  # the most batches held at once: 0 when the forecast was exact
         self._batches: Iterator[tuple[int, Any]] | None = None
 
     def stream(self, index: int) -> PooledStream:
@@ -123,6 +125,7 @@ class StreamPool:
 
     def next_batch(self, stream: int) -> Any:
         """The next batch of ``stream``, in its sampler's order."""
+        self.served += 1
         if self.held[stream]:
             return self.held[stream].popleft()
         if self._batches is None:
@@ -138,6 +141,12 @@ class StreamPool:
                 return batch
             self._hold(tag, batch)
 
+    def summary(self) -> str:
+        """What the pool did, in one line (a forecast that was right: none out of turn, none
+        held)."""
+        return (f"{self.served} batches served, {self.unforeseen} asked for out of turn, at "
+                f"most {self.most_held} held")
+
     def close(self) -> None:
         """End the workers (they end with the pool too; this ends them now)."""
         self._batches = None
@@ -145,6 +154,7 @@ class StreamPool:
     def _hold(self, stream: int, batch: Any) -> None:
         held = self.held[stream]
         held.append(batch)
+        self.most_held = max(self.most_held, sum(map(len, self.held)))
         if len(held) > self.max_held and stream not in self.keys.on_demand:
             self.keys.on_demand.add(stream)
             log.warning("the stream %s was asked for less often than forecast (%d batches "

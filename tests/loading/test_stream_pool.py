@@ -73,6 +73,7 @@ def test_a_foreseen_order_serves_each_stream_its_keys_in_order(workers: int) -> 
         assert got[stream] == list(range(requests.count(stream)))
     if workers:
         assert pool.unforeseen == 0, "a forecast order needed no request out of turn"
+        assert pool.most_held == 0
         assert os.getpid() not in READERS and len(READERS) == workers
         # the workers read ahead by the prefetch depth, never more
         assert sum(s.drawn for s in sources) == len(requests) + pool.prefetched
@@ -144,3 +145,100 @@ def test_the_loop_forecast_is_deepmd_kits_order() -> None:
     quiet = list(itertools.islice(loop_forecast(training, 0, displays=False, disp_freq=1,
                                                 validation=[2]), 4))
     assert quiet == [0, 1, 0, 1]
+
+
+def _trainer(root, multi_task: bool, valid_numb_batch, disp_freq: int, start: int = 0):
+    """A stand-in for DeePMD-kit's trainer after ``__init__``: a DataLoader per task and role
+    over mdloader's loader sets (never iterated), the iterators the pool replaces, and what
+    DeePMD-kit's loop reads (display frequency, validation batches, the start step)."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader
+
+    from mdloader.loading.loader import DpLoaderSet, get_sampler_from_params
+    from mdloader.testing import make_dataset
+
+    tasks = ["x", "y"] if multi_task else [None]
+    loaders: dict[str, dict] = {"training": {}, "validation": {}}
+    for role in loaders:
+        for t, task in enumerate(tasks):
+            systems = make_dataset(root / f"{role}_{task}", 2, nframes=4, seed=len(role) + t)
+            data = DpLoaderSet([str(p) for p in systems], 1, ["O", "H"], seed=3 + t)
+            loaders[role][task] = DataLoader(data, sampler=get_sampler_from_params(data, {}),
+                                             batch_size=None)
+    pick = (lambda d: d) if multi_task else (lambda d: d[None])
+    return SimpleNamespace(
+        multi_task=multi_task, model_keys=tasks, rank=1, start_step=start,
+        disp_freq=disp_freq, display_in_training=True, valid_numb_batch=valid_numb_batch,
+        training_dataloader=pick(loaders["training"]),
+        validation_dataloader=pick(loaders["validation"]),
+        training_data=pick({t: "deepmd-iterator" for t in tasks}),
+        validation_data=pick({t: "deepmd-iterator" for t in tasks}))
+
+
+def _keys(batch: dict) -> tuple[int, list[int]]:
+    return int(batch["sid"]), [int(f) for f in batch["fid"]]
+
+
+def test_a_single_task_trainers_loop_is_foreseen_and_reads_its_samplers_keys(
+        tmp_path) -> None:
+    """DeePMD-kit's single-task loop (a training batch per step, ``valid_numb_batch``
+    validation batches after steps 0, 2, 4, ...) asks nothing out of turn of two workers."""
+    import copy
+
+    from mdloader.integrations.deepmd.worker_pool import pool_streams
+
+    trainer = _trainer(tmp_path, False, 3, disp_freq=2, start=0)
+    twins = {role: copy.deepcopy(getattr(trainer, f"{role}_dataloader").sampler)
+             for role in ("training", "validation")}
+    pool, streams, replaced = pool_streams(trainer, 2)
+    assert replaced == ["deepmd-iterator", "deepmd-iterator"]
+    assert streams.names == ["training", "validation"]
+    got: dict[str, list] = {"training": [], "validation": []}
+    for step in range(9):
+        got["training"].append(_keys(next(trainer.training_data)))
+        if (step + 1) % 2 == 0 or step + 1 == 1:  # DeePMD-kit's display condition
+            got["validation"] += [_keys(next(trainer.validation_data)) for _ in range(3)]
+    assert pool.unforeseen == 0
+    assert pool.most_held == 0, "every batch came in the order it was asked for"
+    for role, sampler in twins.items():
+        data = getattr(trainer, f"{role}_dataloader").dataset
+        expected = [_keys(data[sampler.next_key()]) for _ in got[role]]
+        assert got[role] == expected, f"the {role} stream reads its own sampler's keys"
+    assert len(got["validation"]) == 3 * 5
+    pool.close()
+
+
+def test_a_multi_task_trainers_loop_follows_the_task_schedule(tmp_path, monkeypatch) -> None:
+    """The forecast's training stream of each step is the task mdloader's schedule gives that
+    step on this rank, from a restart's start step; each task validates ``valid_numb_batch``
+    of its own at a display step."""
+    from mdloader.integrations.deepmd import training as dp_training
+    from mdloader.integrations.deepmd.worker_pool import pool_streams
+    from mdloader.sampling.tasks import TaskCursor, TaskSchedule
+
+    trainer = _trainer(tmp_path, True, {"x": 1, "y": 2}, disp_freq=3, start=5)
+    schedule = TaskSchedule(seed=11, probs=(0.5, 0.5))
+    monkeypatch.setattr(dp_training.SCHEDULED_TASKS, "cursor",
+                        TaskCursor(schedule, rank=1, step=5))
+    pool, streams, _ = pool_streams(trainer, 2)
+    assert streams.names == ["training.x", "training.y", "validation.x", "validation.y"]
+    for step in range(5, 25):
+        task = trainer.model_keys[schedule.task(1, step)]
+        next(trainer.training_data[task])
+        if (step + 1) % 3 == 0 or step + 1 == 1:
+            for other, count in trainer.valid_numb_batch.items():
+                for _ in range(count):
+                    next(trainer.validation_data[other])
+    assert pool.unforeseen == 0
+    assert pool.most_held == 0, "every batch came in the order it was asked for"
+    pool.close()
+
+
+def test_deepmd_kits_own_loaders_are_kept_on_request(tmp_path, monkeypatch) -> None:
+    from mdloader.integrations.deepmd.worker_pool import pool_streams
+
+    monkeypatch.setenv("MDLOADER_DP_WORKERS", "per-loader")
+    trainer = _trainer(tmp_path, False, 1, disp_freq=1)
+    assert pool_streams(trainer, 2) is None
+    assert trainer.training_data == "deepmd-iterator"

@@ -127,19 +127,19 @@ def trainer_forecast(trainer: Any, streams: TrainerStreams) -> Iterator[int]:
                          disp_freq=int(trainer.disp_freq), validation=validation)
 
 
-def pool_streams(trainer: Any) -> tuple[StreamPool, TrainerStreams, list[Any]] | None:
-    """Put the streams of one pool in place of the trainer's iterators: the pool, its streams
-    and the iterators it replaced (``None``: DeePMD-kit's loaders asked for, or no stream)."""
+def pool_streams(trainer: Any, num_workers: int, pin_memory: bool = False,
+                 ) -> tuple[StreamPool, TrainerStreams, list[Any]] | None:
+    """Put the streams of one pool of ``num_workers`` in place of the trainer's iterators: the
+    pool, its streams and the iterators it replaced (``None``: DeePMD-kit's loaders asked for,
+    or no stream)."""
     if settings.resolve("dp_workers") != "one":
         return None
     streams = TrainerStreams.of(trainer)
     if not streams.names:
         return None
-    module = sys.modules[TRAINING]
-    workers = int(module.NUM_WORKERS)
+    workers = int(num_workers)
     pool = StreamPool(streams.datasets, streams.samplers, trainer_forecast(trainer, streams),
-                      streams.names, num_workers=workers,
-                      pin_memory=str(module.DEVICE) != "cpu")
+                      streams.names, num_workers=workers, pin_memory=pin_memory)
     replaced = streams.iterators(trainer)
     for index, (attr, task) in enumerate(streams.places):
         _put(trainer, attr, task, pool.stream(index))
@@ -155,7 +155,8 @@ def pooled_trainer_run(original: Callable[[Any], None]) -> Callable[[Any], None]
 
     @functools.wraps(original)
     def run(self: Any) -> None:
-        pooled = pool_streams(self)
+        module = sys.modules[TRAINING]  # DeePMD-kit's number of workers per DataLoader
+        pooled = pool_streams(self, int(module.NUM_WORKERS), str(module.DEVICE) != "cpu")
         try:
             return original(self)
         finally:
@@ -164,5 +165,7 @@ def pooled_trainer_run(original: Callable[[Any], None]) -> Callable[[Any], None]
                 for (attr, task), iterator in zip(streams.places, replaced, strict=True):
                     _put(self, attr, task, iterator)
                 pool.close()
+                if self.rank == 0:
+                    log.info("DataLoader worker pool: %s", pool.summary())
 
     return run

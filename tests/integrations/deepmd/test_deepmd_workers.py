@@ -58,6 +58,10 @@ def test_one_pool_trains_and_validates_on_deepmd_kits_batches(runs: SimpleNamesp
     assert pooled.lcurve == own.lcurve, "validation and display batches are DeePMD-kit's too"
     assert [int(r.split()[0]) for r in pooled.lcurve] == [1, 3, 6, 9]  # each with validation
     assert "DataLoader workers: one pool of 2 for 6 stream(s)" in pooled.log
+    # the forecast was DeePMD-kit's loop: 10 training and 4 x 3 x 2 validation batches, each
+    # in flight when asked for, none held for a later request
+    assert ("DataLoader worker pool: 34 batches served, 0 asked for out of turn, at most 0 "
+            "held") in pooled.log
     assert "one pool" not in own.log
 
 
