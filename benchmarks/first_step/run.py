@@ -15,7 +15,7 @@ For every (systems, W) each loader runs twice in fresh ``torchrun --standalone``
 CPU, one OpenMP thread per rank) on DeePMD-kit's water example ``input.json`` with
 ``numb_steps: 1`` (``--steps N``: N): a **first start** (empty job folder, empty mdloader cache)
 and a **restart** (``--restart model.ckpt.pt`` in the same folder, with whatever the first start
-cached). The meta record keeps the ``MDLOADER_*`` and ``NUM_WORKERS`` variables in force.
+cached). The meta record keeps the mdloader settings and ``NUM_WORKERS`` set in the environment.
 DeePMD-kit runs as ``python -m benchmarks.first_step.dp_cpu`` (its own ``dp`` with CPU
 fallbacks only), mdloader as ``python -m mdloader dp``, both with the DeePMD-kit venv's python
 (``scripts/deepmd-env.sh``); ``mdloader train`` (its own reference model, no DeePMD-kit import)
@@ -194,6 +194,15 @@ def _launch_first(python: str, impl: str, job: str, roots: list[str], world: int
     return ok, rec
 
 
+def settings_in_force() -> dict[str, str]:
+    """The mdloader settings and ``NUM_WORKERS`` set in the environment (values, never the
+    interpreter or cache paths of this machine)."""
+    from mdloader.settings import SETTINGS
+
+    names = {s.env for s in SETTINGS.values()} - {"MDLOADER_CACHE_DIR"} | {"NUM_WORKERS"}
+    return {k: v for k, v in os.environ.items() if k in names}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if not can_import(args.python, "deepmd.pt.train.training"):
@@ -210,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                              "systems": args.systems, "worlds": args.world, "impls": impls,
                              "tasks": args.tasks,
                              "timeout_s": args.timeout, "loadavg": os.getloadavg(),
-                             "env": {k: v for k, v in os.environ.items()
-                                     if k.startswith("MDLOADER_") or k == "NUM_WORKERS"}})
+                             "env": settings_in_force()})
                  + "\n")
         for nsys in args.systems:
             roots = [ensure_water(nsys, base=args.data_base, seed=t) for t in range(args.tasks)]
