@@ -63,6 +63,8 @@ class StatefulLoader:
             if lost is None:
                 raise
             raise lost from exc
+        finally:  # an error or an iterator left early: its workers end now, not when collected
+            end_workers(batches)
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -80,6 +82,14 @@ class StatefulLoader:
         check_keys(state, kind="loader", version=STATE_VERSION, keys=("sampler",))
         self.sampler.load_state_dict(state["sampler"])
         self._consumed = self.sampler.position
+
+
+def end_workers(batches: Iterator[Any]) -> None:
+    """End the workers of a DataLoader iterator now. An iterator referenced by an error's
+    traceback lives as long as the error, its workers (and their open files) with it."""
+    shutdown = getattr(batches, "_shutdown_workers", None)  # absent without workers
+    if shutdown is not None:
+        shutdown()
 
 
 def lost_worker(exc: BaseException | None) -> WorkerLostError | None:

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from mdloader.errors import ConfigError
+from mdloader.loading.stateful_loader import end_workers
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,11 @@ class StreamPool:
             self.unforeseen += 1
             self.keys.asked.append(stream)
         while True:
-            tag, batch = next(self._batches)
+            try:
+                tag, batch = next(self._batches)
+            except BaseException:
+                self.close()
+                raise
             self.keys.in_flight[tag] -= 1
             if tag == stream:
                 return batch
@@ -149,6 +154,8 @@ class StreamPool:
 
     def close(self) -> None:
         """End the workers (they end with the pool too; this ends them now)."""
+        if self._batches is not None:
+            end_workers(self._batches)
         self._batches = None
 
     def _hold(self, stream: int, batch: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import multiprocessing
 import os
 import random
 
@@ -97,6 +98,34 @@ def test_any_order_serves_each_stream_its_keys_in_order(
     assert sum(s.drawn for s in sources) <= len(requests) + sum(map(len, pool.held)) \
         + pool.prefetched + 4
     pool.close()
+
+
+class FailsAt(Echo):
+    """An :class:`Echo` whose key ``at`` cannot be read."""
+
+    def __init__(self, name: str, at: int) -> None:
+        super().__init__(name)
+        self.at = at
+
+    def __getitem__(self, key: int) -> dict[str, object]:
+        if key == self.at:
+            raise ValueError(f"{self.name}: key {key} cannot be read")
+        return super().__getitem__(key)
+
+
+def test_a_workers_error_reaches_the_caller_and_the_workers_end_with_it() -> None:
+    others = set(multiprocessing.active_children())
+    pool = StreamPool([Echo("a"), FailsAt("b", 2)], [CountingKeys(), CountingKeys()],
+                      itertools.cycle([0, 1]), ["a", "b"], num_workers=2)
+    with pytest.raises(ValueError, match="b: key 2 cannot be read") as info:
+        take(pool, [0, 1] * 5)
+    assert info.value is not None  # held, with its traceback, while the workers are checked
+    assert set(multiprocessing.active_children()) <= others
+    pool, _ = make_pool(["a"], None, 2)
+    take(pool, [0])
+    assert len(set(multiprocessing.active_children()) - others) == 2
+    pool.close()
+    assert set(multiprocessing.active_children()) <= others, "close() ends the workers now"
 
 
 def test_a_retried_request_is_served_from_its_stream_and_holds_little() -> None:
