@@ -6,6 +6,7 @@ ended with gloo's "Connection closed by peer". :func:`ending_together` runs DeeP
 so that the first failure of the job is published in the store of the default group and raised
 on every rank as the same :class:`~mdloader.errors.RankFailedError`
 (:mod:`mdloader.distributed.failure`); the command line then prints it and leaves at once.
+Without a group, the failure is raised as it is, in mdloader's words where torch's hide them.
 """
 
 from __future__ import annotations
@@ -46,14 +47,23 @@ def ending_together(run: Callable[[], T]) -> T:
             raise failure from exc
         raise
     except BaseException as exc:
+        said = in_own_words(exc)
         if not current_world().distributed:
-            raise
+            if said is exc:
+                raise
+            raise said from exc
         group_ended()  # the group is left as it is: a peer may still be inside a collective
         failure = published_failure(job)
         if failure is not None:
             raise failure from exc
-        lost = lost_worker(exc) if isinstance(exc, RuntimeError) else None
-        raise fail_alone(lost or worker_error(exc), job=job, activity=ACTIVITY) from exc
+        raise fail_alone(said, job=job, activity=ACTIVITY) from exc
+
+
+def in_own_words(exc: BaseException) -> BaseException:
+    """A failure of a DataLoader worker as mdloader says it (a lost worker, a worker's mdloader
+    error with its own message); anything else unchanged."""
+    lost = lost_worker(exc) if isinstance(exc, RuntimeError) else None
+    return lost or worker_error(exc)
 
 
 def worker_error(exc: BaseException) -> BaseException:

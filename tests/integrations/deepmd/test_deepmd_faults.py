@@ -1,5 +1,6 @@
 """Faults during DeePMD-kit's training under ``mdloader dp``, 2 gloo ranks under real torchrun:
-every rank ends within seconds with the same one line naming the rank, the system and the file.
+every rank ends within seconds with the same one line naming the rank, the system and the file;
+one process without torchrun ends with one line too, in mdloader's words, never torch's traceback.
 
 A DeePMD-kit launch costs most of this file's time: each test is one launch (the stop signal's
 two: the stop and its restart, which ends with the NaN labels), on a tiny model and tiny systems.
@@ -74,17 +75,20 @@ def _multitask_input(root: Path) -> list[Path]:
 
 
 class Job:
-    """``torchrun --nproc_per_node=2 -m mdloader dp --pt train input.json`` in ``root``."""
+    """``torchrun --nproc_per_node=2 -m mdloader dp --pt train input.json`` in ``root``
+    (``torchrun=False``: ``python -m mdloader dp ...``, one process, no group)."""
 
-    def __init__(self, root: Path, *args: str, workers: int = 1, **env: str) -> None:
-        self.root = root
+    def __init__(self, root: Path, *args: str, workers: int = 1, torchrun: bool = True,
+                 **env: str) -> None:
+        self.root, self.torchrun = root, torchrun
         environ = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
                        NUM_WORKERS=str(workers), MDLOADER_CACHE_DIR=str(root / "cache"), **env)
+        launcher = (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+                    if torchrun else [])
         self.proc = subprocess.Popen(
-            [require_deepmd_python(), "-m", "torch.distributed.run", "--standalone",
-             "--nproc_per_node=2", "-m", "mdloader", "dp", "--pt", "train", "input.json",
-             *args], cwd=root, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True)
+            [require_deepmd_python(), *launcher, "-m", "mdloader", "dp", "--pt", "train",
+             "input.json", *args], cwd=root, env=environ, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.fault = 0.0
 
     def wait_for_steps(self, lines: int = 3) -> None:
@@ -100,6 +104,8 @@ class Job:
 
     def ranks(self) -> dict[int, int]:
         """The pid of each rank, by its ``RANK``."""
+        if not self.torchrun:
+            return {0: self.proc.pid}
         found = {}
         for pid in _children(self.proc.pid):
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -191,6 +197,37 @@ def test_a_killed_dataloader_worker_is_one_line_on_every_rank(tmp_path: Path) ->
     line = _one_line_on_every_rank(out)
     assert "rank 1 failed (DeePMD-kit's training): WorkerLostError: DataLoader worker " \
            f"(pid {worker}) is killed by signal: Killed" in line, line
+
+
+ALONE = {
+    "truncated": (lambda job, targets: [os.truncate(t, t.stat().st_size // 3) for t in targets],
+                  "mdloader: error: the npy file shrank "),
+    "killed worker": (lambda job, targets: os.kill(_children(job.proc.pid)[0], signal.SIGKILL),
+                      "mdloader: error: DataLoader worker (pid "),
+}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", sorted(ALONE))
+def test_a_worker_fault_without_torchrun_is_one_line_in_mdloaders_words(tmp_path: Path,
+                                                                         case: str) -> None:
+    """One process, no group: a worker's mdloader error used to print torch's "Caught
+    CorruptFileError in DataLoader worker process 0" and the worker's traceback, a killed
+    worker torch's RuntimeError with the main process's traceback."""
+    damage, said = ALONE[case]
+    targets = _input(tmp_path)
+    job = Job(tmp_path, torchrun=False)
+    job.wait_for_steps()
+    damage(job, targets)
+    job.fault = time.monotonic()
+    out = job.end()
+    print(f"{case} under mdloader dp without torchrun: ended {job.seconds:.1f} s after")
+    errors = [line for line in out.splitlines() if line.startswith("mdloader: error:")]
+    assert len(errors) == 1 and errors[0].startswith(said), out[-4000:]
+    assert "Traceback" not in out and "Caught" not in out, out[-4000:]
+    assert job.proc.returncode == 1, out[-4000:]
+    if case == "truncated":
+        assert any(f"file: {target}" in errors[0] for target in targets), errors[0]
 
 
 @pytest.mark.timeout(400)
