@@ -149,3 +149,16 @@ def saved_statistics(checkpoint: Path) -> dict[str, list]:
     state = torch.load(checkpoint, weights_only=True, map_location="cpu")["model"]
     return {k: np.asarray(v.double()).tolist() for k, v in state.items()
             if any(w in k for w in SAVED_STATISTICS)}
+
+
+def assert_statistics_equal(theirs: dict, ours: dict, *, neighbours: bool = True) -> None:
+    """Two :func:`saved_statistics`: the same names, ``min_nbor_dist`` bit for bit (present
+    unless ``neighbours`` is false), every other statistic within 1e-10 relative."""
+    assert theirs.keys() == ours.keys()
+    assert any("min_nbor_dist" in k for k in theirs) or not neighbours
+    for key in theirs:
+        x, y = np.asarray(theirs[key]), np.asarray(ours[key])
+        if "min_nbor_dist" in key:
+            assert x == y, key
+        else:
+            np.testing.assert_allclose(y, x, rtol=1e-10, atol=1e-12, err_msg=key)

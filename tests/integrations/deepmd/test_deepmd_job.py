@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.deepmd_env import require_deepmd_python
-from support.deepmd_ref import saved_statistics
+from support.deepmd_ref import assert_statistics_equal, saved_statistics
 
 from mdloader.loading.job import JobSection, build_job
 from mdloader.testing import make_dataset
@@ -211,19 +211,7 @@ def test_one_build_one_statistics_pass_and_deepmd_kits_values(jobs: dict, world:
     theirs = _own_heads(jobs["stats"]["reference"])
     ours = _own_heads(jobs["stats"][world])
     assert {k for k in theirs if "out_bias" in k} and {k for k in theirs if ".mean" in k}
-    _assert_equal(theirs, ours)
-
-
-def _assert_equal(theirs: dict, ours: dict, *, neighbours: bool = True) -> None:
-    """``min_nbor_dist`` bit for bit, every other statistic within 1e-10 relative."""
-    assert theirs.keys() == ours.keys()
-    assert any("min_nbor_dist" in k for k in theirs) or not neighbours
-    for key in theirs:
-        x, y = np.asarray(theirs[key]), np.asarray(ours[key])
-        if "min_nbor_dist" in key:
-            assert x == y, key
-        else:
-            np.testing.assert_allclose(y, x, rtol=1e-10, atol=1e-12, err_msg=key)
+    assert_statistics_equal(theirs, ours)
 
 
 @pytest.mark.slow
@@ -244,7 +232,7 @@ def test_finetune_bias_in_shares_equals_deepmd_kits_one_rank_run(jobs: dict, wor
     bias = [k for k in theirs if "out_bias" in k]
     assert bias and all(theirs[k] != pretrained[k.replace(".Default.", ".sparse.")]
                         for k in bias)  # changed by the new data
-    _assert_equal(theirs, ours, neighbours=False)
+    assert_statistics_equal(theirs, ours, neighbours=False)
 
 
 @pytest.mark.slow
@@ -273,4 +261,4 @@ def test_multitask_finetune_equals_deepmd_kits_one_rank_run(jobs: dict, world: i
     fresh = np.asarray(theirs[bias.format("fresh")])  # a new fitting net's bias is zero
     assert np.all(fresh != 0) and all(not np.allclose(fresh, pretrained[bias.format(h)])
                                       for h in OWN)  # set by both data sets, no head's
-    _assert_equal(theirs, ours)
+    assert_statistics_equal(theirs, ours)

@@ -3,7 +3,9 @@
 DeePMD-kit's own DPA-2 multi-task example (two heads sharing a DPA-2 descriptor, on the water
 data), shrunk to tiny sizes and a few steps, trains at W = 1 and 2: two launches at W = 2 train
 the same tasks and write the same ``lcurve.out``; its ``num_epoch_dict`` variant meets the
-per-task targets exactly at W = 1. (The same task on every rank on request,
+per-task targets exactly at W = 1; one step of it by DeePMD-kit at W = 1 and by ``mdloader dp``
+at W = 1 and 2 saves the same statistics, from one build and one statistics pass of the job
+(its two heads share their systems and descriptor). (The same task on every rank on request,
 ``MDLOADER_TASK_DRAW=same``, is asserted on the two-rank runs of test_deepmd_resume.py.) A spy
 (tests/support/deepmd_spy.py) records the task of every step on every rank.
 """
@@ -12,16 +14,22 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import shutil
+import subprocess
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
+from support.deepmd_env import require_deepmd_python
+from support.deepmd_ref import assert_statistics_equal, saved_statistics
 from support.deepmd_spy import dp_train, lcurve_rows, spied
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "tests" / "fixtures" / "deepmd-examples" / "water_multi_task"
+DEEPMD_DP = "import sys; from deepmd.main import main; main(sys.argv[1:])"
 
 #: DeePMD-kit's DPA-2 example with every size cut down; its switches (three-body repinit,
 #: the repformer's updates and gates) are kept.
@@ -33,14 +41,19 @@ TINY_REPFORMER = {"rcut": 2.5, "rcut_smth": 2.0, "nsel": 12, "nlayers": 1, "g1_d
                   "attn1_nhead": 1}
 
 
-def dpa2_example(tmp_path: Path, name: str, training: dict) -> Path:
+def dpa2_example(tmp_path: Path, name: str, training: dict, frames: int | None = None) -> Path:
     """DeePMD-kit's example ``name`` in its layout (``water/data`` beside it), shrunk, with
-    ``training`` merged into its training section; returns the folder to run it in."""
+    ``training`` merged into its training section; returns the folder to run it in.
+    ``frames``: each set of the water data cut to its first ``frames`` frames."""
     root = tmp_path / "examples"
     if not root.exists():
         shutil.copytree(EXAMPLE, root / "water_multi_task")
         (root / "water").mkdir()
-        (root / "water" / "data").symlink_to(REPO / "examples" / "water" / "data")
+        water = REPO / "examples" / "water" / "data"
+        if frames is None:
+            (root / "water" / "data").symlink_to(water)
+        else:
+            _cut_copy(water, root / "water" / "data", frames)
     folder = root / "water_multi_task" / "pytorch_example"
     config = json.loads((folder / name).read_text())
     descriptor = config["model"]["shared_dict"]["dpa2_descriptor"]
@@ -68,6 +81,65 @@ def test_the_dpa2_example_twice_on_two_ranks_trains_the_same_tasks_and_lcurve(
     assert first_curve == second_curve and len(first_curve) == 3
     assert all(len(r["tasks"]) == 3 for r in first)
     assert first[0]["tasks"] != first[1]["tasks"]  # per-rank draws by default
+
+
+def _cut_copy(source: Path, dest: Path, frames: int) -> None:
+    """The systems under ``source`` in ``dest``, each set cut to its first ``frames`` frames."""
+    for path in source.rglob("*"):
+        target = dest / path.relative_to(source)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        elif path.suffix == ".npy":
+            np.save(target, np.load(path)[:frames])
+        elif path.suffix == ".raw":
+            shutil.copyfile(path, target)
+
+
+@pytest.fixture(scope="module")
+def dpa2_statistics(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One step of the shrunk DPA-2 example (neighbour statistics included) by DeePMD-kit at
+    W = 1 and by ``mdloader dp`` at W = 1 and 2: each run's saved statistics and log. Its
+    systems keep 4 frames a set, so ``data_stat_nbatch`` (10) takes every frame: the frames a
+    subset takes are mdloader's draw, not DeePMD-kit's (docs/statistics.md)."""
+    peer = require_deepmd_python()
+    root = tmp_path_factory.mktemp("dpa2")
+    launches = {"deepmd": [peer, "-c", DEEPMD_DP], 1: [peer, "-m", "mdloader", "dp"],
+                2: [peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                    "-m", "mdloader", "dp"]}
+    runs = {}
+    for name, launch in launches.items():
+        job = dpa2_example(root / str(name), "input_torch.json",
+                           {"numb_steps": 1, "save_freq": 1}, frames=4)
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", NUM_WORKERS="0",
+                   MDLOADER_CACHE_DIR=str(job / "cache"))
+        proc = subprocess.run([*launch, "--pt", "train", "tiny.json"], cwd=job, env=env,
+                              capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        runs[name] = {"log": proc.stdout + proc.stderr,
+                      "stats": saved_statistics(job / "model.ckpt-1.pt")}
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_dpa2_example_saves_deepmd_kits_statistics_from_one_build_and_pass(
+        dpa2_statistics: dict, world: int) -> None:
+    ours = dpa2_statistics[world]
+    log = ours["log"]
+    # water_1's training and validation, water_2's training (water_1's systems): 2 requests
+    assert log.count("job systems: one build of 3 sections (2 distinct requests") == 1, log
+    passes = re.findall(r"statistics pass: (\d+) statistics, (\d+) parts of (\d+) systems .*"
+                        r"one all-gather on (\d+) ranks", log)
+    # 2 heads x (3 descriptor blocks + the output), the shared systems' 12 parts computed once
+    assert passes == [("8", "12", "3", str(world))], log[-4000:]
+    # the shared descriptor's neighbour statistics: one pass per block's rcut, not per head
+    assert len(re.findall(r"neighbour statistics: 3 systems in", log)) == 2, log[-4000:]
+    theirs = dpa2_statistics["deepmd"]["stats"]
+    assert {k for k in theirs if "out_bias" in k} and {k for k in theirs if ".mean" in k}
+    assert {k.split(".")[1] for k in theirs} >= {"water_1", "water_2"}, sorted(theirs)
+    assert_statistics_equal(theirs, ours["stats"])
 
 
 @pytest.mark.slow
