@@ -119,8 +119,8 @@ def test_a_workers_error_reaches_the_caller_and_the_workers_end_with_it() -> Non
                       itertools.cycle([0, 1]), ["a", "b"], num_workers=2)
     with pytest.raises(ValueError, match="b: key 2 cannot be read") as info:
         take(pool, [0, 1] * 5)
-    assert info.value is not None  # held, with its traceback, while the workers are checked
-    assert set(multiprocessing.active_children()) <= others
+    # ``info`` still holds the error and its traceback (so the iterator) while this is checked
+    assert set(multiprocessing.active_children()) <= others, info.value
     pool, _ = make_pool(["a"], None, 2)
     take(pool, [0])
     assert len(set(multiprocessing.active_children()) - others) == 2
