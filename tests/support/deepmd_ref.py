@@ -15,6 +15,19 @@ from support.deepmd_env import require_deepmd_python
 
 REPO = Path(__file__).resolve().parents[2]
 
+#: DeePMD-kit's own ``dp``, for ``python -c`` in DeePMD-kit's interpreter
+DEEPMD_DP = "import sys; from deepmd.main import main; main(sys.argv[1:])"
+
+
+def run_job(cmd: list[str], cwd: Path, **env: str) -> str:
+    """``cmd`` in ``cwd`` (one thread, no DataLoader workers, the cache in ``cwd``); its output.
+    A failure fails the test with the output's tail."""
+    full = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", NUM_WORKERS="0",
+                MDLOADER_CACHE_DIR=str(cwd / "cache"), **env)
+    proc = subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout + proc.stderr
+
 #: DeePMD-kit's neighbour statistics for each case ``{"systems", "type_map", "rcut",
 #: "mixed_type"}``: per system ``[max counts, min squared distance as float.hex]`` and merged
 #: ``min_nbor_dist`` (hex) and ``max_nbor_size``.

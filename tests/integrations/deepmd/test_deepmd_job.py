@@ -18,15 +18,13 @@ multi-task, whose heads resume ``sparse``, fine-tune from ``dense`` on sparse's 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 from support.deepmd_env import require_deepmd_python
-from support.deepmd_ref import assert_statistics_equal, saved_statistics
+from support.deepmd_ref import DEEPMD_DP, assert_statistics_equal, run_job, saved_statistics
 
 from mdloader.loading.job import JobSection, build_job
 from mdloader.testing import make_dataset
@@ -34,7 +32,6 @@ from mdloader.testing import make_dataset
 REPO = Path(__file__).resolve().parents[3]
 OWN = ("sparse", "dense", "twin")  # each head its own descriptor
 SHARED = ("shared_sparse", "shared_dense")  # one descriptor, sel "auto", different data
-DEEPMD_DP = "import sys; from deepmd.main import main; main(sys.argv[1:])"
 
 
 def test_sections_with_equal_requests_share_one_list(tmp_path: Path) -> None:
@@ -83,14 +80,6 @@ def _config(root: Path, heads: tuple[str, ...]) -> dict:
                      "data_dict": {h: data(h) for h in heads},
                      "numb_steps": 1, "seed": 7, "disp_freq": 1, "save_freq": 1},
     }
-
-
-def _run(cmd: list[str], cwd: Path) -> str:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", NUM_WORKERS="0",
-               MDLOADER_CACHE_DIR=str(cwd / "cache"))
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc.stdout + proc.stderr
 
 
 def _finetune_job(root: Path, name: str) -> Path:
@@ -152,26 +141,26 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     make_dataset(root / "sparse", 2, natoms_range=(3, 5), nframes=4, seed=1)
     make_dataset(root / "dense", 2, natoms_range=(20, 24), nframes=4, seed=2)
     reference = _job(root, "deepmd", OWN)
-    _run([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], reference)
+    run_job([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], reference)
     one = _job(root, "w1", OWN)
     two = _job(root, "w2", OWN + SHARED)
     two_ranks = [peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     train = ["--pt", "train", "input.json"]
-    logs = {1: _run([peer, "-m", "mdloader", "dp", *train], one),
-            2: _run([*two_ranks, "-m", "mdloader", "dp", *train], two)}
+    logs = {1: run_job([peer, "-m", "mdloader", "dp", *train], one),
+            2: run_job([*two_ranks, "-m", "mdloader", "dp", *train], two)}
     # fine-tuning the reference's sparse head on dense's systems: change-by-statistic
     pretrained = ["--finetune", str(reference / "model.ckpt-1.pt"), "--use-pretrain-script"]
     finetune = [*pretrained, "--model-branch", "sparse"]
     tuned = {"finetune-deepmd": _finetune_job(root, "finetune-deepmd"),
              "multitask-deepmd": _multitask_finetune_job(root, "multitask-deepmd")}
-    _run([peer, "-c", DEEPMD_DP, *train, *finetune], tuned["finetune-deepmd"])
+    run_job([peer, "-c", DEEPMD_DP, *train, *finetune], tuned["finetune-deepmd"])
     # multi-task: no --model-branch (each head's finetune_head, or its name, chooses)
-    _run([peer, "-c", DEEPMD_DP, *train, *pretrained], tuned["multitask-deepmd"])
+    run_job([peer, "-c", DEEPMD_DP, *train, *pretrained], tuned["multitask-deepmd"])
     for world, launch in ((1, [peer]), (2, two_ranks)):
         for kind, make, args in (("finetune", _finetune_job, finetune),
                                  ("multitask", _multitask_finetune_job, pretrained)):
             job = tuned[f"{kind}-mdloader-{world}"] = make(root, f"{kind}-mdloader-{world}")
-            logs[kind, world] = _run([*launch, "-m", "mdloader", "dp", *train, *args], job)
+            logs[kind, world] = run_job([*launch, "-m", "mdloader", "dp", *train, *args], job)
     stats = [saved_statistics(job / "model.ckpt-1.pt") for job in
              [reference, one, two, *tuned.values()]]
     return {"reference": reference, 1: one, 2: two, "logs": logs,

@@ -9,20 +9,17 @@ The resolved ``sel`` (``out.json``), and in the saved model ``min_nbor_dist``, t
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 from support.deepmd_env import require_deepmd_python
-from support.deepmd_ref import saved_statistics
+from support.deepmd_ref import DEEPMD_DP, run_job, saved_statistics
 
 from mdloader.testing import make_dataset, make_lmdb, make_system
 
 REPO = Path(__file__).resolve().parents[3]
-DEEPMD_DP = "import sys; from deepmd.main import main; main(sys.argv[1:])"
 
 
 SE_E2_A = {"type": "se_e2_a", "sel": "auto", "rcut_smth": 0.5, "rcut": 4.0, "neuron": [4, 8],
@@ -111,14 +108,6 @@ def _subset_job(root: Path, name: str, systems: list[str], descriptor: dict,
     return job
 
 
-def _run(cmd: list[str], cwd: Path, **env: str) -> str:
-    full = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", NUM_WORKERS="0",
-                MDLOADER_CACHE_DIR=str(cwd / "cache"), **env)
-    proc = subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc.stdout + proc.stderr
-
-
 def _model(job: Path) -> dict:
     return saved_statistics(job / "model.ckpt-1.pt")
 
@@ -161,7 +150,7 @@ def reference(peer: str, tmp_path_factory: pytest.TempPathFactory):  # type: ign
             root = tmp_path_factory.mktemp(case)
             systems = make(root)
             theirs = _job(root, "deepmd", systems, descriptor, type_map)
-            _run([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], theirs)
+            run_job([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], theirs)
             done[case] = systems, theirs
         return done[case]
 
@@ -176,7 +165,7 @@ def test_statistics_equal_deepmd_kits_own(peer: str, reference, tmp_path: Path, 
     _, descriptor, type_map = CASES[case]
     systems, theirs = reference(case)
     ours = _job(tmp_path, "mdloader", systems, descriptor, type_map)
-    log = _run([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
+    log = run_job([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     assert "neighbour statistics:" in log and "computed" in log
     assert "environment statistics:" in log and "output statistics:" in log  # mdloader's
     # the neighbour statistics, the input statistics and the loader set read one build
@@ -195,14 +184,14 @@ def test_two_ranks_shard_and_equal_deepmd_kits_own(peer: str, reference,  # type
     _, descriptor, type_map = CASES[case]
     systems, theirs = reference(case)
     ours = _job(tmp_path, "mdloader", systems, descriptor, type_map)
-    log = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
+    log = run_job([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     assert "on 2 ranks" in log and "environment statistics:" in log
     # every rank computed a share of the input statistics: a 2-rank job's davg/dstd/bias are
     # DeePMD-kit's one-rank values (DeePMD-kit's own 2-rank job sees rank 0's frames only)
     _compare(theirs, ours)
-    again = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                  "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
+    again = run_job([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                     "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     assert f"cached {len(systems)}, computed 0" in again
 
 
@@ -217,7 +206,7 @@ def subset_reference(peer: str, tmp_path_factory: pytest.TempPathFactory):  # ty
             root = tmp_path_factory.mktemp(case)
             systems = _subset_data(root, mixed)
             theirs = _subset_job(root, "deepmd", systems, descriptor, nbatch)
-            log = _run([peer, "deepmd_statistics.py", "--pt", "train", "input.json"], theirs)
+            log = run_job([peer, "deepmd_statistics.py", "--pt", "train", "input.json"], theirs)
             assert "input statistics:" not in log and "environment statistics:" not in log
             done[case] = systems, theirs
         return done[case]
@@ -242,14 +231,14 @@ def test_subset_statistics_in_shares_equal_deepmd_kits_path(peer: str, subset_re
     one-rank job draws, in shares, and the saved model equals DeePMD-kit's own statistics path
     over the same loader; a second run takes every system from the cache."""
     systems, theirs, ours = _subset_reference(subset_reference, tmp_path, case)
-    log = _run([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
+    log = run_job([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     nbatch = SUBSET_CASES[case][2]
     assert re.search(rf"input statistics: \d+ of \d+ frames of 12 systems \(data_stat_nbatch="
                      rf"{nbatch}, the frames of a one-rank job\), in shares on 1 ranks", log)
     assert re.search(r"environment statistics: 12 systems .*\(cached 0, computed 12", log)
     _compare(theirs, ours)
     before = _model(ours)
-    again = _run([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
+    again = run_job([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     assert re.search(r"environment statistics: 12 systems .*\(cached 12, computed 0", again)
     assert re.search(r"output statistics: 12 systems .*\(cached 12, computed 0", again)
     assert _model(ours) == before
@@ -263,8 +252,8 @@ def test_subset_statistics_on_two_ranks_equal_one_rank(peer: str, subset_referen
     """At W = 2 the statistics are the one-rank job's (DeePMD-kit's own path at W = 2 reads
     rank 0's shard only, other frames)."""
     systems, theirs, ours = _subset_reference(subset_reference, tmp_path, "se_e2_a-nbatch2")
-    log = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
+    log = run_job([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours)
     _compare(theirs, ours)
     assert "in shares on 2 ranks" in log
     assert re.search(r"environment statistics: 12 systems .*\(cached 0, computed 12 on 2", log)

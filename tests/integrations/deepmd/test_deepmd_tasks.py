@@ -14,22 +14,19 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import shutil
-import subprocess
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 from support.deepmd_env import require_deepmd_python
-from support.deepmd_ref import assert_statistics_equal, saved_statistics
+from support.deepmd_ref import DEEPMD_DP, assert_statistics_equal, run_job, saved_statistics
 from support.deepmd_spy import dp_train, lcurve_rows, spied
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "tests" / "fixtures" / "deepmd-examples" / "water_multi_task"
-DEEPMD_DP = "import sys; from deepmd.main import main; main(sys.argv[1:])"
 
 #: DeePMD-kit's DPA-2 example with every size cut down; its switches (three-body repinit,
 #: the repformer's updates and gates) are kept.
@@ -110,12 +107,7 @@ def dpa2_statistics(tmp_path_factory: pytest.TempPathFactory) -> dict:
     for name, launch in launches.items():
         job = dpa2_example(root / str(name), "input_torch.json",
                            {"numb_steps": 1, "save_freq": 1}, frames=4)
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", NUM_WORKERS="0",
-                   MDLOADER_CACHE_DIR=str(job / "cache"))
-        proc = subprocess.run([*launch, "--pt", "train", "tiny.json"], cwd=job, env=env,
-                              capture_output=True, text=True, timeout=400)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        runs[name] = {"log": proc.stdout + proc.stderr,
+        runs[name] = {"log": run_job([*launch, "--pt", "train", "tiny.json"], job),
                       "stats": saved_statistics(job / "model.ckpt-1.pt")}
     return runs
 
