@@ -295,8 +295,7 @@ def _plan(data: DataConfig, metas: list[SystemMeta], section: SectionReport,
     """Batch sizes, batches (one rank) and probabilities, as the training loader computes them."""
     try:
         plan = LoaderPlan.build([m.natoms for m in metas], [m.nframes for m in metas],
-                                data.batch_size_value(), seed=None, json_path=data.json_path,
-                                sampler_params=data.sampler_params())
+                                data.sampling, seed=None).with_spec_probabilities()
     except MdloaderError as exc:
         problems.append(Problem(section.name, str(exc), config=isinstance(exc, ConfigError)))
         return

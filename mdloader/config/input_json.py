@@ -31,38 +31,30 @@ from mdloader.config.unsupported import refuse_unsupported
 from mdloader.errors import ConfigError
 from mdloader.sampling.batching import parse_rule
 from mdloader.sampling.probability import check_style
+from mdloader.sampling.spec import SamplingSpec
 
 __all__ = ["Config", "DataConfig", "LearningRateConfig", "LossConfig", "load_config",
-           "parse_config", "read_input_json", "schema_markdown"]
+           "parse_config", "read_input_json", "sampling_spec", "schema_markdown"]
 
 _KEY_RE = re.compile(r"key `([^`]+)`")
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    """One of ``training.training_data`` / ``training.validation_data``, normalised."""
+    """One of ``training.training_data`` / ``training.validation_data``, normalised: where its
+    systems are, how it samples (one :class:`~mdloader.sampling.spec.SamplingSpec`), and how
+    many batches a display validates."""
 
     systems: tuple[str, ...]
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
     rglob_patterns: tuple[str, ...] | None = None
-    batch_size: int | tuple[int, ...] | str = "auto"
-    auto_prob: str = "prob_sys_size"
-    sys_probs: tuple[float, ...] | None = None
     numb_btch: int = 1
-    json_path: str = "training.training_data"
     index_file: str | None = None
-    balance_window: int = 0
-    balance_cost: str = "atoms"
 
-    def sampler_params(self) -> dict[str, Any]:
-        """The dict DeePMD-kit's ``get_sampler_from_params`` reads (sys_probs wins)."""
-        params: dict[str, Any] = {"auto_prob": self.auto_prob}
-        if self.sys_probs is not None:
-            params["sys_probs"] = list(self.sys_probs)
-        return params
-
-    def batch_size_value(self) -> int | list[int] | str:
-        """``batch_size`` as DeePMD-kit passes it (a list, not a tuple)."""
-        return list(self.batch_size) if isinstance(self.batch_size, tuple) else self.batch_size
+    @property
+    def json_path(self) -> str:
+        """Where the section sits in ``input.json``."""
+        return self.sampling.json_path or "training.training_data"
 
 
 @dataclass(frozen=True)
@@ -225,28 +217,34 @@ def _resolve_system(entry: str, base_dir: str) -> str:
     return os.path.normpath(head) + sep + tail
 
 
+def sampling_spec(raw: Mapping[str, Any], json_path: str) -> SamplingSpec:
+    """The sampling keys of a data section of ``input.json`` (``raw``, at ``json_path``) as one
+    :class:`~mdloader.sampling.spec.SamplingSpec`, its rules checked."""
+    batch = raw.get("batch_size", "auto")
+    if isinstance(batch, str):
+        parse_rule(batch, key=f"{json_path}.batch_size")
+    style = raw.get("auto_prob", "prob_sys_size")
+    check_style(style, key=f"{json_path}.auto_prob")
+    probs = raw.get("sys_probs")
+    return SamplingSpec(
+        batch_size=tuple(batch) if isinstance(batch, list) else batch, auto_prob=style,
+        sys_probs=tuple(float(p) for p in probs) if probs is not None else None,
+        balance_window=int(raw.get("balance_window", 0)),
+        balance_cost=raw.get("balance_cost", "atoms"), json_path=json_path)
+
+
 def _data_config(raw: Mapping[str, Any], base_dir: str, json_path: str) -> DataConfig:
     systems = raw["systems"]
     entries = [systems] if isinstance(systems, str) else list(systems)
-    batch = raw["batch_size"]
-    if isinstance(batch, str):
-        parse_rule(batch, key=f"{json_path}.batch_size")
-    check_style(raw["auto_prob"], key=f"{json_path}.auto_prob")
     patterns = raw.get("rglob_patterns")
-    probs = raw.get("sys_probs")
     index = raw.get("index_file")
     return DataConfig(
         systems=tuple(_resolve_system(s, base_dir) for s in entries),
+        sampling=sampling_spec(raw, json_path),
         rglob_patterns=tuple(patterns) if patterns is not None else None,
-        batch_size=tuple(batch) if isinstance(batch, list) else batch,
-        auto_prob=raw["auto_prob"],
-        sys_probs=tuple(float(p) for p in probs) if probs is not None else None,
         numb_btch=int(raw.get("numb_btch", 1)),
-        json_path=json_path,
         index_file=(os.path.normpath(os.path.join(base_dir, os.path.expanduser(index)))
-               if index is not None else None),
-        balance_window=int(raw.get("balance_window", 0)),
-        balance_cost=raw.get("balance_cost", "atoms"),
+                    if index is not None else None),
     )
 
 

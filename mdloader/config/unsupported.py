@@ -49,6 +49,39 @@ def refuse_unsupported(data: dict) -> None:
                               path=f"training.{name}.batch_size")
 
 
+#: Keys of a data section that mdloader reads in ``mdloader train`` and that DeePMD-kit's trainer
+#: does not know: under ``mdloader dp`` they would be accepted and then ignored, or stop the run
+#: in DeePMD-kit's strict check with a traceback that names neither mdloader nor what to do.
+MDLOADER_DATA_KEYS = ("index_file", "balance_window", "balance_cost")
+
+
+def refuse_under_deepmd(data: dict) -> None:
+    """Raise one ConfigError naming the first key of ``data`` that ``mdloader dp`` would not act
+    on: DeePMD-kit's ``validating.full_validation`` (it reads every system whole on rank 0
+    through DeePMD-kit's own reader), or a key only ``mdloader train`` reads
+    (:data:`MDLOADER_DATA_KEYS`), in any data section of any task."""
+    validating = _section(data, "validating")
+    if validating.get("full_validation"):
+        raise ConfigError("DeePMD-kit's full validation is not supported under mdloader dp (it "
+                          "reads each system whole on rank 0 through DeePMD-kit's own reader); "
+                          "set it to false, or use mdloader train --full-validation: every "
+                          "validation frame once, sharded over the ranks",
+                          path="validating.full_validation")
+    training = _section(data, "training")
+    tasks = _section(training, "data_dict")
+    holders = ([(f"training.data_dict.{t}", _section(tasks, t)) for t in tasks] if tasks
+               else [("training", training)])
+    for prefix, holder in holders:
+        for name in ("training_data", "validation_data"):
+            section = _section(holder, name)
+            for key in MDLOADER_DATA_KEYS:
+                if key in section:
+                    raise ConfigError(f"read by mdloader train only: mdloader dp runs "
+                                      f"DeePMD-kit's trainer, which does not know {key}; "
+                                      "remove it (docs/migrating.md)",
+                                      path=f"{prefix}.{name}.{key}")
+
+
 def _section(data: Any, key: str) -> dict:
     value = data.get(key) if isinstance(data, dict) else None
     return value if isinstance(value, dict) else {}

@@ -1,3 +1,3 @@
 """Where reading, moving and sampling meet: the build (rank 0 catalogs, every rank receives one
-broadcast), the loader a data section describes, ``DpLoaderSet`` and its per-system loaders, and
-``StatefulLoader``."""
+broadcast), ``DpLoaderSet`` and its per-system loaders, the worker pool, and the feed that holds
+a job's streams for both trainers."""

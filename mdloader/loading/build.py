@@ -1,19 +1,23 @@
-"""Build the datasets of a job: rank 0 reads the data tree, every rank gets the same list.
+"""Build the systems of a job: rank 0 reads the data tree, every rank gets the same lists.
 
-1. Rank 0 alone obtains the catalog (:func:`mdloader.catalog.catalog.catalog_for`): from its
-   system index when that is still true, else by discovering the systems and describing them
-   from headers only (no frames), in a loop, in threads when the file system makes it wait, or
-   in spawned processes for very large CPU-bound builds (never forked: rank 0 holds a process
-   group).
-2. It pickles them as one :class:`~mdloader.catalog.table.SystemTable` -- or its failure -- into
-   one packet *before* any collective, so every rank either gets the table or raises the same
+A job names one or more ``systems`` lists (:class:`Section`: the training and validation data of
+every task). The build is one road for all of them:
+
+1. Rank 0 alone obtains the catalog (:func:`mdloader.catalog.catalog.catalog_for`) of each
+   distinct request (sections with the same entries, patterns, type map and index file share
+   one): from its system index when that is still true, else by discovering the systems and
+   describing them from headers only (no frames), in a loop, in threads when the file system
+   makes it wait, or in spawned processes for very large CPU-bound builds (never forked: rank 0
+   holds a process group).
+2. It pickles their :class:`~mdloader.catalog.table.SystemTable` s -- or its failure -- into one
+   packet *before* any collective, so every rank either gets the tables or raises the same
    :class:`~mdloader.errors.RemoteError` naming the system and the file.
-3. Every rank checks the type and count and that its payload digest equals rank 0's; the
-   datasets are made from the table when first used (no I/O). Rank 0 then saves the catalog
-   as its index.
+3. Every rank checks the count and that its payload digest equals rank 0's; the datasets are
+   made from the tables when first used (no I/O). Rank 0 then saves the catalogs as indexes.
 
-Other ranks never touch the data tree, nor the index, during the build. ``docs/benchmarks.md``
-gives the measurements behind the choice of loop, threads or processes.
+Other ranks never touch the data tree, nor the index, during the build. One list of systems
+(:func:`build_systems`) is the job of one section. ``docs/benchmarks.md`` gives the
+measurements behind the choice of loop, threads or processes.
 """
 
 from __future__ import annotations
@@ -41,27 +45,68 @@ log = logging.getLogger(__name__)
 CONTEXT = "discovering and building the systems"
 
 
-class _FromCatalog:
-    """A report field read from rank 0's catalog; ``default`` on the ranks that received it."""
+@dataclass(frozen=True)
+class Section:
+    """One ``systems`` list of a job: its task (``None`` single-task), role (``"training"``,
+    ``"validation"``), entries, ``rglob_patterns``, type map, index file, and the JSON path of
+    its ``systems`` (named by the error for an entry that does not exist)."""
 
-    def __init__(self, default: Any, attribute: str | None = None) -> None:
-        self.default, self.attribute = default, attribute
+    task: str | None
+    role: str
+    systems: tuple[str, ...]
+    rglob_patterns: tuple[str, ...] | None = None
+    type_map: tuple[str, ...] | None = None
+    index_file: str | None = None
+    key: str = "systems"
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.attribute = self.attribute or name
+    @classmethod
+    def of(cls, task: str | None, role: str, systems: str | Sequence[str],
+           rglob_patterns: Sequence[str] | None = None, type_map: Sequence[str] | None = None,
+           *, index_file: str | os.PathLike[str] | None = None,
+           key: str = "systems") -> Section:
+        """A section from the input's values (a single path counts as a one-entry list)."""
+        entries = (systems,) if isinstance(systems, str) else tuple(systems)
+        return cls(task, role, entries, tuple(rglob_patterns) if rglob_patterns else None,
+                   tuple(type_map) if type_map else None,
+                   None if index_file is None else os.fspath(index_file), key)
 
-    def __get__(self, report: BuildReport | None, owner: type | None = None) -> Any:
-        if report is None:
-            return self
-        return self.default if report.catalog is None else getattr(report.catalog, self.attribute)
+    @property
+    def request(self) -> tuple[Any, ...]:
+        """What the catalog depends on: sections with equal requests share their systems."""
+        return self.systems, self.rglob_patterns, self.type_map, self.index_file
+
+
+def _catalogs_sum(attribute: str, default: Any) -> Any:
+    """A report field summed over rank 0's catalogs (``default`` where none was built)."""
+
+    def read(report: BuildReport) -> Any:
+        if not report.catalogs:
+            return default
+        return sum(getattr(c, attribute) for c in report.catalogs)
+
+    return property(read)
+
+
+def _catalogs_one(attribute: str, default: Any) -> Any:
+    """A report field of rank 0's catalogs: their common value (``default`` where none was
+    built; a mixed value joins the distinct ones)."""
+
+    def read(report: BuildReport) -> Any:
+        values = [getattr(c, attribute) for c in report.catalogs]
+        distinct = list(dict.fromkeys(v for v in values if v is not None))
+        if not distinct:
+            return default
+        return distinct[0] if len(distinct) == 1 else ", ".join(map(str, distinct))
+
+    return property(read)
 
 
 @dataclass(frozen=True)
 class BuildReport:
     """What the build did and how long each phase took (seconds as seen by this rank).
 
-    The catalog's fields (discovery, description, index) are read from rank 0's
-    :class:`~mdloader.catalog.catalog.Catalog`; other ranks report their defaults.
+    The catalogs' fields (discovery, description, index) are read from rank 0's
+    :class:`~mdloader.catalog.catalog.Catalog` s; other ranks report their defaults.
     """
 
     nsys: int
@@ -71,15 +116,15 @@ class BuildReport:
     payload_bytes: int
     num_workers: int  # the most threads the build may use (it runs serially on a fast disk)
     world_size: int
-    catalog: Catalog | None = field(default=None, repr=False, compare=False)  # rank 0's
+    catalogs: tuple[Catalog, ...] = field(default=(), repr=False, compare=False)  # rank 0's
 
-    discovery_seconds = _FromCatalog(0.0)
-    build_seconds = _FromCatalog(0.0)
-    source = _FromCatalog("received")  # "built", "index", "index (updated)", "index (trusted)"
-    index_file = _FromCatalog(None)  # the index file read or written (rank 0)
-    index_seconds = _FromCatalog(0.0, "check_seconds")  # loading and checking the index
-    described = _FromCatalog(0)  # systems whose headers rank 0 read
-    reused = _FromCatalog(0)  # systems taken from the index
+    discovery_seconds = _catalogs_sum("discovery_seconds", 0.0)
+    build_seconds = _catalogs_sum("build_seconds", 0.0)
+    index_seconds = _catalogs_sum("check_seconds", 0.0)  # loading and checking the indexes
+    described = _catalogs_sum("described", 0)  # systems whose headers rank 0 read
+    reused = _catalogs_sum("reused", 0)  # systems taken from an index
+    source = _catalogs_one("source", "received")  # "built", "index", "index (updated)", ...
+    index_file = _catalogs_one("index_file", None)  # the index file read or written (rank 0)
 
     def summary(self) -> str:
         verb = "built" if self.source == "built" else "loaded"
@@ -92,6 +137,106 @@ class BuildReport:
             line += (f"; {self.source} {self.index_file}: checked in {self.index_seconds:.2f} s, "
                      f"{self.reused} reused, {self.described} described")
         return line
+
+
+@dataclass(frozen=True)
+class JobSystems:
+    """The datasets of every section of a job (sections with equal requests share one list),
+    and the report of its one build."""
+
+    sections: tuple[Section, ...]
+    views: dict[Section, SystemDatasets]
+    report: BuildReport
+
+    def view(self, section: Section) -> SystemDatasets:
+        """The datasets of ``section``."""
+        return self.views[section]
+
+    def find(self, systems: str | Sequence[str], rglob_patterns: Sequence[str] | None,
+             type_map: Sequence[str] | None) -> SystemDatasets | None:
+        """The datasets of the first section with these values (any index file), or ``None``
+        when the job has none."""
+        wanted = Section.of(None, "", systems, rglob_patterns, type_map).request[:3]
+        for section in self.sections:
+            if section.request[:3] == wanted:
+                return self.views[section]
+        return None
+
+
+def build_job(sections: Sequence[Section], *, num_workers: int | None = None,
+              timeout: float | None = None, progress: bool | None = None,
+              index_mode: str | None = None) -> JobSystems:
+    """Obtain every section's systems with one rank-0 build and one broadcast.
+
+    Parameters
+    ----------
+    sections
+        Every ``systems`` list of the job (all tasks, training and validation).
+    num_workers
+        Most threads rank 0 uses to walk, describe and check (``$MDLOADER_BUILD_WORKERS``,
+        default 32), only when the file system makes them wait (see the module docstring).
+    timeout
+        Seconds the other ranks wait for rank 0 (``$MDLOADER_BUILD_TIMEOUT``, default 1800).
+    progress
+        Show a progress bar on rank 0; default: when stderr is a terminal.
+    index_mode
+        What to do with each section's system index (its ``index_file``, else one in
+        ``$MDLOADER_CACHE_DIR`` named after the request): ``check``, ``refresh``, ``trust`` or
+        ``off`` (``$MDLOADER_INDEX``, default ``check``); see :mod:`mdloader.catalog.catalog`.
+
+    Raises
+    ------
+    DataError, ConfigError
+        Without a process group (or with one rank): rank 0's error, naming the system and file.
+    RemoteError
+        With several ranks, on every rank, when rank 0 failed; it names the system and file.
+    DistributedError, CollectiveTimeoutError
+        Verification failed on some rank, or rank 0 did not answer in time.
+    """
+    sections = tuple(sections)
+    requests: list[Section] = []
+    for section in sections:
+        if all(section.request != seen.request for seen in requests):
+            requests.append(section)
+    world = current_world()
+    workers = resolve_workers(num_workers)
+    options = {"workers": workers, "mode": index_mode,
+               "progress": sys.stderr.isatty() if progress is None else progress}
+    catalogs: tuple[Catalog, ...] = ()
+    if not world.distributed:
+        try:
+            catalogs = _catalogs(requests, options)
+        except SystemFailed as failed:
+            raise failed.original() from None
+        tables = [c.table for c in catalogs]
+        broadcast = verify = 0.0
+        payload_bytes = 0
+    else:
+        channel = world_channel(timeout=timeout, setting="build_timeout", activity=CONTEXT)
+        packet = None
+        if world.is_main:
+            catalogs, packet = _packet_on_rank0(requests, options)
+        start = time.monotonic()
+        packet = channel.broadcast(packet)
+        received = time.monotonic()
+        tables = open_packet(packet, rank=world.rank)  # raises rank 0's failure on every rank
+        problem = _problem(tables, len(requests), packet.count)
+        channel.agree(digest(packet.payload), problem)
+        broadcast, verify = received - start, time.monotonic() - received
+        payload_bytes = len(packet.payload)
+    for catalog in catalogs:
+        catalog.save()
+    by_request = {r.request: SystemDatasets(t) for r, t in zip(requests, tables, strict=True)}
+    report = BuildReport(sum(len(t) for t in tables), sum(int(t.nframes().sum()) for t in tables),
+                         broadcast, verify, payload_bytes,
+                         workers if world.is_main else 0, world.world_size, catalogs)
+    if world.is_main:
+        log.info(report.summary())
+        if len(sections) > 1:
+            log.info("job systems: one build of %d sections (%d distinct requests, %d systems), "
+                     "one broadcast of %d bytes to %d ranks", len(sections), len(requests),
+                     report.nsys, payload_bytes, world.world_size)
+    return JobSystems(sections, {s: by_request[s.request] for s in sections}, report)
 
 
 def build_systems(systems: str | Sequence[str], type_map: Sequence[str] | None = None, *,
@@ -113,77 +258,21 @@ def build_systems_with_report(
     index_file: str | os.PathLike[str] | None = None, index_mode: str | None = None,
     key: str = "systems",
 ) -> tuple[SystemDatasets, BuildReport]:
-    """Discover and describe the systems on rank 0, share them, verify them on every rank.
+    """The job of one ``systems`` list (:func:`build_job`): its datasets, as a list-like
+    :class:`~mdloader.loading.system_list.SystemDatasets` that makes each
+    :class:`~mdloader.data.dataset.DeepmdDataSetForLoader` when first used, and the report.
 
-    Parameters
-    ----------
-    systems, rglob_patterns
-        As :func:`mdloader.catalog.discover.discover_systems`; only rank 0 reads them.
-    type_map
-        The model's type map (rank 0's value is used).
-    num_workers
-        Most threads rank 0 uses to walk, describe and check (``$MDLOADER_BUILD_WORKERS``,
-        default 32), only when the file system makes them wait (see the module docstring).
-    timeout
-        Seconds the other ranks wait for rank 0 (``$MDLOADER_BUILD_TIMEOUT``, default 1800).
-    progress
-        Show a progress bar on rank 0; default: when stderr is a terminal.
-    index_file, index_mode
-        The system index file (default: one in ``$MDLOADER_CACHE_DIR`` named after the
-        request) and what to do with it: ``check``, ``refresh``, ``trust`` or ``off``
-        (``$MDLOADER_INDEX``, default ``check``); see :mod:`mdloader.catalog.catalog`.
-    key
-        The JSON path of ``systems``, named by the error for an entry that does not exist.
-
-    Returns
-    -------
-    The datasets, as a list-like :class:`~mdloader.loading.system_list.SystemDatasets` that makes
-    each :class:`~mdloader.data.dataset.DeepmdDataSetForLoader` when first used, and the report.
-
-    Raises
-    ------
-    DataError
-        Without a process group (or with one rank): the original error.
-    RemoteError
-        With several ranks, on every rank, when rank 0 failed; it names the system and file.
-    DistributedError, CollectiveTimeoutError
-        Verification failed on some rank, or rank 0 did not answer in time.
+    ``systems`` and ``rglob_patterns`` are read as
+    :func:`mdloader.catalog.discover.discover_systems` reads them (only on rank 0); ``type_map``
+    is the model's; ``index_file`` the system index (default: one in ``$MDLOADER_CACHE_DIR``
+    named after the request); ``key`` the JSON path of ``systems``. The other arguments and the
+    errors are :func:`build_job`'s.
     """
-    world = current_world()
-    show = sys.stderr.isatty() if progress is None else progress
-    options = {"workers": resolve_workers(num_workers), "progress": show, "index_file": index_file,
-               "mode": index_mode, "key": key}
-    if not world.distributed:
-        try:
-            catalog = catalog_for(systems, type_map, rglob_patterns, **options)
-        except SystemFailed as failed:
-            raise failed.original() from None
-        catalog.save()
-        table = catalog.table
-        report = BuildReport(len(table), int(table.nframes().sum()), broadcast_seconds=0.0,
-                             verify_seconds=0.0, payload_bytes=0,
-                             num_workers=options["workers"], world_size=1, catalog=catalog)
-        log.info(report.summary())
-        return SystemDatasets(table), report
-    channel = world_channel(timeout=timeout, setting="build_timeout", activity=CONTEXT)
-    catalog, packet = None, None
-    if world.is_main:
-        catalog, packet = _packet_on_rank0(systems, type_map, rglob_patterns, options)
-    start = time.monotonic()
-    packet = channel.broadcast(packet)
-    received = time.monotonic()
-    table = open_packet(packet, rank=world.rank)  # raises rank 0's failure on every rank
-    datasets, problem = _verify(table, packet.count)
-    channel.agree(digest(packet.payload), problem)
-    if catalog is not None:
-        catalog.save()
-    report = BuildReport(len(table), int(table.nframes().sum()), received - start,
-                         time.monotonic() - received, len(packet.payload),
-                         options["workers"] if catalog is not None else 0, world.world_size,
-                         catalog)
-    if world.is_main:
-        log.info(report.summary())
-    return datasets, report
+    section = Section.of(None, "training", systems, rglob_patterns, type_map,
+                         index_file=index_file, key=key)
+    job = build_job([section], num_workers=num_workers, timeout=timeout, progress=progress,
+                    index_mode=index_mode)
+    return job.view(section), job.report
 
 
 def resolve_workers(num_workers: int | None = None) -> int:
@@ -191,40 +280,47 @@ def resolve_workers(num_workers: int | None = None) -> int:
     return int(resolve("build_workers", num_workers, argument="num_workers"))
 
 
-def _packet_on_rank0(systems: Any, type_map: Sequence[str] | None,
-                     rglob_patterns: Sequence[str] | None,
-                     options: dict[str, Any]) -> tuple[Catalog | None, Packet]:
-    """Rank 0's outcome as one packet: the catalog's table, or the first failure."""
+def _catalogs(requests: Sequence[Section], options: dict[str, Any]) -> tuple[Catalog, ...]:
+    """Rank 0's catalog of each request, in order."""
+    return tuple(catalog_for(list(r.systems), r.type_map, r.rglob_patterns,
+                             index_file=r.index_file, key=r.key, **options) for r in requests)
+
+
+def _packet_on_rank0(requests: Sequence[Section],
+                     options: dict[str, Any]) -> tuple[tuple[Catalog, ...], Packet]:
+    """Rank 0's catalogs and the packet of their tables, or the packet of the first failure."""
     try:
-        catalog = catalog_for(systems, type_map, rglob_patterns, **options)
-        table = catalog.table
+        catalogs = _catalogs(requests, options)
     except SystemFailed as failed:
-        return None, error_packet(failed.__cause__, rank=0, context=CONTEXT,
-                                  system=failed.address)
+        return (), error_packet(failed.__cause__, rank=0, context=CONTEXT,
+                                system=failed.address)
     except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
-        return None, error_packet(exc, rank=0, context=CONTEXT)
-    packet = data_packet(table, rank=0, count=len(table),
+        return (), error_packet(exc, rank=0, context=CONTEXT)
+    tables = [c.table for c in catalogs]
+    packet = data_packet(tables, rank=0, count=sum(len(t) for t in tables),
                          context="serializing the system descriptions",
-                         describe=lambda exc: {"system": _unpicklable(table)})
-    return catalog, packet
+                         describe=lambda exc: {"system": _unpicklable(tables)})
+    return catalogs, packet
 
 
-def _unpicklable(metas: SystemTable) -> str | None:
+def _unpicklable(tables: Sequence[SystemTable]) -> str | None:
     """The address (or repr) of the first entry pickle refuses, to name it in the error."""
-    for meta in metas:
-        try:
-            pickle.dumps(meta)
-        except Exception:  # noqa: BLE001 - looking for the culprit
-            return getattr(meta, "address", None) or repr(meta)[:200]
+    for table in tables:
+        for meta in table:
+            try:
+                pickle.dumps(meta)
+            except Exception:  # noqa: BLE001 - looking for the culprit
+                return getattr(meta, "address", None) or repr(meta)[:200]
     return None
 
 
-def _verify(received: Any, count: int) -> tuple[SystemDatasets, str | None]:
-    """The calling rank's datasets and its verification problem (``None`` when all is well)."""
-    if not isinstance(received, SystemTable):
-        return SystemDatasets(SystemTable.from_metas([])), (
-            f"expected a SystemTable from rank 0, found {type(received).__name__}")
-    if len(received) != count:
-        return SystemDatasets(received), (f"received {len(received)} system descriptions, rank "
-                                          f"0 sent {count}")
-    return SystemDatasets(received), None
+def _problem(received: Any, ntables: int, nsys: int) -> str | None:
+    """The calling rank's verification problem (``None`` when all is well)."""
+    if not (isinstance(received, list) and all(isinstance(t, SystemTable) for t in received)):
+        return f"expected {ntables} system tables from rank 0, found {type(received).__name__}"
+    if len(received) != ntables:
+        return f"received {len(received)} system tables, this job has {ntables} requests"
+    count = sum(len(t) for t in received)
+    if count != nsys:
+        return f"received {count} system descriptions, rank 0 sent {nsys}"
+    return None

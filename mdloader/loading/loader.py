@@ -37,10 +37,11 @@ from mdloader.loading.build import build_systems
 from mdloader.loading.system_list import SystemDatasets, kept_systems, natoms_of, nframes_of
 from mdloader.loading.worker_lifetime import bind_to_rank
 from mdloader.loading.worker_memory import settle_worker, share_heap_with_forks
-from mdloader.sampling.order import FrameOrder, normalize_seed
-from mdloader.sampling.plan import LoaderPlan, PlanOwner
+from mdloader.sampling.order import AgreedSeed, FrameOrder, normalize_seed
+from mdloader.sampling.plan import LoaderPlan
 from mdloader.sampling.probability import StyleRule, select_prob_source
 from mdloader.sampling.samplers import WeightedSystemSampler
+from mdloader.sampling.spec import SamplingSpec
 from mdloader.sampling.streams import BatchKey
 from mdloader.sampling.validation import ShardedValidationSampler
 from mdloader.settings import resolve
@@ -56,6 +57,25 @@ STATE_VERSION = 3
 def default_num_workers(value: int | None = None, argument: str = "num_workers") -> int:
     """``value`` if given (checked), else DeePMD-kit's ``NUM_WORKERS``, else ``min(4, cpus)``."""
     return int(resolve("num_workers", value, argument=argument))
+
+
+def _spec_of(spec: SamplingSpec | None, batch_size: Any, shuffle: bool) -> SamplingSpec:
+    """The loader set's sampling keys: ``spec``, else DeePMD-kit's ``batch_size``/``shuffle``."""
+    if spec is None:
+        return SamplingSpec(batch_size="auto" if batch_size is None else batch_size,
+                            shuffle=shuffle)
+    if batch_size is not None and SamplingSpec(batch_size=batch_size).batch_size \
+            != spec.batch_size:
+        raise ConfigError(f"batch_size {batch_size!r} differs from the spec's "
+                          f"{spec.batch_size!r}: give it once", path=spec.key("batch_size"))
+    return spec
+
+
+def agree_seed(seed: int | Sequence[int] | None, world: World) -> AgreedSeed:
+    """A seed as DeePMD-kit passes it (an int, ``[rank, seed]`` or ``None``) as the job seed
+    on every rank: the user's, or rank 0's random one (a collective)."""
+    given = normalize_seed(seed, world.rank)
+    return AgreedSeed(agreed_seed(given, world), given is not None)
 
 
 def _build(systems: Any, type_map: Sequence[str] | None, rglob_patterns: Sequence[str] | None,
@@ -81,59 +101,63 @@ class DpLoaderSet(Dataset):
         :class:`DeepmdDataSetForLoader`/:class:`SystemMeta` objects.
     batch_size
         ``int | list[int] | "auto" | "auto:N" | "max:N" | "filter:N"``
-        (:mod:`mdloader.sampling.batching`).
+        (:mod:`mdloader.sampling.batching`); default ``"auto"``. Give it here or in ``spec``.
     type_map
         The model's type map.
     seed
         Job seed (int), DeePMD-kit's ``[rank, seed]``, or None for a fresh seed agreed by all
-        ranks (a state loaded later then brings its own seed).
+        ranks (a state loaded later then brings its own seed); an
+        :class:`~mdloader.sampling.order.AgreedSeed` is taken as it is (no collective).
     shuffle
         Shuffle frames within each pass (always on in DeePMD-kit's distributed mode).
+    modifier
+        DeePMD-kit's data modifier; not supported (must be None).
+    spec
+        The data section's sampling keys as one value
+        (:class:`~mdloader.sampling.spec.SamplingSpec`: batch size, probabilities, shuffling,
+        one system stream for all ranks, balanced steps, the JSON path errors name); without it,
+        ``batch_size`` and ``shuffle`` make one.
     rglob_patterns
         Passed to discovery.
-    same_system_across_ranks
-        All ranks draw the same system at each step (see :mod:`mdloader.sampling.order`).
     world
         Rank and size; default: the initialised process group, else a single process.
     index_file, index_mode
         The system index file and what to do with it (``check``, ``refresh``, ``trust``,
         ``off``); see :func:`mdloader.loading.build.build_systems`.
-    json_path
-        Where these data sit in ``input.json`` (``training.training_data``), named in the
-        errors of ``batch_size``.
-    modifier
-        DeePMD-kit's data modifier; not supported (must be None).
-    balance_window, balance_cost, neighbours
-        Balanced steps (``training_data.balance_window``/``balance_cost``, ``docs/sampling.md``):
-        windows of ``balance_window`` steps (0: off) dealt so each step's ranks cost about the
-        same; the cost model ``"atoms"`` or ``"neighbours"`` (which needs ``neighbours``, the
-        mean neighbours within rcut of every system of the list).
+    neighbours
+        The mean neighbours within rcut of every system of the list, for balanced steps under
+        the ``neighbours`` cost model.
+
+    Examples
+    --------
+    >>> from mdloader import DpLoaderSet
+    >>> from mdloader.testing import make_dataset
+    >>> paths = make_dataset(getfixture("tmp_path"), 2, nframes=4, seed=1)
+    >>> ls = DpLoaderSet(paths, batch_size=2, type_map=["O", "H"], seed=7)
+    >>> len(ls), ls.total_batch, ls.batch_sizes.tolist()
+    (2, 4, [2, 2])
     """
 
-    def __init__(self, systems: Any, batch_size: int | Sequence[int] | str,
-                 type_map: Sequence[str] | None, seed: int | Sequence[int] | None = None,
-                 shuffle: bool = True, modifier: Any = None, *,
-                 rglob_patterns: Sequence[str] | None = None,
-                 same_system_across_ranks: bool = False, world: World | None = None,
+    def __init__(self, systems: Any, batch_size: int | Sequence[int] | str | None = None,
+                 type_map: Sequence[str] | None = None,
+                 seed: int | Sequence[int] | AgreedSeed | None = None, shuffle: bool = True,
+                 modifier: Any = None, *, spec: SamplingSpec | None = None,
+                 rglob_patterns: Sequence[str] | None = None, world: World | None = None,
                  index_file: str | None = None, index_mode: str | None = None,
-                 json_path: str | None = None, balance_window: int = 0,
-                 balance_cost: str = "atoms",
                  neighbours: Sequence[float] | np.ndarray | None = None) -> None:
         if modifier is not None:
             raise ConfigError("data modifiers are not supported by mdloader", path="modifier")
+        spec = _spec_of(spec, batch_size, shuffle)
         if world is None:
             world = current_world()
         self.world = world
         self.type_map = list(type_map) if type_map else None
-        user_seed = normalize_seed(seed, world.rank)
-        seed_agreed = agreed_seed(user_seed, world)
+        agreed = seed if isinstance(seed, AgreedSeed) else agree_seed(seed, world)
         built = _build(systems, type_map, rglob_patterns, index_file, index_mode)
-        self.plan_owner = PlanOwner(LoaderPlan.build(
-            natoms_of(built), nframes_of(built), batch_size, seed=seed_agreed,
-            seed_given=user_seed is not None, world_size=world.world_size, shuffle=shuffle,
-            same_system_across_ranks=same_system_across_ranks, json_path=json_path,
-            balance_window=balance_window, balance_cost=balance_cost, neighbours=neighbours))
-        """Holds the plan in force: the seed's one owner, shared with the samplers of this set."""
+        self.plan: LoaderPlan = LoaderPlan.build(
+            natoms_of(built), nframes_of(built), spec, seed=agreed.value,
+            seed_given=agreed.given, world_size=world.world_size, neighbours=neighbours)
+        """The loader plan in force (:mod:`mdloader.sampling.plan`): read its values there."""
         plan = self.plan
         self.systems: Sequence[DeepmdDataSetForLoader] = kept_systems(built, plan.kept)
         # DeePMD-kit's names: batches of every system on this rank, their sum, batch sizes.
@@ -146,15 +170,9 @@ class DpLoaderSet(Dataset):
         self.dataloaders = LazySystemBatches(self)
         self.sampler: WeightedSystemSampler | None = None
         self._warned_worker = False
-        self.plan_owner.subscribe(self._plan_changed)
         share_heap_with_forks()  # DataLoader workers fork from this process
 
     # -- the plan: sizes, batch counts and the seed, read from one place ----------------------
-    @property
-    def plan(self) -> LoaderPlan:
-        """The loader plan in force (:mod:`mdloader.sampling.plan`): read its values there."""
-        return self.plan_owner.plan
-
     @property
     def seed(self) -> int:
         """The job seed (DeePMD-kit's ``seed`` argument); a loaded state's once adopted."""
@@ -164,10 +182,6 @@ class DpLoaderSet(Dataset):
     def nframes(self) -> np.ndarray:
         """Frames of every system (read-only), beside DeePMD-kit's ``batch_sizes``."""
         return self.plan.nframes
-
-    def _plan_changed(self, plan: LoaderPlan) -> None:
-        """A loaded state brought another seed: the ``ls[int]`` frames follow it."""
-        self._order = None
 
     @property
     def frame_order(self) -> FrameOrder:
@@ -182,10 +196,6 @@ class DpLoaderSet(Dataset):
         state = self.__dict__.copy()
         state["sampler"] = None
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.plan_owner.subscribe(self._plan_changed)   # subscriptions do not travel
 
     # -- DeePMD-kit's Dataset protocol -----------------------------------------------------
     def __len__(self) -> int:
@@ -285,8 +295,10 @@ class DpLoaderSet(Dataset):
         if counts.shape != sids.shape:
             raise StateDictError(f"{len(counts)} cursor counts for {len(sids)} cursor systems")
         # Every other check passed: the saved seed (refused if the user gave another one) becomes
-        # the plan's, and so the seed of the samplers of this set too.
-        self.plan_owner.adopt_seed(state["seed"], "DpLoaderSet")
+        # this set's (its samplers keep their own states, seeds included).
+        plan = self.plan.adopt_seed(state["seed"], "DpLoaderSet")
+        if plan is not self.plan:
+            self.plan, self._order = plan, None
         self._cursor[:] = 0
         self._cursor[sids] = counts
 
@@ -306,7 +318,7 @@ def get_weighted_sampler(training_data: DpLoaderSet, prob_style: str | Sequence[
         workers = default_num_workers(num_workers)
         num_samples = training_data.total_batch * max(workers, 1)
     sampler = WeightedSystemSampler.of_plan(
-        training_data.plan_owner, rule, rank=training_data.world.rank, num_samples=num_samples,
+        training_data.plan, rule, rank=training_data.world.rank, num_samples=num_samples,
         type_map=training_data.type_map)
     log.debug("Generated weighted sampler with prob array: %s", sampler.weights.numpy())
     training_data.sampler = sampler
@@ -325,11 +337,12 @@ def get_sampler_from_params(data: DpLoaderSet, params: Mapping[str, Any], *,
     """``sys_probs`` if set, else ``auto_prob``, else ``prob_sys_size``; errors name the key
     under ``json_path`` (where ``params`` sit in ``input.json``, ``training.training_data``)."""
     value, is_sys_probs, name = select_prob_source(params)
+    json_path = json_path if json_path is not None else data.plan.json_path
     key = f"{json_path}.{name}" if json_path else None
     return get_weighted_sampler(data, value, sys_prob=is_sys_probs, key=key, **kwargs)
 
 
-__all__ = ["DpLoaderSet", "get_weighted_sampler", "get_validation_sampler",
+__all__ = ["DpLoaderSet", "agree_seed", "get_weighted_sampler", "get_validation_sampler",
            "get_sampler_from_params", "default_num_workers"]
 
 

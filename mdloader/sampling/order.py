@@ -35,7 +35,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -51,6 +51,14 @@ TAG_ELASTIC_FRAMES = 0x454C4652  # "ELFR": frame permutations of generation g >=
 STREAM_CHUNK = 4096
 """Draws per stream chunk: each chunk has its own generator, so draw k is random access."""
 SEED_MOD = 2**64
+
+
+class AgreedSeed(NamedTuple):
+    """A job seed every rank holds, and whether the user gave it (a saved state with another
+    seed is then refused) or it was drawn at random (a saved state's seed is adopted)."""
+
+    value: int
+    given: bool
 
 
 def normalize_seed(seed: int | Sequence[int] | None, rank: int = 0) -> int | None:

@@ -4,19 +4,18 @@ Computed once from the systems' atom and frame counts, the ``batch_size`` rule, 
 style (or ``sys_probs``) and the job seed. ``DpLoaderSet``, the samplers, ``mdloader check`` and
 the elastic resume read it instead of recomputing it, so they cannot disagree.
 
-The plan is frozen and pure (numpy only: no I/O, no process group; the seed agreed by the ranks
-comes in as a value). A loaded state that brings another seed gives a *new* plan
-(:meth:`LoaderPlan.adopt_seed`, the one path by which the seed changes after the start; it
-refuses before anything changes). :class:`PlanOwner` holds the plan in force for one loader set
-and the samplers drawn from it: the seed has one owner, which pushes a new plan to its
-subscribers, so a state loaded into either one is seen by both.
+The sampling keys of the data section come in whole, as one
+:class:`~mdloader.sampling.spec.SamplingSpec`. The plan is frozen and pure (numpy only: no I/O,
+no process group; the seed agreed by the ranks comes in as a value). A loaded state that brings
+another seed gives a *new* plan (:meth:`LoaderPlan.adopt_seed`, the one path by which the seed
+changes after the start; it refuses before anything changes): whoever holds a plan (a loader
+set, a sampler) replaces its own, nobody else's.
 """
 
 from __future__ import annotations
 
 import numbers
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,6 +38,7 @@ from mdloader.sampling.probability import (
     as_rule,
     select_prob_source,
 )
+from mdloader.sampling.spec import SamplingSpec
 from mdloader.state import check_same
 
 
@@ -56,9 +56,10 @@ def _frozen(values: Any, dtype: type = np.int64) -> np.ndarray:
 class LoaderPlan:
     """What a loader set and its samplers draw from, computed once.
 
-    Build it with :meth:`build` (atom counts and a ``batch_size`` rule) or :meth:`of_sizes`
-    (batch sizes already known); :meth:`with_probabilities` or :meth:`with_rule` add the system
-    probabilities. Arrays are read-only.
+    Build it with :meth:`build` (atom counts and a data section's :class:`SamplingSpec`) or
+    :meth:`of_sizes` (batch sizes already known); :meth:`with_spec_probabilities`,
+    :meth:`with_probabilities` or :meth:`with_rule` add the system probabilities. Arrays are
+    read-only.
 
     Attributes
     ----------
@@ -77,16 +78,14 @@ class LoaderPlan:
         probability inputs are written against the original list.
     natoms
         Atoms per frame of every kept system (None when built from batch sizes).
-    shuffle, same_system_across_ranks
-        Frame shuffling within a pass; one system stream for all ranks.
+    spec
+        The data section's sampling keys (shuffling, one system stream for all ranks, balanced
+        steps, the JSON path named in errors), read through the properties of the same names.
     rule
         The probability rule (None until probabilities are added).
-    json_path
-        Where the data section sits in ``input.json``, named in errors.
-    balance_window, balance_cost, neighbours
-        Balanced steps (:mod:`mdloader.sampling.balance`): steps per window ``k`` (0: off), the
-        cost model of a batch, and the mean neighbours within rcut of every kept system (the
-        ``neighbours`` cost model only).
+    neighbours
+        The mean neighbours within rcut of every kept system (balanced steps under the
+        ``neighbours`` cost model only, :mod:`mdloader.sampling.balance`).
     nbatches, total_batches
         Batches of every system on each rank, ``ceil(ceil(F / W) / B)``, and their sum
         (DeePMD-kit's ``index`` and ``total_batch``).
@@ -100,12 +99,8 @@ class LoaderPlan:
     kept: np.ndarray | None = None
     nsys_original: int | None = None
     natoms: np.ndarray | None = None
-    shuffle: bool = True
-    same_system_across_ranks: bool = False
+    spec: SamplingSpec = field(default_factory=SamplingSpec)
     rule: ProbabilityRule | None = None
-    json_path: str | None = None
-    balance_window: int = 0
-    balance_cost: str = "atoms"
     neighbours: np.ndarray | None = None
     nbatches: np.ndarray = field(init=False, repr=False)
     total_batches: int = field(init=False)
@@ -135,8 +130,6 @@ class LoaderPlan:
         if self.seed is not None:
             put(self, "seed", int(self.seed))
         put(self, "seed_given", bool(self.seed_given))
-        put(self, "shuffle", bool(self.shuffle))
-        put(self, "same_system_across_ranks", bool(self.same_system_across_ranks))
         nbatches = _frozen(batches_per_rank(nframes, sizes, self.world_size))
         put(self, "nbatches", nbatches)
         put(self, "total_batches", int(nbatches.sum()))
@@ -156,7 +149,6 @@ class LoaderPlan:
         if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
             raise ConfigError(f"the balance window must be 0 (off) or a positive number of "
                               f"steps, got {window!r}", path=self._key("balance_window"))
-        object.__setattr__(self, "balance_window", int(window))
         if self.neighbours is not None:
             object.__setattr__(self, "neighbours", _frozen(self.neighbours, np.float64))
         if not window:
@@ -176,56 +168,77 @@ class LoaderPlan:
     def _key(self, name: str) -> str:
         return f"{self.json_path}.{name}" if self.json_path else f"training.training_data.{name}"
 
+    # -- the data section's sampling keys, as the spec gives them --------------------------------
+    @property
+    def shuffle(self) -> bool:
+        """Frames are shuffled within each pass."""
+        return bool(self.spec.shuffle)
+
+    @property
+    def same_system_across_ranks(self) -> bool:
+        """Every rank draws the same system at each step."""
+        return bool(self.spec.same_system_across_ranks)
+
+    @property
+    def json_path(self) -> str | None:
+        """Where the data section sits in ``input.json``."""
+        return self.spec.json_path
+
+    @property
+    def balance_window(self) -> int:
+        """Steps per balanced window (0: off)."""
+        return int(self.spec.balance_window)
+
+    @property
+    def balance_cost(self) -> str:
+        """The cost model a balanced window evens out."""
+        return self.spec.balance_cost
+
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def build(cls, natoms: Sequence[int] | np.ndarray, nframes: Sequence[int] | np.ndarray,
-              batch_size: int | Sequence[int] | str, *, seed: int | None,
-              seed_given: bool = True, world_size: int = 1, shuffle: bool = True,
-              same_system_across_ranks: bool = False, json_path: str | None = None,
-              sampler_params: Mapping[str, Any] | None = None, balance_window: int = 0,
-              balance_cost: str = "atoms",
+              spec: SamplingSpec, *, seed: int | None, seed_given: bool = True,
+              world_size: int = 1,
               neighbours: Sequence[float] | np.ndarray | None = None) -> LoaderPlan:
-        """The plan of systems with ``natoms`` atoms and ``nframes`` frames (original list).
+        """The plan of systems with ``natoms`` atoms and ``nframes`` frames (original list),
+        sampled as the data section's ``spec`` says.
 
-        ``batch_size`` is DeePMD-kit's value (``int``, list, ``"auto[:N]"``, ``"max:N"``,
-        ``"filter:N"``: :mod:`mdloader.sampling.batching`); ``sampler_params``, if given, are a
-        data section's ``sys_probs``/``auto_prob`` (:meth:`with_params`). Errors name the keys
-        under ``json_path``.
+        ``spec.batch_size`` is DeePMD-kit's value (``int``, list, ``"auto[:N]"``, ``"max:N"``,
+        ``"filter:N"``: :mod:`mdloader.sampling.batching`); the probabilities are added by
+        :meth:`with_spec_probabilities` (or a sampler's own). Errors name the keys under
+        ``spec.json_path``.
         """
         atoms = np.asarray(natoms, dtype=np.int64).reshape(-1)
         frames = np.asarray(nframes, dtype=np.int64).reshape(-1)
-        key = f"{json_path}.batch_size" if json_path else "batch_size"
+        key = spec.key("batch_size")
         if len(atoms) != len(frames):
             raise ConfigError(f"{len(atoms)} atom counts for {len(frames)} systems", path=key)
-        sizes = resolve_batch_sizes(batch_size, atoms, key)
+        sizes = resolve_batch_sizes(spec.batch_size_value(), atoms, key)
         if neighbours is not None:
             neighbours = np.asarray(neighbours, dtype=np.float64).reshape(-1)
             if len(neighbours) != len(atoms):
                 raise ConfigError(f"{len(neighbours)} neighbour means for {len(atoms)} systems",
-                                  path=f"{json_path or 'training.training_data'}.balance_cost")
+                                  path=f"{spec.json_path or 'training.training_data'}"
+                                  ".balance_cost")
             neighbours = neighbours[sizes.kept]
-        plan = cls(frames[sizes.kept], sizes.batch_sizes, seed, seed_given, world_size,
+        return cls(frames[sizes.kept], sizes.batch_sizes, seed, seed_given, world_size,
                    kept=sizes.kept, nsys_original=len(atoms), natoms=atoms[sizes.kept],
-                   shuffle=shuffle, same_system_across_ranks=same_system_across_ranks,
-                   json_path=json_path, balance_window=balance_window,
-                   balance_cost=balance_cost, neighbours=neighbours)
-        return plan if sampler_params is None else plan.with_params(sampler_params)
+                   spec=spec, neighbours=neighbours)
 
     @classmethod
     def of_sizes(cls, nframes: Sequence[int] | np.ndarray,
                  batch_sizes: Sequence[int] | np.ndarray, *, seed: int | None,
-                 seed_given: bool = True, world_size: int = 1, shuffle: bool = True,
-                 same_system_across_ranks: bool = False,
+                 seed_given: bool = True, world_size: int = 1,
+                 spec: SamplingSpec | None = None,
                  probabilities: Sequence[float] | np.ndarray | ProbabilityRule | None = None,
-                 natoms: Sequence[int] | np.ndarray | None = None, balance_window: int = 0,
-                 balance_cost: str = "atoms",
+                 natoms: Sequence[int] | np.ndarray | None = None,
                  neighbours: Sequence[float] | np.ndarray | None = None) -> LoaderPlan:
-        """The plan of systems whose batch sizes are known (every system kept); balanced steps
-        need ``natoms`` (and ``neighbours`` for that cost model)."""
+        """The plan of systems whose batch sizes are known (every system kept; the batch size
+        of ``spec`` is not read); balanced steps need ``natoms`` (and ``neighbours`` for that
+        cost model)."""
         rule = None if probabilities is None else as_rule(probabilities)
-        return cls(nframes, batch_sizes, seed, seed_given, world_size, shuffle=shuffle,
-                   same_system_across_ranks=same_system_across_ranks, rule=rule,
-                   natoms=natoms, balance_window=balance_window, balance_cost=balance_cost,
+        return cls(nframes, batch_sizes, seed, seed_given, world_size,
+                   spec=spec or SamplingSpec(), rule=rule, natoms=natoms,
                    neighbours=neighbours)
 
     def rule_of(self, prob_style: str | Sequence[float], sys_prob: bool = False,
@@ -239,6 +252,12 @@ class LoaderPlan:
                            key: str | None = None) -> LoaderPlan:
         """A copy of the plan with the probabilities of a style or ``sys_probs`` (checked now)."""
         return replace(self, rule=self.rule_of(prob_style, sys_prob, key))
+
+    def with_spec_probabilities(self) -> LoaderPlan:
+        """A copy of the plan with the probabilities its spec names (``sys_probs`` if set, else
+        ``auto_prob``)."""
+        value, is_sys_probs, key = self.spec.probability_source()
+        return self.with_probabilities(value, is_sys_probs, key)
 
     def with_params(self, params: Mapping[str, Any]) -> LoaderPlan:
         """A copy of the plan with a data section's probabilities: ``sys_probs`` if set, else
@@ -328,49 +347,4 @@ class LoaderPlan:
         return replace(self, seed=int(saved))
 
 
-class PlanOwner:
-    """The plan in force for one loader set and the samplers drawn from it: the seed's owner.
-
-    :meth:`adopt_seed` is the only way the plan changes; it pushes the new plan to every
-    subscriber (:meth:`subscribe`), so a seed adopted from a state loaded into the loader set or
-    into a sampler is the seed of all of them, and no reader has to check for a change.
-    """
-
-    def __init__(self, plan: LoaderPlan) -> None:
-        self._plan = plan
-        self._subscribers: list[weakref.WeakMethod] = []
-
-    @property
-    def plan(self) -> LoaderPlan:
-        return self._plan
-
-    def subscribe(self, on_change: Callable[[LoaderPlan], None]) -> None:
-        """Call the bound method ``on_change`` with every new plan; held weakly, so a sampler
-        that is dropped stops listening by itself."""
-        self._subscribers = [ref for ref in self._subscribers if ref() is not None]
-        self._subscribers.append(weakref.WeakMethod(on_change))
-
-    def adopt_seed(self, saved: Any, kind: str = "loader") -> LoaderPlan:
-        """Put :meth:`LoaderPlan.adopt_seed` in force and push the new plan to the subscribers;
-        call it once the state's other checks passed (a refused seed raises here and changes
-        nothing)."""
-        plan = self._plan.adopt_seed(saved, kind)
-        if plan is not self._plan:
-            self._plan = plan
-            for ref in list(self._subscribers):
-                on_change = ref()
-                if on_change is not None:
-                    on_change(plan)
-        return plan
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Subscribers stay in their process: a copy (a DataLoader worker's) starts with none,
-        # and an unpickled subscriber subscribes again.
-        return {"plan": self._plan}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._plan = state["plan"]
-        self._subscribers = []
-
-
-__all__ = ["LoaderPlan", "PlanOwner"]
+__all__ = ["LoaderPlan"]

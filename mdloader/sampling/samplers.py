@@ -7,7 +7,7 @@ batch twice, no frame skipped (DeePMD-kit's workers each advance a forked copy o
 iterators and repeat batches). The keys come from a system stream
 (:mod:`mdloader.sampling.streams`: independent or balanced, chosen once from the plan); the
 sampler holds what identifies the job and its generations, and makes a new stream when the job
-enters another generation or its plan owner pushes another seed.
+enters another generation or a loaded state brings another seed.
 
 Resume state is a few integers; the per-system cursors are recomputed by replaying the system
 stream (:func:`mdloader.sampling.order.stream_counts`). The state of every rank merged
@@ -43,8 +43,9 @@ from mdloader.sampling.elastic import (
     resume_point,
 )
 from mdloader.sampling.order import Continuation, FrameOrder, sizes_digest
-from mdloader.sampling.plan import LoaderPlan, PlanOwner
+from mdloader.sampling.plan import LoaderPlan
 from mdloader.sampling.probability import ProbabilityRule, as_rule
+from mdloader.sampling.spec import SamplingSpec
 from mdloader.sampling.streams import BatchKey, SystemStream, stream_type
 from mdloader.state import check_keys, check_same
 
@@ -101,28 +102,28 @@ class WeightedSystemSampler(Sampler[BatchKey]):
                  balance_window: int = 0, balance_cost: str = "atoms",
                  natoms: Sequence[int] | np.ndarray | None = None,
                  neighbours: Sequence[float] | np.ndarray | None = None) -> None:
+        spec = SamplingSpec(shuffle=shuffle, same_system_across_ranks=same_system_across_ranks,
+                            balance_window=balance_window, balance_cost=balance_cost)
         plan = LoaderPlan.of_sizes(nframes, batch_sizes, seed=seed, seed_given=not adopt_seed,
-                                   world_size=world_size, shuffle=shuffle,
-                                   same_system_across_ranks=same_system_across_ranks,
-                                   natoms=natoms, balance_window=balance_window,
-                                   balance_cost=balance_cost, neighbours=neighbours)
-        self._start(PlanOwner(plan), as_rule(probs), rank, num_samples, type_map)
+                                   world_size=world_size, spec=spec, natoms=natoms,
+                                   neighbours=neighbours)
+        self._start(plan, as_rule(probs), rank, num_samples, type_map)
 
     @classmethod
-    def of_plan(cls, owner: PlanOwner, probs: Sequence[float] | np.ndarray | ProbabilityRule,
+    def of_plan(cls, plan: LoaderPlan, probs: Sequence[float] | np.ndarray | ProbabilityRule,
                 *, rank: int = 0, num_samples: int | None = None,
                 type_map: Sequence[str] | None = None) -> WeightedSystemSampler:
-        """A sampler that reads the plan ``owner`` holds (a loader set's): sizes, flags and the
-        seed come from it, so a seed adopted by either of them is the other's too."""
+        """A sampler over ``plan`` (a loader set's): sizes, flags and the seed come from it.
+        The sampler keeps its own copy: a seed it adopts from a loaded state is its own."""
         sampler = cls.__new__(cls)
-        sampler._start(owner, as_rule(probs), rank, num_samples, type_map)
+        sampler._start(plan, as_rule(probs), rank, num_samples, type_map)
         return sampler
 
-    def _start(self, owner: PlanOwner, rule: ProbabilityRule, rank: int,
+    def _start(self, plan: LoaderPlan, rule: ProbabilityRule, rank: int,
                num_samples: int | None, type_map: Sequence[str] | None) -> None:
-        self._owner, self.rule, self.rank = owner, rule, int(rank)
-        self.plan = owner.plan.with_rule(rule)
-        """The plan this sampler draws from: the owner's, with this sampler's probabilities."""
+        self.rule, self.rank = rule, int(rank)
+        self.plan = plan.with_rule(rule)
+        """The plan this sampler draws from, with this sampler's probabilities."""
         self.weights = torch.tensor(self.plan.probabilities, dtype=torch.double, device="cpu")
         self.num_samples = self.plan.total_batches if num_samples is None else int(num_samples)
         if self.num_samples < 1:
@@ -136,11 +137,6 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         self._type_map = list(type_map) if type_map else None
         self._stream_type = stream_type(self.plan)
         self._restart()
-        owner.subscribe(self._plan_changed)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._owner.subscribe(self._plan_changed)   # subscriptions do not travel
 
     def _restart(self, history: tuple[Generation, ...] = (),
                  cont: Continuation | None = None) -> None:
@@ -149,11 +145,11 @@ class WeightedSystemSampler(Sampler[BatchKey]):
         self._stream: SystemStream = self._stream_type(
             self.plan, self.plan.frame_order(self.rank, cont), len(history))
 
-    def _plan_changed(self, plan: LoaderPlan) -> None:
-        """The owner adopted a loaded state's seed (into the loader set or into this sampler):
-        the stream starts again under it."""
-        self.plan = plan.with_rule(self.rule)
-        self._restart()
+    def _adopt(self, plan: LoaderPlan) -> None:
+        """Draw under ``plan`` (a loaded state's seed): the stream starts again under it."""
+        if plan is not self.plan:
+            self.plan = plan
+            self._restart()
 
     @property
     def order(self) -> FrameOrder:
@@ -238,7 +234,8 @@ class WeightedSystemSampler(Sampler[BatchKey]):
                          *(BALANCE_IDENTITY if balanced else ())))
         # Checks come first: the plan under the saved seed is only looked at here (a refused
         # seed raises), and put in force once every other check passed.
-        seed = self._owner.plan.adopt_seed(state["seed"], "sampler").seed
+        adopted = self.plan.adopt_seed(state["seed"], "sampler")
+        seed = adopted.seed
         for key, words in IDENTITY.items():
             mine = seed if key == "seed" else self._identity[key]
             check_same("sampler", words, int(state[key]), mine, self._hint(key))
@@ -253,7 +250,7 @@ class WeightedSystemSampler(Sampler[BatchKey]):
             check_same("sampler", "rank", int(state["rank"]), rank)
             history, steps = parse_generations(state["history"]), int(state["steps"])
         self._stream.check_generations(history)
-        self._owner.adopt_seed(state["seed"], "sampler")  # pushed to the loader set's too
+        self._adopt(adopted)
         self._set_history(history)
         self.seek(steps)
 

@@ -6,10 +6,11 @@
 both files up to its checkpoint's step and drops the later ones (a run killed after its last
 checkpoint wrote them; DeePMD-kit appends, so they appear twice). Checkpoints are
 ``<save_ckpt>-<step>.pt`` with a ``<save_ckpt>.pt`` link to the latest (DeePMD-kit's naming); they
-hold the model, the optimizer, and the loader state of the whole job (every rank's state merged,
-:func:`mdloader.sampling.elastic.merge_rank_states`), so that a restart on the same number of
-ranks continues every stream exactly and one on another number resumes elastically. Everything is
-plain tensors, integers and lists, so that they load with ``torch.load(weights_only=True)``.
+hold the model, the optimizer, and the loader state of the whole job
+(:mod:`mdloader.loading.feed_state`: every rank's state merged), so that a restart on the same
+number of ranks continues every stream exactly and one on another number resumes elastically.
+Everything is plain tensors, integers and lists, so that they load with
+``torch.load(weights_only=True)``.
 
 A checkpoint carries the SHA-256 of its content (:func:`content_checksum`), verified on load:
 torch checks neither the zip's CRCs nor the tensors, and would resume from damaged weights. It
@@ -29,16 +30,14 @@ from typing import IO, Any
 
 import torch
 
-from mdloader.distributed.collectives import gather_to_main
 from mdloader.errors import ConfigError, StateDictError, WriteError
 from mdloader.persist import point_link, write_atomic
-from mdloader.sampling.elastic import merge_rank_states
-from mdloader.state import Stateful
 
 KEYS = ("rmse", "rmse_e", "rmse_f")
 CKPT_FORMAT = "mdloader-train"
-CKPT_VERSION = 3
-"""3 added the checksum; version 2 still loads, unverified."""
+CKPT_VERSION = 4
+"""3 added the checksum; 4 keeps the loader state as one document (``loader_state``) in place
+of 3's ``loader`` and ``valid_loader``. Versions 3 and 2 (unverified) still load."""
 MAX_KEEP = 5
 
 log = logging.getLogger(__name__)
@@ -260,9 +259,9 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     if version == 2:
         log.warning("checkpoint %s has version 2, which carries no checksum: not verified", path)
         return state
-    if version != CKPT_VERSION:
+    if version not in (3, CKPT_VERSION):
         raise StateDictError(f"checkpoint {path} has version {version}, this "
-                             f"mdloader reads versions 2 and {CKPT_VERSION}")
+                             f"mdloader reads versions 2 to {CKPT_VERSION}")
     written = state.pop("checksum", None)
     if written != content_checksum(state):
         raise StateDictError(f"checkpoint {path} is damaged: its content does not match the "
@@ -289,26 +288,13 @@ def _previous(path: str) -> str:
             f"{os.path.join(os.path.dirname(path), f'{prefix}-{max(older)}.pt')}")
 
 
-def gather_loader_states(loader: Stateful, valid: Stateful | None) -> dict[str, Any] | None:
-    """The training and validation loader states of the job, on rank 0 (``None`` elsewhere).
-
-    A collective: every rank calls it.
-    """
-    train_states = gather_to_main(loader.state_dict(), context="gathering the loader states")
-    valid_states = (gather_to_main(valid.state_dict(), context="gathering the loader states")
-                    if valid is not None else None)
-    if train_states is None:
-        return None
-    return {"loader": merge_rank_states(train_states),
-            "valid_loader": None if valid_states is None else merge_rank_states(valid_states)}
-
-
-def restart_note(path: str, state: dict[str, Any], world_size: int) -> str:
-    """The log line of a restart; it says when the number of ranks changed."""
-    note = f"restarted from {path} at step {state['step']}"
-    saved = int(state["world_size"])
+def restart_note(path: str, loader_state: dict[str, Any], world_size: int) -> str:
+    """The log line of a restart from ``path`` with its loader state; it says when the number of
+    ranks changed."""
+    note = f"restarted from {path} at step {loader_state['next_step']}"
+    saved = int(loader_state["world_size"])
     if saved != world_size:
-        rows = state["loader"]["sampler"]["generations"]
+        rows = loader_state["streams"]["training"]["generations"]
         note += (f" on {world_size} rank(s), written by {saved}: elastic resume (the samplers "
                  f"first serve what the {saved} rank(s) left of their current passes; "
                  f"{len(rows)} generation(s) in the state)")

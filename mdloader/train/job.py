@@ -1,11 +1,13 @@
 """``mdloader train``: the reference DDP training job that exercises the loader as DeePMD-kit does.
 
 One process per rank (``torchrun``); the process group starts only when ``WORLD_SIZE`` > 1, with
-NCCL on GPUs and gloo on CPUs. Every rank builds the loader (rank 0 reads the data tree, the
-others receive metadata), pulls batches through the outer ``DataLoader`` with the stateful
-weighted sampler, and steps a :class:`~mdloader.train.model.RadialPotential` wrapped in
-``DistributedDataParallel``; its statistics (energy bias, feature scales) are computed before
-the first step in shares by every rank, cached per system (:mod:`mdloader.train.statistics`).
+NCCL on GPUs and gloo on CPUs. Every rank builds the job's feed
+(:class:`~mdloader.loading.feed.Feed`: one build of the training and validation data; rank 0
+reads the data tree, the others receive metadata), takes its batches from the feed's streams,
+read ahead by one pool of DataLoader workers, and steps a
+:class:`~mdloader.train.model.RadialPotential` wrapped in ``DistributedDataParallel``; its
+statistics (energy bias, feature scales) are computed before the first step in shares by every
+rank, cached per system (:mod:`mdloader.train.statistics`).
 Rank 0 writes ``lcurve.out`` and the checkpoints; ``restart`` resumes model, optimizer and the
 loader streams: on the same number of ranks the batches after the restart are exactly those an
 uninterrupted run would have drawn, on another number the job resumes elastically
@@ -24,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,23 +47,25 @@ from mdloader.distributed.collectives import (
 from mdloader.distributed.failure import Activity
 from mdloader.distributed.group import device_of, process_group
 from mdloader.errors import ConfigError, StateDictError, WriteError
-from mdloader.loading.assembly import configured_loader
+from mdloader.loading import feed_state
+from mdloader.loading.build import Section
+from mdloader.loading.feed import Feed, StreamSpec
 from mdloader.loading.loader import default_num_workers
-from mdloader.loading.stateful_loader import lost_worker
+from mdloader.loading.pool import lost_worker_error
+from mdloader.sampling.loop import TrainingLoop
 from mdloader.threads import set_torch_threads
 from mdloader.train.guards import check_boxes, nonfinite_weights
 from mdloader.train.io import (
     FullValidationLog,
     Lcurve,
     check_output,
-    gather_loader_states,
     load_checkpoint,
     restart_note,
     save_checkpoint,
 )
 from mdloader.train.model import RadialPotential
 from mdloader.train.objective import EnergyForceLoss, ExpDecayLR, resolve_numb_steps, rmse_columns
-from mdloader.train.signals import StopSignals, ignore_stop_signals, stop_at_once
+from mdloader.train.signals import StopSignals, stop_at_once
 from mdloader.train.statistics import fit_statistics
 from mdloader.train.step import Stepper
 from mdloader.train.validation import FullValidation, Validation
@@ -72,6 +75,18 @@ log = logging.getLogger(__name__)
 
 LABELS = [DataRequirementItem("energy", 1, atomic=False, must=True, high_prec=True),
           DataRequirementItem("force", 3, atomic=True, must=True)]
+
+
+def _stream_specs(config: Config) -> list[StreamSpec]:
+    """The job's streams: its training data, and its validation data under the job seed + 1."""
+    specs = []
+    for role, data, offset in (("training", config.training_data, 0),
+                               ("validation", config.validation_data, 1)):
+        if data is not None:
+            section = Section.of(None, role, data.systems, data.rglob_patterns, config.type_map,
+                                 index_file=data.index_file, key=f"{data.json_path}.systems")
+            specs.append(StreamSpec(section, data.sampling, seed_offset=offset))
+    return specs
 
 
 @dataclass(frozen=True)
@@ -140,18 +155,18 @@ class _Trainer:
         self.device = device_of(world)
         workers = default_num_workers(num_workers, "--num-workers")
         set_torch_threads(workers, world=world)
-        built = configured_loader(config.training_data, type_map=config.type_map,
-                                  seed=config.seed, world=world, labels=LABELS,
-                                  num_workers=workers, pin_memory=self.device.type == "cuda",
-                                  worker_init_fn=ignore_stop_signals)
-        self.train_set, sampler, self.loader = built.dataset, built.sampler, built.loader
+        self.feed = Feed.build(_stream_specs(config), seed=config.seed, world=world,
+                               labels=LABELS, num_workers=workers,
+                               pin_memory=self.device.type == "cuda", type_map=config.type_map)
+        self.train_stream = self.feed.stream(None, "training")
+        self.train_set, sampler = self.train_stream.dataset, self.train_stream.sampler
         self.numb_steps = resolve_numb_steps(config, numb_steps, self.train_set.index,
                                              sampler.weights.numpy())
         self.train_set.print_summary("training", sampler.weights.tolist())
         self.numb_steps_given = numb_steps is not None or config.numb_steps is not None
         self.valid = None if config.validation_data is None else Validation(
-            config.validation_data, type_map=config.type_map, world=world, labels=LABELS,
-            seed=None if config.seed is None else config.seed + 1)
+            self.feed, numb_btch=config.validation_data.numb_btch)
+        self.resumed: dict[str, Any] | None = None  # a restart's loader state
         self.schedule = ExpDecayLR.from_config(config.learning_rate, self.numb_steps)
         self.loss_fn = EnergyForceLoss.from_config(config.loss, self.schedule.start_lr)
         ntypes = len(config.type_map) if config.type_map else max(
@@ -186,14 +201,17 @@ class _Trainer:
         step = self.start
         self.activity.doing = f"opening the logs in {self.output}"
         self._open_logs(restart, step)
+        self.activity.doing = "starting the data streams"
         try:
+            self.feed.start(step, self._loop_shape(), self.resumed)
             return self._loop(step, stop_after)
         except RuntimeError as exc:  # torch notices a dead worker wherever the loop is
-            lost = lost_worker(exc)
-            if lost is None or lost is exc:
+            lost = lost_worker_error()
+            if lost is None:
                 raise
             raise lost from exc
         finally:
+            self.feed.close()
             if self.lcurve is not None:
                 self.lcurve.close()
 
@@ -222,24 +240,22 @@ class _Trainer:
                                  f"this run builds {self.model_args}")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.loader.load_state_dict(state["loader"])
-        if self.valid is not None and state.get("valid_loader") is not None:
-            self.valid.load_state_dict(state["valid_loader"])
+        self.resumed = feed_state.from_training_checkpoint(state)
         if not self.numb_steps_given and state["numb_steps"] != self.numb_steps:
             # numb_epoch: the step count depends on the world size; the job keeps its first one
             self.numb_steps = int(state["numb_steps"])
             self.schedule = ExpDecayLR.from_config(self.config.learning_rate, self.numb_steps)
-        log.info("%s", restart_note(path, state, self.world.world_size))
+        log.info("%s", restart_note(path, self.resumed, self.world.world_size))
         return int(state["step"])
 
-    def _batches(self) -> Iterator[dict[str, Any]]:
-        while True:  # DeePMD-kit's cycle_iterator: each iter() continues the stream
-            yield from self.loader
+    def _loop_shape(self) -> TrainingLoop:
+        """What the loop asks for at each step (the feed's workers read it ahead)."""
+        return TrainingLoop(disp_freq=self.config.disp_freq, last_display=self.numb_steps,
+                            validation=(self.valid.numb_btch if self.valid else 0,))
 
     def _loop(self, start: int, stop_after: int | None) -> TrainResult:
         result = TrainResult(step=start)
         end = self.numb_steps if stop_after is None else min(self.numb_steps, stop_after)
-        batches = self._batches()
         bar = tqdm(total=self.numb_steps, initial=start, disable=True if not self.world.is_main
                    else None, desc="train", unit="step", dynamic_ncols=True)
         self.started = time.monotonic(), start
@@ -256,7 +272,8 @@ class _Trainer:
                 done = step + 1
                 self.activity.doing = f"training step {done}"
                 lr = self.schedule.value(step)
-                batch = next(batches)
+                with self.feed.training_step():
+                    batch = next(self.train_stream)
                 result.batches.append((step, int(batch["sid"]), tuple(batch["fid"])))
                 outcome = self.stepper.step(batch, lr, done, signals.requested)
                 if outcome.skipped:
@@ -341,11 +358,11 @@ class _Trainer:
     def _save(self, done: int, *, validation_due: bool = False) -> str | None:
         self.activity.doing = f"saving the checkpoint of step {done}"
         fail_together(nonfinite_weights(self.model, done), context=self.activity.doing)
-        loaders = gather_loader_states(self.loader, self.valid)
+        loader_state = self.feed.gather_state()
         path, failed = None, None
-        if loaders is not None:  # rank 0 writes; a write error is every rank's, not a hang
+        if loader_state is not None:  # rank 0 writes; a write error is every rank's, not a hang
             state = {"world_size": self.world.world_size, "model": self.model.state_dict(),
-                     "optimizer": self.optimizer.state_dict(), **loaders,
+                     "optimizer": self.optimizer.state_dict(), "loader_state": loader_state,
                      "model_args": self.model_args, "numb_steps": self.numb_steps,
                      "full_validation_due": validation_due and self.full_validation}
             try:

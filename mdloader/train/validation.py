@@ -1,11 +1,12 @@
 """Validation in the reference job: DeePMD-kit's partial validation, and full passes over the ranks.
 
 *Partial* (every display step, as DeePMD-kit): each rank takes the next ``numb_btch`` batches of
-the weighted validation stream (it continues from display to display and is saved in
+the feed's weighted validation stream (it continues from display to display and is saved in
 checkpoints); the batch means of the squared errors are averaged over every rank's batches.
 
 *Full* (``mdloader train --full-validation``): every validation frame exactly once, shared by
-the ranks without padding (:class:`~mdloader.sampling.validation.ShardedValidationSampler`).
+the ranks without padding (:class:`~mdloader.sampling.validation.ShardedValidationSampler`),
+read by the feed's pool of workers.
 Each rank sums squared errors and counts; :func:`~mdloader.distributed.collectives.reduce_sums`
 adds them up, so the RMSEs are those one rank would compute alone, in about ``1 / W`` of its
 time. DeePMD-kit's full validation runs on rank 0 while the other ranks wait.
@@ -15,20 +16,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
-from mdloader.config.input_json import DataConfig
 from mdloader.distributed.collectives import reduce_sums
-from mdloader.loading.assembly import configured_loader
-from mdloader.loading.loader import get_validation_sampler
+from mdloader.loading.feed import Feed
 from mdloader.train.objective import rmse_columns
-from mdloader.transport import identity
-from mdloader.world import World
 
 Predict = Callable[[dict[str, Any]], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]
 """A batch -> (predicted energy and force, labels), both float64 on the model's device."""
@@ -64,30 +60,21 @@ def rmse_from_sums(sums: Mapping[str, float]) -> tuple[float, float]:
 
 
 class Validation:
-    """The validation data of a job, with its partial stream and its full-pass loader."""
+    """The validation data of a job: the feed's validation stream and its full passes."""
 
-    def __init__(self, data: DataConfig, *, type_map: Sequence[str] | None, seed: int | None,
-                 world: World, labels: Sequence[Any]) -> None:
-        built = configured_loader(data, type_map=type_map, seed=seed, world=world, labels=labels,
-                                  num_workers=0)
-        built.dataset.print_summary("validation", built.sampler.weights.tolist())
-        self.numb_btch = data.numb_btch
-        self.loader = built.loader
-        self.systems = built.dataset.systems
-        self.full_loader = DataLoader(built.dataset, sampler=get_validation_sampler(built.dataset),
-                                      batch_size=None, num_workers=0, collate_fn=identity)
+    def __init__(self, feed: Feed, *, numb_btch: int) -> None:
+        self.feed = feed
+        self.stream = feed.stream(None, "validation")
+        self.stream.dataset.print_summary("validation", self.stream.sampler.weights.tolist())
+        self.numb_btch = int(numb_btch)
+        self.systems = self.stream.dataset.systems
 
     def partial(self, predict: Predict,
                 loss: Callable[..., tuple[Any, dict[str, float]]]) -> dict[str, float]:
         """RMSE columns of ``numb_btch`` batches per rank, averaged over every rank's batches."""
         totals = {"mse": 0.0, "mse_e": 0.0, "mse_f": 0.0, "batches": 0.0}
-        batches = iter(self.loader)
         for _ in range(self.numb_btch):
-            batch = next(batches, None)
-            if batch is None:  # an outer epoch ended: the stream continues
-                batches = iter(self.loader)
-                batch = next(batches)
-            pred, label = predict(batch)
+            pred, label = predict(next(self.stream))
             _, mse = loss(pred, label)
             for key in ("mse", "mse_e", "mse_f"):
                 totals[key] += mse[key]
@@ -105,22 +92,20 @@ class Validation:
         """
         started = time.perf_counter()
         sums = {"sse_e": 0.0, "frames": 0.0, "sse_f": 0.0, "force_terms": 0.0, "cut": 0.0}
-        for batch in self.full_loader:
-            if stop():
-                sums["cut"] = 1.0
-                break
-            pred, label = predict(batch)
-            for key, value in frame_sums(pred, label, batch["atype"]).items():
-                sums[key] += value
+        batches = self.feed.full_pass()
+        try:
+            for batch in batches:
+                if stop():
+                    sums["cut"] = 1.0
+                    break
+                pred, label = predict(batch)
+                for key, value in frame_sums(pred, label, batch["atype"]).items():
+                    sums[key] += value
+        finally:
+            batches.close()  # a pass cut short: what was read ahead for it is dropped
         total = reduce_sums(sums)
         if total["cut"]:
             return None
         rmse_e, rmse_f = rmse_from_sums(total)
         return FullValidation(step, rmse_e, rmse_f, int(total["frames"]),
                               time.perf_counter() - started)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.loader.load_state_dict(state)

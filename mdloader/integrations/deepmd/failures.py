@@ -5,8 +5,10 @@ whose DataLoader worker dies) raised its error alone, and its peers, inside DDP'
 ended with gloo's "Connection closed by peer". :func:`ending_together` runs DeePMD-kit's ``dp``
 so that the first failure of the job is published in the store of the default group and raised
 on every rank as the same :class:`~mdloader.errors.RankFailedError`
-(:mod:`mdloader.distributed.failure`); the command line then prints it and leaves at once.
-Without a group, the failure is raised as it is, in mdloader's words where torch's hide them.
+(:mod:`mdloader.distributed.failure`); the command line then prints it and leaves at once. A
+failure every rank raised at the same point (rank 0's build error, sent to every rank) is
+raised as it is, once the ranks met. Without a group, the failure is raised as it is, a dead
+worker of the feed's pool as a :class:`~mdloader.errors.WorkerLostError`.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from typing import TypeVar
 from mdloader.distributed.failure import (
     Activity,
     fail_alone,
+    failed_together,
     group_ended,
     next_job,
     published_failure,
+    settle,
 )
 from mdloader.distributed.group import current_world
-from mdloader.errors import MdloaderError, StopRequested
-from mdloader.loading.stateful_loader import lost_worker
+from mdloader.errors import StopRequested
+from mdloader.loading.pool import lost_worker_error
 
 T = TypeVar("T")
 
@@ -32,7 +36,8 @@ ACTIVITY = Activity("DeePMD-kit's training")
 
 def ending_together(run: Callable[[], T]) -> T:
     """``run()``; when it raises on a rank of a started group, the job's first published
-    failure (this rank's own, when it is the first) is raised instead, on every rank."""
+    failure (this rank's own, when it is the first) is raised instead, on every rank; a
+    failure every rank raised together is raised as it is."""
     job = next_job()
     try:
         return run()
@@ -48,7 +53,14 @@ def ending_together(run: Callable[[], T]) -> T:
         raise
     except BaseException as exc:
         said = in_own_words(exc)
-        if not current_world().distributed:
+        world = current_world()
+        if not world.distributed:
+            if said is exc:
+                raise
+            raise said from exc
+        if failed_together(said):  # every rank holds this very error: no rank to name
+            settle(job, world.world_size)
+            group_ended()
             if said is exc:
                 raise
             raise said from exc
@@ -60,25 +72,8 @@ def ending_together(run: Callable[[], T]) -> T:
 
 
 def in_own_words(exc: BaseException) -> BaseException:
-    """A failure of a DataLoader worker as mdloader says it (a lost worker, a worker's mdloader
-    error with its own message); anything else unchanged."""
-    lost = lost_worker(exc) if isinstance(exc, RuntimeError) else None
-    return lost or worker_error(exc)
-
-
-def worker_error(exc: BaseException) -> BaseException:
-    """An mdloader error raised in a DataLoader worker of DeePMD-kit's trainer, with its own
-    message: torch re-raises it as the same type whose message is "Caught ... in DataLoader
-    worker process N." and the traceback text, whose last line holds the original message
-    (system and file included). Anything else unchanged."""
-    text = str(exc)
-    head = text.split("\n", 1)[0]
-    if not (isinstance(exc, MdloaderError) and head.startswith("Caught ")
-            and "DataLoader worker" in head):
-        return exc
-    last = text.rstrip().splitlines()[-1]
-    said = last.split(": ", 1)[1] if ": " in last else last
-    try:
-        return type(exc)(said)
-    except TypeError:  # a type whose constructor takes more: the message alone, typed
-        return MdloaderError(said)
+    """A failure caused by a dead DataLoader worker of this process, as mdloader says it;
+    anything else unchanged."""
+    if isinstance(exc, RuntimeError):
+        return lost_worker_error() or exc
+    return exc

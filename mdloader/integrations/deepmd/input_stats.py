@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,7 +37,7 @@ from mdloader.integrations.deepmd.seam import (
     private,
     statistics_call,
 )
-from mdloader.integrations.deepmd.systems import planned_task_input
+from mdloader.integrations.deepmd.systems import current_job, planned_task_input
 from mdloader.loading.loader import DpLoaderSet
 from mdloader.loading.statistics import (
     InputRequest,
@@ -75,6 +73,7 @@ class InputStatTakeover:
         self.get_sample = get_sample
         self.preset_observed_type = preset_observed_type
         self.settings = [env_settings(b) for b in blocks]
+        self._counts: Any = None
 
     @classmethod
     def of(cls, trainer: Any, action: Callable[[], None]) -> InputStatTakeover | None:
@@ -122,21 +121,18 @@ class InputStatTakeover:
                      "the frames of a one-rank job), in shares on %d ranks", int(counts.sum()),
                      total, len(self.data.systems), self.nbatch, world.world_size)
 
-    @functools.cached_property
-    def counts(self) -> Any:
-        """How many frames of each system enter (the plan's rule, counted without drawing)."""
-        return self.data.plan.statistics_frame_counts(self.nbatch)
-
     def frame_counts(self) -> Any:
-        """:attr:`counts`, the frames of each system that enter."""
-        return self.counts
+        """How many frames of each system enter (the plan's rule, counted without drawing)."""
+        if self._counts is None:
+            self._counts = self.data.plan.statistics_frame_counts(self.nbatch)
+        return self._counts
 
     def frames(self, position: int) -> Any:
         """The frames system ``position`` gives the statistics (the plan's), ``None`` when all
         do (then the all-frames cache entries are shared with every other
         ``data_stat_nbatch``, and no permutation is drawn)."""
         plan = self.data.plan
-        if int(self.counts[position]) == int(plan.nframes[position]):
+        if int(self.frame_counts()[position]) == int(plan.nframes[position]):
             return None
         return plan.statistics_frames(position, self.nbatch)
 
@@ -237,74 +233,64 @@ def output_sampled(samples: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
-class _env_stats_from:  # noqa: N801 - a context manager used like a function
+def _env_stats_from(by_settings: dict[Any, Any], get_sample: Callable[[], Any]) -> Any:
     """While active, DeePMD-kit's ``EnvMatStatSe`` takes its ``StatItem``s from merged sums of
     the same settings; any other descriptor block samples as usual (``get_sample``)."""
+    EnvMatStatSe = deepmd_module(ENV_MAT_STAT).EnvMatStatSe
+    StatItem = deepmd_module(STAT_ITEM).StatItem
+    original = EnvMatStatSe.load_or_compute_stats
 
-    def __init__(self, by_settings: dict[Any, Any], get_sample: Callable[[], Any]) -> None:
-        self.by_settings = by_settings
-        self.get_sample = get_sample
+    def load_or_compute_stats(stat: Any, data: Any, path: Any = None) -> None:
+        sums = by_settings.get(env_settings(stat.descriptor))
+        if sums is None:
+            return original(stat, get_sample, path)
+        keys = set(stat.get_stat_keys())
+        stat.stats = {k: StatItem(*v) for k, v in sums.items().items() if k in keys}
+        return None
 
-    def __enter__(self) -> None:
-        EnvMatStatSe = deepmd_module(ENV_MAT_STAT).EnvMatStatSe
-        StatItem = deepmd_module(STAT_ITEM).StatItem
-
-        by_settings, get_sample = self.by_settings, self.get_sample
-        self.cls, self.original = EnvMatStatSe, EnvMatStatSe.load_or_compute_stats
-
-        def load_or_compute_stats(stat: Any, data: Any, path: Any = None) -> None:
-            sums = by_settings.get(env_settings(stat.descriptor))
-            if sums is None:
-                return self.original(stat, get_sample, path)
-            keys = set(stat.get_stat_keys())
-            stat.stats = {k: StatItem(*v) for k, v in sums.items().items() if k in keys}
-            return None
-
-        EnvMatStatSe.load_or_compute_stats = load_or_compute_stats
-
-    def __exit__(self, *exc: Any) -> None:
-        self.cls.load_or_compute_stats = self.original
+    return patched(EnvMatStatSe, "load_or_compute_stats", load_or_compute_stats)
 
 
 class JobInputStats:
-    """Every task's input statistics of one trainer, computed together at its first call.
+    """Every task's input statistics of a recorded job, computed together at its first call.
 
     The first statistics call plans a takeover for every task the trainer will ask for (all of
     them, or under ``--finetune`` those with new types), from the trainer (its models, stat-file
     settings, losses) and the recorded input and training sets
     (:func:`~mdloader.integrations.deepmd.systems.planned_task_input`); one joint pass computes
-    them. A later call whose takeover is not the planned one computes alone (every rank decides
-    alike: the plan is a function of the input).
+    them, kept with the job. A later call whose takeover is not the planned one computes alone
+    (every rank decides alike: the plan is a function of the input).
     """
 
-    def __init__(self) -> None:
-        self.results: weakref.WeakKeyDictionary[Any, list[tuple[InputStatTakeover, Any]]] = (
-            weakref.WeakKeyDictionary())
-
-    def merged(self, trainer: Any, takeover: InputStatTakeover) -> tuple[list[Any], list[Any]]:
-        """The merged statistics of ``takeover`` (collective at the trainer's first call)."""
-        if trainer not in self.results:
-            planned = [t for t in self.plan(trainer) if not t.matches(takeover)]
+    @staticmethod
+    def merged(trainer: Any, takeover: InputStatTakeover) -> tuple[list[Any], list[Any]]:
+        """The merged statistics of ``takeover`` (collective at the job's first call)."""
+        job = current_job()
+        results = job.input_statistics if job is not None else None
+        if results is None:
+            planned = [t for t in JobInputStats.plan(trainer) if not t.matches(takeover)]
             todo = [takeover, *planned]
             for t in todo:
                 t.log_frames()
             merged = job_input_statistics([t.request() for t in todo])
-            self.results[trainer] = list(zip(todo, merged, strict=True))
-        for planned_takeover, merged in self.results[trainer]:
+            results = list(zip(todo, merged, strict=True))
+            if job is not None:
+                job.input_statistics = results
+        for planned_takeover, merged_result in results:
             if planned_takeover.matches(takeover):
-                return merged
+                return merged_result
         return takeover.compute()
 
     @staticmethod
     def plan(trainer: Any) -> list[InputStatTakeover]:
         """The takeovers of every task this trainer will compute statistics for."""
-        models = getattr(trainer, "model", None)
+        models = trainer.model
         if not isinstance(models, dict):
             return []
-        training = sys.modules[TRAINING]
-        links = getattr(trainer, "finetune_links", None)
-        specs = getattr(trainer, "stat_file_specs", {}) or {}
-        losses = getattr(trainer, "loss", {}) or {}
+        training = deepmd_module(TRAINING)
+        links = trainer.finetune_links
+        specs = trainer.stat_file_specs or {}
+        losses = trainer.loss or {}
         out = []
         for key, model in models.items():
             if links is not None and not links[key].get_has_new_type():

@@ -9,24 +9,21 @@ logger, so DeePMD-kit's level and handlers decide about them as about its own.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import sys
 import types
 from collections.abc import Sequence
 from typing import Any
 
-from mdloader.integrations.deepmd import seam
+from mdloader.config.unsupported import refuse_under_deepmd
+from mdloader.integrations.deepmd import hooks, seam
 from mdloader.integrations.deepmd.failures import ending_together
 from mdloader.integrations.deepmd.input_stats import mdloader_run_stat_on_chief
-from mdloader.integrations.deepmd.resume import (
-    counting_get_data,
-    recording_trainer_init,
-    resuming_trainer_run,
-    saving_loader_state,
-)
 from mdloader.integrations.deepmd.seam import MAIN, TRAINING, UPDATE_SEL, owner_of
 from mdloader.integrations.deepmd.shims import cpu_ddp, trainer_dist, trainer_torch
-from mdloader.integrations.deepmd.stopping import guarded_get_data, stop_signals
+from mdloader.integrations.deepmd.stopping import stop_signals
 from mdloader.integrations.deepmd.systems import (
     DeepmdDpLoaderSet,
     defer_discovery,
@@ -37,14 +34,6 @@ from mdloader.integrations.deepmd.systems import (
     recording_normalize,
     recording_shared_params,
 )
-from mdloader.integrations.deepmd.training import (
-    SCHEDULED_TASKS,
-    displaying_get_data,
-    recording_step_schedule,
-    refusing_full_validation,
-    scheduled_trainer_run,
-)
-from mdloader.integrations.deepmd.worker_pool import pooled_trainer_run
 from mdloader.loading.loader import get_sampler_from_params, get_weighted_sampler
 
 log = logging.getLogger(__name__)
@@ -81,16 +70,13 @@ def patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
         (TRAINING, "get_sampler_from_params"): get_sampler_from_params,
         (TRAINING, "Trainer._run_stat_on_chief"): mdloader_run_stat_on_chief(
             _original(mods, TRAINING, "Trainer._run_stat_on_chief")),
-        (TRAINING, "dp_random"): SCHEDULED_TASKS,
-        (TRAINING, "resolve_step_schedule"): recording_step_schedule(
-            _original(mods, TRAINING, "resolve_step_schedule")),
-        (TRAINING, "Trainer.run"): resuming_trainer_run(scheduled_trainer_run(
-            pooled_trainer_run(_original(mods, TRAINING, "Trainer.run")))),
-        (TRAINING, "Trainer.__init__"): recording_trainer_init(refusing_full_validation(
-            _original(mods, TRAINING, "Trainer.__init__"))),
-        (TRAINING, "Trainer.get_data"): counting_get_data(guarded_get_data(displaying_get_data(
-            _original(mods, TRAINING, "Trainer.get_data")))),
-        (TRAINING, "Trainer.save_model"): saving_loader_state(
+        (TRAINING, "dp_random"): hooks.SCHEDULED_TASKS,
+        (TRAINING, "Trainer.__init__"): hooks.trainer_init(
+            _original(mods, TRAINING, "Trainer.__init__")),
+        (TRAINING, "Trainer.run"): hooks.trainer_run(_original(mods, TRAINING, "Trainer.run")),
+        (TRAINING, "Trainer._next_training_batch"): hooks.next_training_batch(
+            _original(mods, TRAINING, "Trainer._next_training_batch")),
+        (TRAINING, "Trainer.save_model"): hooks.saving_loader_state(
             _original(mods, TRAINING, "Trainer.save_model")),
     }
     import torch
@@ -157,7 +143,7 @@ def install() -> None:
 def uninstall() -> None:
     """Restore DeePMD-kit's own names (for tests and interactive sessions)."""
     for (module, name), value in list(_saved.items()):
-        owner, attr = owner_of(sys.modules[module], name)
+        owner, attr = owner_of(seam.deepmd_module(module), name)
         setattr(owner, attr, value)
         del _saved[(module, name)]
     forget_job()
@@ -167,6 +153,25 @@ def uninstall() -> None:
 def installed() -> bool:
     """Whether :func:`install` is in effect."""
     return bool(_saved)
+
+
+def refuse_before_setup(argv: Sequence[str]) -> None:
+    """The input of ``dp train`` checked for what ``mdloader dp`` does not serve, before any
+    set-up (:func:`~mdloader.config.unsupported.refuse_under_deepmd`); other commands, and
+    arguments DeePMD-kit's parser refuses, are left to DeePMD-kit."""
+    parser = seam.deepmd_module(seam.DP_MAIN).main_parser()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args, _ = parser.parse_known_args(list(argv))
+    except SystemExit:  # a usage error, or --help: DeePMD-kit says it
+        return
+    if getattr(args, "command", None) != "train" or not getattr(args, "INPUT", None):
+        return
+    try:
+        data = seam.deepmd_module(seam.COMMON).j_loader(args.INPUT)
+    except (OSError, TypeError, ValueError):  # DeePMD-kit says what is wrong with the file
+        return
+    refuse_under_deepmd(data)
 
 
 def run_dp(argv: Sequence[str] | None = None) -> int:
@@ -181,6 +186,7 @@ def run_dp(argv: Sequence[str] | None = None) -> int:
     install()
     dp_main = seam.deepmd_module(seam.DP_MAIN).main
     args = list(sys.argv[1:] if argv is None else argv)
+    refuse_before_setup(args)
     try:
         with stop_signals():
             ending_together(lambda: dp_main(args))

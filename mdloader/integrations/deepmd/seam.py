@@ -1,10 +1,14 @@
 """Every DeePMD-kit name mdloader touches, the DeePMD-kit versions they hold for, and the check.
 
-:data:`SEAM` lists each name once: what mdloader does with it (``patch``: rebound while
-installed; ``wrap``: rebound to a function that calls DeePMD-kit's own; ``call``; ``read``) and
-why. :func:`check` compares the installed DeePMD-kit with :data:`SUPPORTED` and resolves every
-name before :func:`~mdloader.integrations.deepmd.patching.install` changes anything. The one
-place that reads DeePMD-kit's private state is :func:`statistics_call`.
+:data:`SEAM` lists each name once -- the module names mdloader rebinds, calls or reads, and every
+attribute of DeePMD-kit's trainer it reads or writes -- with what mdloader does with it
+(``patch``: rebound while installed; ``wrap``: rebound to a function that calls DeePMD-kit's own;
+``call``; ``read``; ``write``) and why. :func:`check` compares the installed DeePMD-kit with
+:data:`SUPPORTED` and resolves every module name before
+:func:`~mdloader.integrations.deepmd.patching.install` changes anything; a test records what a
+real ``mdloader dp`` run touches and fails on a name the table does not hold.
+:func:`deepmd_module` is the one way mdloader reaches DeePMD-kit's modules; the one place that
+reads DeePMD-kit's private state is :func:`statistics_call`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.metadata
-import sys
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,14 +33,15 @@ UPDATE_SEL = "deepmd.utils.update_sel"
 ENV_MAT_STAT = "deepmd.dpmodel.utils.env_mat_stat"
 STAT_ITEM = "deepmd.utils.env_mat_stat"
 DP_MAIN = "deepmd.main"
+COMMON = "deepmd.common"
 MODEL = "deepmd.pt.model.model.model"
 DESCRIPTOR = "deepmd.pt.model.descriptor.descriptor"
 STAT = "deepmd.pt.utils.stat"
 ATOMIC_MODEL = "deepmd.pt.model.atomic_model.base_atomic_model"
 
 #: Where ``install`` imports the modules it checks and patches.
-MODULES = (DATALOADER, MAIN, TRAINING, UPDATE_SEL, ENV_MAT_STAT, STAT_ITEM, DP_MAIN, MODEL,
-           DESCRIPTOR, STAT, ATOMIC_MODEL)
+MODULES = (DATALOADER, MAIN, TRAINING, UPDATE_SEL, ENV_MAT_STAT, STAT_ITEM, DP_MAIN, COMMON,
+           MODEL, DESCRIPTOR, STAT, ATOMIC_MODEL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,51 +82,71 @@ SEAM: tuple[SeamName, ...] = (
     SeamName(TRAINING, "Trainer._run_stat_on_chief", "wrap",
              "input statistics in shares before rank 0's own action (no public hook)"),
     SeamName(TRAINING, "dp_random", "patch",
-             "the task of each multi-task step from mdloader's schedule: a function of (seed, "
+             "the task of each multi-task step from the feed's schedule: a function of (seed, "
              "step, rank), unlike the unseeded global generator"),
-    SeamName(TRAINING, "resolve_step_schedule", "wrap",
-             "records the training section (seed, `num_epoch_dict`) for the task schedule"),
-    SeamName(TRAINING, "Trainer.run", "wrap",
-             "sets the task schedule at the trainer's first step (`start_step` on a restart); "
-             "at a `--restart`, seeks every stream to the loader state saved beside the "
-             "checkpoint and skips the step DeePMD-kit would run twice; puts the streams of "
-             "one pool of DataLoader workers in place of the trainer's iterators"),
     SeamName(TRAINING, "Trainer.__init__", "wrap",
-             "keeps the `--restart` checkpoint, whose loader state `run` restores; refuses "
-             "`validating.full_validation` in one line"),
-    SeamName(TRAINING, "Trainer.full_validator", "read",
-             "set when `validating.full_validation` is on (it reads DeePMD-kit's own "
-             "`DeepmdData` of each system)", False),
-    SeamName(TRAINING, "Trainer.get_data", "wrap",
-             "counts the batches the trainer consumed from each stream (workers prefetch); "
-             "refuses a training batch holding NaN/inf; on an agreed stop signal, saves the "
-             "checkpoint of the last step done and stops every rank before the same step; a "
-             "display-time batch of a task the step does not train comes from that task's "
-             "display stream"),
-    SeamName(TRAINING, "Trainer.training_data", "patch",
-             "during `run`, a stream of the one worker pool; a task's iterator is the display "
-             "stream for the length of one display draw; its training iterators are wrapped to "
-             "check each batch for NaN/inf on the CPU", False),
-    SeamName(TRAINING, "Trainer.validation_data", "patch",
-             "during `run`, a stream of the one worker pool", False),
+             "the trainer's streams become one feed; keeps the `--restart` checkpoint, whose "
+             "loader state `run` restores; refuses `validating.full_validation` in one line"),
+    SeamName(TRAINING, "Trainer.run", "wrap",
+             "starts the trainer's feed: the loader state saved beside the `--restart` "
+             "checkpoint restored (the step DeePMD-kit would run twice skipped), the task "
+             "schedule set at the first step, one pool of DataLoader workers started; the "
+             "feed's iterators in place of the trainer's for the run"),
+    SeamName(TRAINING, "Trainer._next_training_batch", "wrap",
+             "called once per training step by the loop: the feed's step (a training draw, "
+             "not a display-time one); every `$MDLOADER_STOP_CHECK_STEPS` steps the ranks agree "
+             "on a stop signal, and on one save the checkpoint of the last step done"),
+    SeamName(TRAINING, "Trainer.save_model", "wrap",
+             "writes the loader state beside each checkpoint (rank 0, atomically)"),
+    SeamName(TRAINING, "NUM_WORKERS", "read",
+             "the worker processes of the feed's pool (DeePMD-kit's number per DataLoader)"),
+    SeamName(TRAINING, "DEVICE", "read", "the pool pins its batches' memory unless it is the CPU"),
+    SeamName(TRAINING, "Trainer.model_keys", "read", "the tasks, in the trainer's order", False),
+    SeamName(TRAINING, "Trainer.multi_task", "read", "whether the trainer has tasks", False),
+    SeamName(TRAINING, "Trainer.training_dataloader", "read",
+             "each task's mdloader sampler and loader set: the feed's training streams",
+             False),
+    SeamName(TRAINING, "Trainer.validation_dataloader", "read",
+             "each task's mdloader sampler and loader set: the feed's validation streams",
+             False),
+    SeamName(TRAINING, "Trainer.training_data", "write",
+             "during `run`, the feed's training draws of each task (a display-time draw reads "
+             "the task's display stream)", False),
+    SeamName(TRAINING, "Trainer.validation_data", "write",
+             "during `run`, the feed's validation stream of each task", False),
+    SeamName(TRAINING, "Trainer.disp_avg", "read",
+             "without it, a multi-task display draws a batch of every task not trained, from "
+             "its display stream", False),
     SeamName(TRAINING, "Trainer.disp_freq", "read",
              "with `display_in_training` and `valid_numb_batch`: the steps at which the loop "
              "draws validation batches, forecast for the worker pool", False),
-    SeamName(TRAINING, "NUM_WORKERS", "read",
-             "the worker processes of the one pool (DeePMD-kit's number per DataLoader)"),
-    SeamName(TRAINING, "DEVICE", "read", "the pool pins its batches' memory unless it is the CPU"),
-    SeamName(TRAINING, "Trainer.ckpt_store", "call",
-             "on a stop signal: `path_for` and `publish` of that checkpoint, as the loop "
-             "saves one (with `lr_schedule.value` and `save_model`)", False),
-    SeamName(TRAINING, "Trainer.save_model", "wrap",
-             "writes the loader state beside each checkpoint (rank 0, atomically)"),
-    SeamName(TRAINING, "Trainer.nonfinite_grad_guard", "wrap",
-             "its check, run by every rank before a checkpoint, also gathers the loader "
-             "states to rank 0", False),
-    SeamName(TRAINING, "Trainer.start_step", "read",
+    SeamName(TRAINING, "Trainer.display_in_training", "read", "see `disp_freq`", False),
+    SeamName(TRAINING, "Trainer.valid_numb_batch", "read", "see `disp_freq`", False),
+    SeamName(TRAINING, "Trainer.model_prob", "read",
+             "DeePMD-kit's resolved task probabilities, the schedule's", False),
+    SeamName(TRAINING, "Trainer.num_steps", "read",
+             "the exact-count window of `num_epoch_dict`", False),
+    SeamName(TRAINING, "Trainer.rank", "read", "rank 0 writes the loader state and logs",
+             False),
+    SeamName(TRAINING, "Trainer.start_step", "write",
              "the restart step; one more when the loader state is restored", False),
     SeamName(TRAINING, "Trainer.scheduler", "read",
              "stepped once when the repeated restart step is skipped", False),
+    SeamName(TRAINING, "Trainer.full_validator", "read",
+             "set when `validating.full_validation` is on (it reads DeePMD-kit's own "
+             "`DeepmdData` of each system)", False),
+    SeamName(TRAINING, "Trainer.nonfinite_grad_guard", "write",
+             "during `run`, DeePMD-kit's guard whose check, run by every rank before a "
+             "checkpoint, also gathers the feed's state to rank 0", False),
+    SeamName(TRAINING, "Trainer.ckpt_store", "call",
+             "on a stop signal: `path_for` and `publish` of that checkpoint, as the loop "
+             "saves one", False),
+    SeamName(TRAINING, "Trainer.lr_schedule", "call",
+             "on a stop signal: the learning rate saved with that checkpoint", False),
+    SeamName(TRAINING, "Trainer.wrapper", "read",
+             "on a stop signal: the parameters the non-finite guard checks", False),
+    SeamName(TRAINING, "Trainer.latest_model", "write",
+             "on a stop signal: the checkpoint written, as the loop records it", False),
     SeamName(TRAINING, "torch", "patch", "CPU only: `torch.cuda.set_device` does nothing"),
     SeamName(TRAINING, "DDP", "patch", "CPU only: DDP without `device_ids`"),
     SeamName(TRAINING, "open_stat_file", "patch",
@@ -167,6 +191,10 @@ SEAM: tuple[SeamName, ...] = (
              "during rank 0's action only: the merged `StatItem`s instead of a pass"),
     SeamName(STAT_ITEM, "StatItem", "call", "the merged sums as DeePMD-kit's statistics"),
     SeamName(DP_MAIN, "main", "call", "`mdloader dp` is DeePMD-kit's own command line"),
+    SeamName(DP_MAIN, "main_parser", "call",
+             "the input of `dp train`, found as DeePMD-kit finds it, is checked before any "
+             "set-up"),
+    SeamName(COMMON, "j_loader", "call", "reads that input (JSON or YAML) as DeePMD-kit does"),
 )
 
 
@@ -278,7 +306,8 @@ class StatisticsCall:
 
 
 @contextlib.contextmanager
-def _patched(owner: Any, attr: str, value: Any) -> Iterator[None]:
+def patched(owner: Any, attr: str, value: Any) -> Iterator[None]:
+    """``owner.attr`` is ``value`` while active (DeePMD-kit's own again afterwards)."""
     had = attr in vars(owner)
     before = vars(owner).get(attr)
     setattr(owner, attr, value)
@@ -300,7 +329,7 @@ def statistics_calls(trainer: Any, action: Callable[[], None]) -> list[Statistic
     with ``make_stat_input`` recording the data. Nothing is read or computed. One call per
     model the action computes, in its order; ``None`` when the action does not call them so.
     """
-    training = sys.modules[TRAINING]
+    training = deepmd_module(TRAINING)
     models = trainer.model
     models = list(models.values()) if isinstance(models, dict) else [models]
     specs: list[Any] = []
@@ -320,9 +349,9 @@ def statistics_calls(trainer: Any, action: Callable[[], None]) -> list[Statistic
         return compute_or_load_stat
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(training, "open_stat_file", open_stat_file))
+        stack.enter_context(patched(training, "open_stat_file", open_stat_file))
         for model in models:
-            stack.enter_context(_patched(model, "compute_or_load_stat", recorder(model)))
+            stack.enter_context(patched(model, "compute_or_load_stat", recorder(model)))
         action()
     calls = []
     for entry in seen:
@@ -338,7 +367,7 @@ def _sampled_input(get_sample: Any) -> tuple[Any, Any, Any] | None:
     """The loader set, ``data_stat_nbatch`` and ``min_pair_dist`` a sampled function of
     ``Trainer.__init__`` hands ``make_stat_input``: its undecorated body runs with
     ``make_stat_input`` recording them (nothing is read); ``None`` when it does not."""
-    training = sys.modules[TRAINING]
+    training = deepmd_module(TRAINING)
     inner = getattr(get_sample, "__wrapped__", None)  # functools.lru_cache's
     if inner is None:
         return None
@@ -349,7 +378,7 @@ def _sampled_input(get_sample: Any) -> tuple[Any, Any, Any] | None:
         data.update(dataloaders=dataloaders, nbatch=nbatch, min_pair_dist=min_pair_dist)
         return []
 
-    with _patched(training, "make_stat_input", make_stat_input):
+    with patched(training, "make_stat_input", make_stat_input):
         inner()
     if "dataloaders" not in data:
         return None
@@ -369,7 +398,7 @@ def finetune_call(trainer: Any, action: Callable[[], None]) -> tuple[StatisticsC
     (``"change-by-statistic"``, ``"set-by-statistic"``): ``model_change_out_bias`` records its
     arguments and returns the model unchanged, so the action's own assignment changes nothing.
     Nothing is read or computed. ``None`` when the action does not call it once."""
-    training = sys.modules[TRAINING]
+    training = deepmd_module(TRAINING)
     seen: list[tuple[Any, Any, str]] = []
 
     def model_change_out_bias(_model: Any, _sample_func: Any,
@@ -377,7 +406,7 @@ def finetune_call(trainer: Any, action: Callable[[], None]) -> tuple[StatisticsC
         seen.append((_model, _sample_func, _bias_adjust_mode))
         return _model
 
-    with _patched(training, "model_change_out_bias", model_change_out_bias):
+    with patched(training, "model_change_out_bias", model_change_out_bias):
         action()
     if len(seen) != 1:
         return None
@@ -386,13 +415,6 @@ def finetune_call(trainer: Any, action: Callable[[], None]) -> tuple[StatisticsC
     if data is None:
         return None
     return StatisticsCall(model, get_sample, None, None, *data), mode
-
-
-@contextlib.contextmanager
-def patched(owner: Any, attr: str, value: Any) -> Iterator[None]:
-    """``owner.attr`` is ``value`` while active (DeePMD-kit's own again afterwards)."""
-    with _patched(owner, attr, value):
-        yield
 
 
 #: DeePMD-kit's private names mdloader calls (each a :data:`SEAM` name), read by :func:`private`.

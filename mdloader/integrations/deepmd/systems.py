@@ -1,61 +1,255 @@
-"""The trainer's training systems under mdloader: found and read only by mdloader's build.
+"""The trainer's systems under mdloader: found and read only by mdloader's one build.
+
+``main``'s ``normalize`` is wrapped to record the job (:class:`DeepmdJob`): every ``systems``
+value of the normalized input is replaced by a copy that knows its place (its task and role,
+:class:`Place`), so that what DeePMD-kit later builds from it is recognised without keeping
+track of objects; every section is built by one :func:`mdloader.loading.build.build_job` when
+first needed. ``preprocess_shared_params`` is wrapped to note the heads that share a descriptor,
+whose neighbour statistics are taken over the union of their training systems.
 
 ``main``'s ``process_systems`` becomes :func:`defer_discovery` (no rank walks the data tree
-before the build), its ``is_lmdb`` :func:`not_lmdb` (an LMDB path is a ``systems`` entry like any
-other) and its ``get_data`` :func:`neighbour_stat_data`: data that reads nothing, whose neighbour
-statistics (``sel: "auto"``, ``min_nbor_dist``) :func:`mdloader_nbor_stat` computes with
-mdloader, in shares over the ranks, with DeePMD-kit's values.
-
-``main``'s ``normalize`` and ``preprocess_shared_params`` are wrapped to record the job
-(:class:`JobRecord`): every task's ``systems`` lists, built once for all of them by
-:func:`mdloader.loading.job.build_job` when first needed, and the heads that share a
-descriptor, whose neighbour statistics are taken over the union of their training systems.
+before the build), its ``DpLoaderSet`` :class:`DeepmdDpLoaderSet` (a view of the job's build;
+a task's streams fold the task key into the seed), its ``is_lmdb`` :func:`not_lmdb` (an LMDB
+path is a ``systems`` entry like any other) and its ``get_data`` :func:`neighbour_stat_data`:
+data that reads nothing, whose neighbour statistics (``sel: "auto"``, ``min_nbor_dist``)
+:func:`mdloader_nbor_stat` computes with mdloader, in shares over the ranks, with DeePMD-kit's
+values.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from mdloader.config.input_json import sampling_spec
+from mdloader.distributed.group import current_world
 from mdloader.errors import ConfigError
-from mdloader.integrations.deepmd.seam import MAIN
-from mdloader.loading.build import build_systems
-from mdloader.loading.job import JobSection, JobSystems, build_job
-from mdloader.loading.loader import DpLoaderSet, LazySystemBatches
+from mdloader.integrations.deepmd import seam
+from mdloader.loading.build import JobSystems, Section, build_job, build_systems
+from mdloader.loading.loader import DpLoaderSet, LazySystemBatches, agree_seed
 from mdloader.loading.statistics import neighbour_statistics
+from mdloader.loading.system_list import SystemDatasets
+from mdloader.sampling.order import AgreedSeed, normalize_seed
+from mdloader.sampling.spec import SamplingSpec
 from mdloader.sampling.tasks import task_stream_seed
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where a ``systems`` value sits in the input: its task (``None`` single-task) and role."""
+
+    task: str | None
+    role: str
+
+
+class PlacedSystems(list):
+    """A ``systems`` list of the normalized input that knows its :class:`Place`."""
+
+    def __init__(self, entries: Sequence[str], place: Place) -> None:
+        super().__init__(entries)
+        self.place = place
+
+
+class PlacedPath(str):
+    """A ``systems`` path (a single entry) of the normalized input that knows its
+    :class:`Place`."""
+
+    place: Place
+
+    def __new__(cls, path: str, place: Place) -> PlacedPath:
+        made = super().__new__(cls, path)
+        made.place = place
+        return made
+
+
+def place_of(systems: Any) -> Place | None:
+    """The place of a ``systems`` value recorded by :class:`DeepmdJob`, else ``None``."""
+    return getattr(systems, "place", None)
+
+
 class DeferredSystems(list):
-    """The user's ``systems`` entries, not yet discovered, plus the ``rglob_patterns``.
+    """The user's ``systems`` entries, not yet discovered, plus the ``rglob_patterns`` and
+    their place in the input (``None``: not a recorded job's).
 
     Returned in place of DeePMD-kit's ``process_systems`` result so that no rank walks the tree
-    before the build; :class:`DeepmdDpLoaderSet` hands both to mdloader's rank-0 discovery.
+    before the build; :class:`DeepmdDpLoaderSet` takes the job's build of them.
     """
 
     def __init__(self, entries: Sequence[str], patterns: Sequence[str] | None = None,
-                 task: str | None = None, role: str | None = None) -> None:
+                 place: Place | None = None) -> None:
         super().__init__(entries)
         self.patterns = list(patterns) if patterns else None
-        self.task = task
-        self.role = role
+        self.place = place
 
 
 def defer_discovery(systems: str | Sequence[str],
                     patterns: Sequence[str] | None = None) -> DeferredSystems:
-    """Replacement for ``deepmd.utils.data_system.process_systems``: no file-system access.
-
-    The result names the multi-task task whose input section holds ``systems`` (else ``None``).
-    """
-    task, role = _JOB.task_of_systems(systems), _JOB.role_of_systems(systems)
+    """Replacement for ``deepmd.utils.data_system.process_systems``: no file-system access."""
     if isinstance(systems, str):
-        return DeferredSystems([systems], patterns, task, role)
+        return DeferredSystems([str(systems)], patterns, place_of(systems))
     if isinstance(systems, (list, tuple)):
-        return DeferredSystems(list(systems), patterns, task, role)
+        return DeferredSystems(list(systems), patterns, place_of(systems))
     raise ConfigError(f"systems must be a path or a list of paths, got {type(systems).__name__}",
                       path="training.training_data.systems")
+
+
+class DeepmdJob:
+    """The job ``main.train`` runs, recorded from its normalized input (no I/O): its sections,
+    the heads sharing a descriptor, the job seed, and what is computed once for all tasks.
+
+    Parameters
+    ----------
+    config
+        The normalized input; its ``systems`` values are replaced by placed copies.
+    shared
+        For each task whose descriptor is shared whole, the tasks sharing it.
+    """
+
+    def __init__(self, config: dict[str, Any], shared: Mapping[str, tuple[str, ...]]) -> None:
+        self.config = config
+        self.shared = dict(shared)
+        self.sections: dict[Place, Section] = {}
+        self.data: dict[Place, dict[str, Any]] = {}
+        model, training = config.get("model", {}), config.get("training", {})
+        if "model_dict" in model:
+            tasks = [(t, model["model_dict"][t], training["data_dict"][t],
+                      f"training.data_dict.{t}") for t in model["model_dict"]]
+        else:
+            tasks = [(None, model, training, "training")]
+        for task, params, data, path in tasks:
+            for role in ("training", "validation"):
+                part = data.get(f"{role}_data")
+                if not part or not part.get("systems"):
+                    continue
+                place = Place(task, role)
+                systems = part["systems"]
+                part["systems"] = (PlacedPath(systems, place) if isinstance(systems, str)
+                                   else PlacedSystems(systems, place))
+                self.data[place] = part
+                self.sections[place] = Section.of(
+                    task, role, systems, part.get("rglob_patterns"), params.get("type_map"),
+                    key=f"{path}.{role}_data.systems")
+        self.seed = normalize_seed(training.get("seed"))
+        """The job seed given by ``training.seed`` (``None``: drawn when first needed)."""
+        self.built: JobSystems | None = None
+        self.loader_sets: dict[Place, DpLoaderSet] = {}
+        self.unions: dict[tuple[str, ...], list[Any]] = {}
+        self.neighbour_results: dict[tuple[Any, ...], tuple[float, tuple[int, ...]]] = {}
+        self.input_statistics: list[tuple[Any, Any]] | None = None
+        self._agreed: AgreedSeed | None = None
+
+    def job_seed(self) -> AgreedSeed:
+        """The job seed every rank holds (a collective the first time, when it was not given):
+        the task schedule's, and every stream's when ``training.seed`` is unset."""
+        if self._agreed is None:
+            self._agreed = agree_seed(self.seed, current_world())
+        return self._agreed
+
+    def datasets(self, place: Place) -> SystemDatasets:
+        """The datasets of the section at ``place`` (the whole job built on first use)."""
+        if self.built is None:
+            self.built = build_job(list(self.sections.values()))
+        return self.built.view(self.sections[place])
+
+    def stream_seed(self, place: Place, seed: Any) -> AgreedSeed:
+        """The seed of the streams at ``place``: DeePMD-kit's ``seed`` argument (else the job
+        seed) with the task folded in."""
+        given = normalize_seed(seed, current_world().rank)
+        agreed = self.job_seed() if given is None else AgreedSeed(given, True)
+        if place.task is None:
+            return agreed
+        return AgreedSeed(task_stream_seed(agreed.value, place.task), agreed.given)
+
+    def sampling(self, place: Place, shuffle: bool) -> SamplingSpec:
+        """How the section at ``place`` samples, read from the input (``shuffle``:
+        DeePMD-kit's argument)."""
+        spec = sampling_spec(self.data[place], self.sections[place].key.rsplit(".", 1)[0])
+        return dataclasses.replace(spec, shuffle=bool(shuffle))
+
+    def training_set(self, task: str | None) -> DpLoaderSet | None:
+        """The training ``DpLoaderSet`` built for ``task`` (``None`` single-task), if any."""
+        return self.loader_sets.get(Place(task, "training"))
+
+    def task_settings(self, task: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model section and the training data section of ``task``."""
+        model, training = self.config.get("model", {}), self.config.get("training", {})
+        if task is not None:
+            model = model.get("model_dict", {}).get(task, {})
+            training = training.get("data_dict", {}).get(task, {})
+        return model, training.get("training_data", {}) or {}
+
+    def sharing_datasets(self, task: str | None) -> list[Any] | None:
+        """The union of the training systems of every task sharing ``task``'s descriptor (one
+        list per group of tasks), or ``None`` when its descriptor is its own."""
+        group = self.shared.get(task) if task is not None else None
+        if not group or len(group) < 2:
+            return None
+        if group in self.unions:
+            return self.unions[group]
+        union: list[Any] = []
+        seen: set[int] = set()
+        mine = self.sections.get(Place(task, "training"))
+        for member in group:
+            section = self.sections.get(Place(member, "training"))
+            if section is None or mine is None or section.type_map != mine.type_map:
+                return None  # different type maps: per-task statistics, as DeePMD-kit
+            view = self.datasets(Place(member, "training"))
+            if id(view) in seen:  # sections with equal requests share one list
+                continue
+            seen.add(id(view))
+            union.extend(view)
+        self.unions[group] = union
+        return union
+
+
+_JOB: DeepmdJob | None = None
+_SHARED: dict[str, tuple[str, ...]] = {}
+
+
+def current_job() -> DeepmdJob | None:
+    """The job the last ``main.normalize`` recorded (``None``: DeePMD-kit's API used directly,
+    each loader set builds its own systems)."""
+    return _JOB
+
+
+def forget_job() -> None:
+    """Drop the recorded job: a later loader set builds its own systems."""
+    global _JOB
+    _JOB = None
+    _SHARED.clear()
+
+
+def recording_normalize(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``main.normalize``: DeePMD-kit's, then the job recorded for one build."""
+
+    def normalize(data: Any, *args: Any, **kwargs: Any) -> Any:
+        global _JOB
+        config = original(data, *args, **kwargs)
+        _JOB = DeepmdJob(config, _SHARED)
+        return config
+
+    return normalize
+
+
+def recording_shared_params(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``main.preprocess_shared_params``: DeePMD-kit's, then the heads whose descriptor is
+    shared whole (``shared_level`` 0) noted for the job ``normalize`` records next."""
+
+    def preprocess_shared_params(model_config: Any, *args: Any, **kwargs: Any) -> Any:
+        model, links = original(model_config, *args, **kwargs)
+        _SHARED.clear()
+        for item in (links or {}).values():
+            tasks = tuple(link["model_key"] for link in item["links"]
+                          if str(link.get("shared_type", "")).startswith("descriptor")
+                          and link.get("shared_level", 0) == 0)
+            for task in tasks:
+                _SHARED[task] = tasks
+        return model, links
+
+    return preprocess_shared_params
 
 
 class LoaderSetBatches(LazySystemBatches):
@@ -70,40 +264,29 @@ class LoaderSetBatches(LazySystemBatches):
 class DeepmdDpLoaderSet(DpLoaderSet):
     """mdloader's ``DpLoaderSet`` with DeePMD-kit's positional signature.
 
-    Accepts a :class:`DeferredSystems` (from :func:`defer_discovery`) and forwards its
-    ``rglob_patterns``; DeePMD-kit's ``[rank, seed]`` convention is understood by the base class.
-    A multi-task task's set folds the task key into the seed
-    (:func:`~mdloader.sampling.tasks.task_stream_seed`): a stream per task.
+    A :class:`DeferredSystems` of a recorded job makes the loader set of its place over the
+    job's one build (a multi-task task's streams fold the task key into the seed,
+    :func:`~mdloader.sampling.tasks.task_stream_seed`); any other value builds its own systems
+    (with the ``rglob_patterns`` it carries). DeePMD-kit's ``[rank, seed]`` convention is
+    understood by the base class.
     """
 
     def __init__(self, systems: Any, batch_size: Any, type_map: Sequence[str] | None,
-                 seed: int | Sequence[int] | None = None, shuffle: bool = True,
-                 modifier: Any = None) -> None:
-        patterns = getattr(systems, "patterns", None)
-        task = getattr(systems, "task", None)
-        role = getattr(systems, "role", None)
-        if task is not None:
-            seed = task_seed(seed, task)
-        if isinstance(systems, DeferredSystems):
-            view = _JOB.datasets(systems, patterns, type_map)
-            systems = list(systems) if view is None else view
-        super().__init__(systems, batch_size, type_map, seed, shuffle, modifier,
-                         rglob_patterns=patterns)
+                 seed: Any = None, shuffle: bool = True, modifier: Any = None) -> None:
+        job, place = current_job(), place_of(systems)
+        if job is not None and place in job.sections:
+            if modifier is not None:
+                raise ConfigError("data modifiers are not supported by mdloader",
+                                  path="model.modifier")
+            super().__init__(job.datasets(place), batch_size, type_map,
+                             job.stream_seed(place, seed), shuffle,
+                             spec=job.sampling(place, shuffle))
+            job.loader_sets[place] = self
+        else:
+            super().__init__(list(systems) if isinstance(systems, DeferredSystems) else systems,
+                             batch_size, type_map, seed, shuffle, modifier,
+                             rglob_patterns=getattr(systems, "patterns", None))
         self.dataloaders = LoaderSetBatches(self)
-        if role is not None:
-            _JOB.loader_sets[(task, role)] = self
-
-
-def task_seed(seed: int | Sequence[int] | None, task: str) -> int | list[int] | None:
-    """DeePMD-kit's loader-set ``seed`` (an int, or ``[rank, seed]``) with ``task`` folded in."""
-    if seed is None:
-        return None
-    if isinstance(seed, (list, tuple)) and len(seed) == 2:
-        return [int(seed[0]), task_stream_seed(int(seed[1]), task)]
-    if isinstance(seed, (list, tuple)):
-        raise ConfigError(f"a multi-task loader seed must be an int or [rank, seed], got {seed!r}",
-                          path="training.seed")
-    return task_stream_seed(int(seed), task)
 
 
 def not_lmdb(systems: Any) -> bool:
@@ -122,6 +305,7 @@ class NeighbourStatData:
     def __init__(self, systems: Any, patterns: Sequence[str] | None,
                  type_map: Sequence[str] | None, dist_module: Any) -> None:
         self.systems = systems
+        self.place = place_of(systems)
         self.patterns = list(patterns) if patterns else None
         self.type_map = list(type_map) if type_map else None
         self._dist = dist_module
@@ -132,8 +316,10 @@ class NeighbourStatData:
         if self._datasets is None:
             if os.environ.get("LOCAL_RANK") is not None and not self._dist.is_initialized():
                 self._dist.init_process_group(backend="cuda:nccl,cpu:gloo")  # DeePMD-kit's
-            self._datasets = _JOB.datasets(self.systems, self.patterns, self.type_map)
-            if self._datasets is None:
+            job = current_job()
+            if job is not None and self.place in job.sections:
+                self._datasets = job.datasets(self.place)
+            else:
                 self._datasets = build_systems(
                     self.systems, self.type_map, rglob_patterns=self.patterns,
                     key="training.training_data.systems")
@@ -146,11 +332,8 @@ def neighbour_stat_data(jdata: Any, rcut: Any, type_map: Any, modifier: Any, *ar
     if modifier is not None:
         raise ConfigError("data modifiers are not supported by mdloader",
                           path="model.modifier")
-    dist_module = sys.modules[MAIN].dist
-    data = NeighbourStatData(jdata["systems"], jdata.get("rglob_patterns"), type_map,
-                             dist_module)
-    data.task = _JOB.task_of(jdata)
-    return data
+    return NeighbourStatData(jdata["systems"], jdata.get("rglob_patterns"), type_map,
+                             seam.deepmd_module(seam.MAIN).dist)
 
 
 def mdloader_nbor_stat(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -168,187 +351,32 @@ def mdloader_nbor_stat(original: Callable[..., Any]) -> Callable[..., Any]:
         if type_map is not None and len(type_map) == 0:
             type_map = None
         own = train_data.datasets()  # creates the process group under torchrun first
-        shared = _JOB.sharing_datasets(train_data)
-        datasets = shared or own
+        job = current_job()
+        task = train_data.place.task if train_data.place is not None else None
+        shared = job.sharing_datasets(task) if job is not None else None
+        if shared is None:
+            stats = neighbour_statistics(own, rcut, type_map=type_map, mixed_type=mixed_type)
+            return min_nbor_dist(stats), np.asarray(stats.max_neighbours, dtype=int)
         # heads sharing a descriptor ask for the same union: one pass for all of them (every
         # rank decides alike, the key is a function of the input)
-        key = (id(shared), float(rcut), bool(mixed_type), tuple(type_map or ()))
-        if shared is None or key not in _JOB.neighbour_results:
-            stats = neighbour_statistics(datasets, rcut, type_map=type_map,
-                                         mixed_type=mixed_type)
-            found = (min_nbor_dist(stats), tuple(int(n) for n in stats.max_neighbours))
-            if shared is None:
-                return found[0], np.asarray(found[1], dtype=int)
-            _JOB.neighbour_results[key] = (shared, found)  # the list kept: its id stays unique
-        found = _JOB.neighbour_results[key][1]
+        key = (job.shared[task], float(rcut), bool(mixed_type), tuple(type_map or ()))
+        if key not in job.neighbour_results:
+            stats = neighbour_statistics(shared, rcut, type_map=type_map, mixed_type=mixed_type)
+            job.neighbour_results[key] = (min_nbor_dist(stats),
+                                          tuple(int(n) for n in stats.max_neighbours))
+        found = job.neighbour_results[key]
         return found[0], np.asarray(found[1], dtype=int)
 
     return get_nbor_stat
 
 
-class JobRecord:
-    """The job ``main.train`` runs: its ``systems`` sections (from the normalized input) and
-    which tasks share a descriptor (from ``preprocess_shared_params``), built once when first
-    needed, by every rank at the same point (the first statistics or loader set)."""
-
-    def __init__(self) -> None:
-        self.clear()
-
-    def clear(self) -> None:
-        self.sections: list[JobSection] = []
-        self.tasks_of_data: dict[int, str | None] = {}
-        self.shared: dict[str, tuple[str, ...]] = {}
-        self.section_of_task: dict[str | None, JobSection] = {}
-        self.task_of_list: dict[int, str | None] = {}
-        self.role_of_list: dict[int, str | None] = {}
-        self.loader_sets: dict[tuple[str | None, str], DpLoaderSet] = {}
-        self.config: Any = None
-        self.unions: dict[tuple[str, ...], list[Any]] = {}
-        self.neighbour_results: dict[tuple[Any, ...], tuple[Any, Any]] = {}
-        self.built: JobSystems | None = None
-
-    def record_links(self, shared_links: Any) -> None:
-        """The tasks whose descriptors are one (``shared_links`` of type descriptor)."""
-        self.shared = {}
-        for item in (shared_links or {}).values():
-            tasks = tuple(link["model_key"] for link in item["links"]
-                          if str(link.get("shared_type", "")).startswith("descriptor")
-                          and link.get("shared_level", 0) == 0)  # whole descriptor shared
-            for task in tasks:
-                self.shared[task] = tasks
-
-    def record_config(self, config: Any) -> None:
-        """Every ``systems`` list of the normalized input; no I/O."""
-        self.sections, self.tasks_of_data, self.section_of_task = [], {}, {}
-        self.task_of_list, self.role_of_list, self.loader_sets = {}, {}, {}
-        self.config = config
-        self.unions, self.neighbour_results = {}, {}
-        self.built = None
-        model, training = config.get("model", {}), config.get("training", {})
-        if "model_dict" in model:
-            tasks = [(t, model["model_dict"][t], training["data_dict"][t],
-                      f"training.data_dict.{t}") for t in model["model_dict"]]
-        else:
-            self.shared = {}
-            tasks = [(None, model, training, "training")]
-        for task, params, data, path in tasks:
-            for role in ("training", "validation"):
-                part = data.get(f"{role}_data")
-                if not part or not part.get("systems"):
-                    continue
-                section = JobSection.of(task, role, part["systems"], part.get("rglob_patterns"),
-                                        params.get("type_map"),
-                                        key=f"{path}.{role}_data.systems")
-                self.sections.append(section)
-                owner_role = self.role_of_list.setdefault(id(part["systems"]), role)
-                if owner_role != role:  # one object for two roles: no role of its own
-                    self.role_of_list[id(part["systems"])] = None
-                if task is not None:  # one object held by two tasks: no task of its own
-                    owner = self.task_of_list.setdefault(id(part["systems"]), task)
-                    if owner != task:
-                        self.task_of_list[id(part["systems"])] = None
-                if role == "training":
-                    self.tasks_of_data[id(part)] = task
-                    self.section_of_task[task] = section
-
-    def task_of(self, jdata: Any) -> str | None:
-        return self.tasks_of_data.get(id(jdata))
-
-    def task_of_systems(self, systems: Any) -> str | None:
-        """The multi-task task whose input section holds this ``systems`` object."""
-        return self.task_of_list.get(id(systems))
-
-    def role_of_systems(self, systems: Any) -> str | None:
-        """``"training"`` or ``"validation"``: the role of this ``systems`` object."""
-        return self.role_of_list.get(id(systems))
-
-    def training_set(self, task: str | None) -> DpLoaderSet | None:
-        """The training ``DpLoaderSet`` built for ``task`` (``None`` single-task), if any."""
-        return self.loader_sets.get((task, "training"))
-
-    def task_settings(self, task: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The model section and the training data section of ``task`` in the recorded input
-        (``({}, {})`` when none was recorded)."""
-        config = self.config or {}
-        model, training = config.get("model", {}), config.get("training", {})
-        if task is not None:
-            model = model.get("model_dict", {}).get(task, {})
-            training = training.get("data_dict", {}).get(task, {})
-        return model, training.get("training_data", {}) or {}
-
-    def datasets(self, systems: Any, patterns: Any, type_map: Any) -> Any:
-        """The job's datasets for these values (the job built on first use), else ``None``."""
-        if not self.sections:
-            return None
-        entries = systems if isinstance(systems, str) else list(systems)  # a path is one entry
-        probe = JobSection.of(None, "", entries, patterns, type_map)
-        if all(s.request != probe.request for s in self.sections):
-            return None
-        if self.built is None:
-            self.built = build_job(self.sections)
-        return self.built.find(entries, patterns, type_map)
-
-    def sharing_datasets(self, data: NeighbourStatData) -> list[Any] | None:
-        """The union of the training systems of every task sharing ``data``'s descriptor (one
-        list per group of tasks), or ``None`` when its descriptor is its own."""
-        task = getattr(data, "task", None)
-        group = self.shared.get(task) if task is not None else None
-        if not group or len(group) < 2:
-            return None
-        if group in self.unions:
-            return self.unions[group]
-        union: list[Any] = []
-        seen: set[int] = set()
-        for member in group:
-            section = self.section_of_task.get(member)
-            if section is None or section.type_map != self.section_of_task[task].type_map:
-                return None  # different type maps: per-task statistics, as DeePMD-kit
-            view = self.datasets(list(section.systems), section.rglob_patterns,
-                                 section.type_map)
-            if view is None or id(view) in seen:
-                continue
-            seen.add(id(view))
-            union.extend(view)
-        self.unions[group] = union
-        return union
-
-
-_JOB = JobRecord()
-
-
-def forget_job() -> None:
-    """Drop the recorded job (its sections and built systems): a later set builds its own."""
-    _JOB.clear()
-
-
-def recording_normalize(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``main.normalize``: DeePMD-kit's, then the job's sections are recorded for one build."""
-
-    def normalize(data: Any, *args: Any, **kwargs: Any) -> Any:
-        config = original(data, *args, **kwargs)
-        _JOB.record_config(config)
-        return config
-
-    return normalize
-
-
-def recording_shared_params(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``main.preprocess_shared_params``: DeePMD-kit's, then the shared descriptors noted."""
-
-    def preprocess_shared_params(model_config: Any, *args: Any, **kwargs: Any) -> Any:
-        model, links = original(model_config, *args, **kwargs)
-        _JOB.record_links(links)
-        return model, links
-
-    return preprocess_shared_params
-
-
 def planned_task_input(task: str | None) -> tuple[DpLoaderSet, int, float] | None:
     """What ``task``'s statistics initialization will pass, read from the recorded job: its
     training ``DpLoaderSet``, ``data_stat_nbatch`` and ``min_pair_dist`` (``None``: unknown)."""
-    data = _JOB.training_set(task)
+    job = current_job()
+    data = job.training_set(task) if job is not None else None
     if data is None:
         return None
-    model, training_data = _JOB.task_settings(task)
+    model, training_data = job.task_settings(task)  # type: ignore[union-attr]
     return (data, model.get("data_stat_nbatch", 10),
             float(training_data.get("min_pair_dist", 0.0)))
