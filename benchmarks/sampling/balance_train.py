@@ -57,11 +57,13 @@ def run(config: str, steps: int, out: str) -> float:
 def cost_ratio(systems: list[str], balance: int, steps: int) -> float:
     """sum over steps of the busiest rank's batch atoms / sum of the mean, for these steps."""
     from mdloader import DpLoaderSet, get_weighted_sampler
+    from mdloader.sampling.spec import SamplingSpec
     from mdloader.world import World
 
     keys = []
     for rank in range(WORLD):
-        ls = DpLoaderSet(systems, "auto", ["O", "H"], seed=1, balance_window=balance,
+        ls = DpLoaderSet(systems, "auto", ["O", "H"], seed=1,
+                         spec=SamplingSpec("auto", balance_window=balance),
                          world=World(rank=rank, world_size=WORLD))
         sampler = get_weighted_sampler(ls, "prob_sys_size", num_samples=steps)
         atoms = np.array([s.meta.natoms for s in ls.systems]) * ls.batch_sizes

@@ -150,7 +150,7 @@ class WorkerPool:
         self.held: list[collections.deque[Any]] = [collections.deque() for _ in names]
         self.dropping = [0] * len(self.names)  # batches of a cut pass still on their way
         self.served = 0
-        self.unforeseen = 0  # requests with nothing of their stream on its way
+        self.unforeseen = 0  # requests with nothing of their stream read ahead (with workers)
         self.most_held = 0  # the most batches held at once: 0 when the forecast was exact
         self._batches: Iterator[tuple[int, Any]] | None = None
         self._workers: list[Any] = []
@@ -172,7 +172,7 @@ class WorkerPool:
         if self._batches is None:
             self._start()
         if not held and self.keys.pending[stream] == self.dropping[stream]:
-            self.unforeseen += 1  # not foreseen: ask for it now
+            self.unforeseen += bool(self.num_workers)  # not foreseen (nothing read ahead)
             self.ask(stream)
         while not held:
             tag, batch = self._receive()

@@ -51,7 +51,6 @@ class StatefulLoader:
 
     def __init__(self, dataset: Any, sampler: WeightedSystemSampler, *, num_workers: int = 0,
                  **dataloader_kwargs: Any) -> None:
-        dataloader_kwargs.pop("numpy_transport", None)  # batches always travel as numpy arrays
         self.dataset, self.sampler = dataset, sampler
         self.num_workers = int(num_workers)
         self.options = dataloader_kwargs

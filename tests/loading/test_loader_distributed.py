@@ -18,9 +18,11 @@ def _rank_body(rank: int, world_size: int, roots: list[str], same: bool, seed) -
 
     from mdloader.loading.loader import DpLoaderSet, get_sampler_from_params
     from mdloader.loading.stateful_loader import StatefulLoader
+    from mdloader.sampling.spec import SamplingSpec
 
     def loader():
-        ls = DpLoaderSet(roots, 2, TYPE_MAP, seed=seed, same_system_across_ranks=same)
+        ls = DpLoaderSet(roots, 2, TYPE_MAP, seed=seed,
+                         spec=SamplingSpec(2, same_system_across_ranks=same))
         sampler = get_sampler_from_params(ls, {"auto_prob": "prob_sys_size"}, num_samples=40)
         return ls, StatefulLoader(ls, sampler, num_workers=0)
 

@@ -1,4 +1,7 @@
-"""A DataLoader worker reading through a loader set dies with its rank and ignores stop signals."""
+"""A DataLoader worker reading through mdloader lives as long as its rank needs it: it dies with
+its rank, ignores a launcher's stop signals, and ends when its rank ends it -- so a script, a
+user's own loop or a test that ends with workers alive exits in seconds, whichever way it ends
+(a normal end, ``SystemExit``, an exception, Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ def _death_signal() -> int:
 
 
 class _Probe(Dataset):
-    """Reads through the loader set, then reports how the worker process is set up."""
+    """Reads through the loader set, then reports how the worker process is set up: its death
+    signal and which stop signals it blocks (a thread of its own receives them)."""
 
     def __init__(self, loader_set: DpLoaderSet) -> None:
         self.loader_set = loader_set
@@ -37,24 +41,24 @@ class _Probe(Dataset):
     def __len__(self) -> int:
         return len(self.loader_set)
 
-    def __getitem__(self, key: Any) -> tuple[int, Any, Any]:
+    def __getitem__(self, key: Any) -> tuple[int, bool, bool]:
         self.loader_set[key]
-        return (_death_signal(), signal.getsignal(signal.SIGTERM),
-                signal.getsignal(signal.SIGUSR1))
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        return _death_signal(), signal.SIGTERM in blocked, signal.SIGUSR1 in blocked
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.timeout(120)
-def test_a_worker_dies_with_its_rank_and_ignores_stop_signals(tmp_path) -> None:
+def test_a_worker_dies_with_its_rank_and_receives_stop_signals_itself(tmp_path) -> None:
     paths = [make_system(tmp_path, f"sys{i}", natoms=3, nframes=4, seed=i) for i in range(2)]
     ls = DpLoaderSet(paths, 1, ["O", "H"], seed=3)
     sampler = get_weighted_sampler(ls, "prob_sys_size", num_workers=1)
     dl = DataLoader(_Probe(ls), sampler=sampler, batch_size=None, num_workers=1,
                     multiprocessing_context="fork", collate_fn=lambda b: b)
     got = list(dl)
-    assert got and all(g == (signal.SIGKILL, signal.SIG_IGN, signal.SIG_IGN) for g in got), got
+    assert got and all(g == (signal.SIGKILL, True, True) for g in got), got
     assert _death_signal() == 0  # the rank itself is left as it was
-    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
 
 RANK = textwrap.dedent("""
@@ -101,3 +105,69 @@ def test_a_rank_killed_outright_takes_its_workers_with_it(tmp_path) -> None:
     alive = os.path.exists(f"/proc/{worker}") and \
         open(f"/proc/{worker}/stat").read().split(") ")[-1][0] != "Z"  # noqa: SIM115
     assert not alive, "the worker outlived its rank"
+
+
+# -- every process ends ----------------------------------------------------------------------------
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    from torch.utils.data import DataLoader
+    from mdloader import DpLoaderSet, StatefulLoader, get_sampler_from_params
+    from mdloader.loading.feed import Feed, Stream
+    from mdloader.sampling.loop import TrainingLoop
+    from mdloader.sampling.order import AgreedSeed
+    from mdloader.world import World
+    how, way, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
+    ls = DpLoaderSet(paths, 1, ["O", "H"], seed=1)
+    sampler = get_sampler_from_params(ls, {"auto_prob": "prob_sys_size"}, num_workers=2)
+    if how == "dataloader":   # the README's own loop
+        it = iter(DataLoader(ls, sampler=sampler, batch_size=None, num_workers=2,
+                             collate_fn=lambda batch: batch))
+    elif how == "stateful":
+        it = iter(StatefulLoader(ls, sampler, num_workers=2))
+    else:
+        feed = Feed([Stream(None, "training", ls, sampler)], seed=AgreedSeed(1, True),
+                    world=World(), num_workers=2)
+        feed.start(0, TrainingLoop())
+        it = feed.stream(None, "training")
+    next(it)
+    print("ready", flush=True)
+    if way == "exit":
+        sys.exit(3)
+    if way == "raise":
+        raise RuntimeError("the script failed")
+    if way == "interrupt":
+        time.sleep(120)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sigwaitinfo")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["dataloader", "stateful", "feed"])
+@pytest.mark.parametrize(("way", "code"), [("end", 0), ("exit", 3), ("raise", 1),
+                                           ("interrupt", -signal.SIGINT)])
+def test_a_script_that_ends_with_live_workers_exits(tmp_path, how, way, code) -> None:
+    """Ended with an iterator alive (held by a name, a generator or a traceback), the script
+    exits: Python's exit ends its daemonic workers with a SIGTERM from their parent, which a
+    worker obeys. It never exited before (the workers ignored that SIGTERM and waited for the
+    parent, which waited for them). Ctrl-C goes to the whole process group, as a terminal
+    sends it."""
+    paths = [make_system(tmp_path, f"sys{i}", natoms=3, nframes=4, seed=i) for i in range(2)]
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, how, way, *map(str, paths)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
+    if way == "interrupt":
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        # a hang guard: these scripts exit 1.5-3 s after they start here, torch's own worker
+        # shutdown waits at most 5 s per worker
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the script ({how}, {way}) did not exit: its workers kept it alive")
+    assert proc.returncode == code, err[-2000:]
+    assert time.monotonic() - started < 60
+

@@ -18,9 +18,10 @@ from mdloader.sampling.elastic import (
     parse_generations,
 )
 from mdloader.sampling.order import weights_to_cdf
-from mdloader.sampling.plan import LoaderPlan, PlanOwner
+from mdloader.sampling.plan import LoaderPlan
 from mdloader.sampling.probability import StyleRule, system_probabilities
 from mdloader.sampling.samplers import WeightedSystemSampler
+from mdloader.sampling.spec import SamplingSpec
 from mdloader.testing import make_system
 from mdloader.world import World
 
@@ -41,7 +42,7 @@ def paths(tmp_path_factory):
 # -- the plan alone -------------------------------------------------------------------------------
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_plan_on_a_rank_grid(world):
-    plan = LoaderPlan.build(NATOMS, NFRAMES, "filter:100", seed=7,
+    plan = LoaderPlan.build(NATOMS, NFRAMES, SamplingSpec("filter:100"), seed=7,
                             world_size=world).with_probabilities(STYLE)
     sizes = resolve_batch_sizes("filter:100", NATOMS)
     kept_frames = np.asarray(NFRAMES)[sizes.kept]
@@ -53,19 +54,36 @@ def test_plan_on_a_rank_grid(world):
     probs = system_probabilities(nb, STYLE, kept=sizes.kept, nsys_original=5)
     assert np.allclose(plan.probabilities, probs)
     assert np.array_equal(plan.cdf, weights_to_cdf(plan.probabilities))
-    one = LoaderPlan.build(NATOMS, NFRAMES, "filter:100", seed=7).with_probabilities(STYLE)
+    one = LoaderPlan.build(NATOMS, NFRAMES, SamplingSpec("filter:100"),
+                           seed=7).with_probabilities(STYLE)
     assert np.array_equal(one.cdf_on(world), plan.cdf)
     for sid in range(plan.nsys):     # pass 0 over the ranks covers every frame
         served = {f for rank in range(world) for j in range(int(plan.nbatches[sid]))
                   for f in plan.frame_order(rank).fids(sid, j)}
         assert served == set(range(int(kept_frames[sid])))
-    owner = PlanOwner(LoaderPlan.build(NATOMS, NFRAMES, "filter:100", seed=7, world_size=world))
-    samplers = [WeightedSystemSampler.of_plan(owner, plan.rule, rank=r) for r in range(world)]
+    base = LoaderPlan.build(NATOMS, NFRAMES, SamplingSpec("filter:100"), seed=7,
+                            world_size=world)
+    samplers = [WeightedSystemSampler.of_plan(base, plan.rule, rank=r) for r in range(world)]
     for rank, sampler in enumerate(samplers):
         assert np.array_equal(sampler.plan.cdf, plan.cdf)
         assert sampler.weights.tolist() == plan.probabilities.tolist()
         assert sampler.order.seed == 7 and sampler.order.rank == rank
-        assert sampler.plan.nframes is owner.plan.nframes     # read, not copied
+        assert sampler.plan.nframes is base.nframes     # read, not copied
+
+
+def test_the_spec_is_taken_whole():
+    spec = SamplingSpec(batch_size=(2, 3), sys_probs=(0.25, 0.75), shuffle=False,
+                        balance_window=2, json_path="training.data_dict.a.training_data")
+    plan = LoaderPlan.build([3, 4], [6, 9], spec, seed=1, world_size=2).with_spec_probabilities()
+    assert plan.spec is spec and plan.batch_sizes.tolist() == [2, 3]
+    assert (plan.shuffle, plan.same_system_across_ranks, plan.balance_window) == (False, False, 2)
+    assert plan.probabilities.tolist() == [0.25, 0.75]
+    assert spec.probability_source() == ([0.25, 0.75], True,
+                                         "training.data_dict.a.training_data.sys_probs")
+    with pytest.raises(ConfigError, match=r"training\.data_dict\.a\.training_data\.balance_window"
+                       ": the balance window must be 0"):
+        LoaderPlan.build([3, 4], [6, 9], SamplingSpec(balance_window=-1, json_path=spec.json_path),
+                         seed=1)
 
 
 def test_the_plan_is_frozen():
@@ -87,10 +105,6 @@ def test_adopt_seed_returns_a_new_plan_and_refuses_a_given_seed():
     with pytest.raises(StateDictError, match="cannot resume the sampler: the saved state has "
                        "seed 8 but this loader has 7"):
         given.adopt_seed(8, "sampler")
-    owner = PlanOwner(given)
-    with pytest.raises(StateDictError, match="seed 8 but this loader has 7"):
-        owner.adopt_seed(8)
-    assert owner.plan is given
     for bad in ("8", -1, True, 2**64, 8.0):
         with pytest.raises(StateDictError, match=r"the saved seed must be an integer in "
                            r"\[0, 2\*\*64\), got "):
@@ -99,16 +113,17 @@ def test_adopt_seed_returns_a_new_plan_and_refuses_a_given_seed():
 
 def test_plan_errors():
     cases = [
-        (lambda: LoaderPlan.build([1, 2], [3, 4, 5], 1, seed=0, json_path="t.d"),
+        (lambda: LoaderPlan.build([1, 2], [3, 4, 5], SamplingSpec(1, json_path="t.d"), seed=0),
          ConfigError, r"t\.d\.batch_size: 2 atom counts for 3 systems"),
-        (lambda: LoaderPlan.build([1, 2], [3, 4], [1, 2, 3], seed=0,
-                                  json_path="training.training_data"),
+        (lambda: LoaderPlan.build([1, 2], [3, 4], SamplingSpec(
+            (1, 2, 3), json_path="training.training_data"), seed=0),
          ConfigError, r"training\.training_data\.batch_size: batch size list has 3 entries"),
-        (lambda: LoaderPlan.build([1, 2], [3, 4], 1, seed=0, json_path="training.training_data",
-                                  sampler_params={"auto_prob": "prob_sys_sze"}),
+        (lambda: LoaderPlan.build([1, 2], [3, 4], SamplingSpec(
+            1, auto_prob="prob_sys_sze", json_path="training.training_data"),
+            seed=0).with_spec_probabilities(),
          ConfigError, r"training\.training_data\.auto_prob: unknown probability style"),
-        (lambda: LoaderPlan.build([1, 2], [3, 4], 1, seed=0, json_path="v",
-                                  sampler_params={"sys_probs": [1.0]}),
+        (lambda: LoaderPlan.build([1, 2], [3, 4], SamplingSpec(1, sys_probs=(1.0,), json_path="v"),
+                                  seed=0).with_spec_probabilities(),
          ConfigError, r"v\.sys_probs: sys_probs has 1 entries but there are 2 systems"),
         (lambda: LoaderPlan.of_sizes([3, 4], [1, 1, 1], seed=0),
          ConfigError, "3 batch sizes for 2 systems"),
@@ -154,7 +169,7 @@ def test_the_loader_set_and_its_samplers_read_one_plan(paths):
     assert valid.nframes.tolist() == plan.nframes.tolist() and valid.world_size == 2
 
 
-def test_a_saved_seed_is_adopted_once_and_both_see_it(paths):
+def test_a_saved_seed_is_adopted_by_what_loads_it(paths):
     a = DpLoaderSet(paths, 2, TYPE_MAP)                       # seed=None: a drawn seed
     sa = get_weighted_sampler(a, "prob_uniform", num_samples=10)
     [sa.next_key() for _ in range(3)]
@@ -164,18 +179,14 @@ def test_a_saved_seed_is_adopted_once_and_both_see_it(paths):
     sb = get_weighted_sampler(b, "prob_uniform", num_samples=10)
     assert b.seed != a.seed
     sb.load_state_dict(sampler_state)                         # only the sampler loads a state
-    assert b.seed == sb.plan.seed == sb.order.seed == a.seed
-    assert b.plan is b.plan_owner.plan and not b.plan.seed_given
-    assert [x["fid"] for x in b.dataloaders[0]] == [x["fid"] for x in a.dataloaders[0]]
+    assert sb.plan.seed == sb.order.seed == a.seed and not sb.plan.seed_given
+    assert b.seed != a.seed                                   # the loader set keeps its own
     assert [sb.next_key() for _ in range(5)] == [sa.next_key() for _ in range(5)]
 
     c = DpLoaderSet(paths, 2, TYPE_MAP)
-    sc = get_weighted_sampler(c, "prob_uniform", num_samples=10)
     c.load_state_dict(loader_state)                           # only the loader set loads one
-    assert sc.state_dict()["seed"] == c.seed == a.seed
-    fresh = get_weighted_sampler(DpLoaderSet(paths, 2, TYPE_MAP, seed=a.seed), "prob_uniform",
-                                 num_samples=10)
-    assert [sc.next_key() for _ in range(6)] == [fresh.next_key() for _ in range(6)]
+    assert c.seed == a.seed and not c.plan.seed_given
+    assert [x["fid"] for x in c.dataloaders[0]] == [x["fid"] for x in a.dataloaders[0]]
 
 
 def test_a_refused_state_changes_nothing(paths):
@@ -213,8 +224,8 @@ def test_checks_table_is_the_plan(paths):
     section = report.sections[0]
     natoms = [r.natoms for r in section.rows]
     nframes = [r.nframes for r in section.rows]
-    plan = LoaderPlan.build(natoms, nframes, "filter:10", seed=None,
-                            json_path="training.training_data", sampler_params={})
+    plan = LoaderPlan.build(natoms, nframes, SamplingSpec(
+        "filter:10", json_path="training.training_data"), seed=None).with_spec_probabilities()
     table = {i: (r.batch_size, r.batches, r.prob) for i, r in enumerate(section.rows)}
     assert table == {**{i: (None, None, None) for i in range(len(paths))},
                      **{int(i): (int(b), int(n), float(p)) for i, b, n, p in zip(

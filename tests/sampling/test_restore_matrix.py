@@ -36,6 +36,7 @@ from mdloader.loading.stateful_loader import StatefulLoader
 from mdloader.testing import make_system
 from mdloader.transport import identity
 from mdloader.world import World
+from mdloader.sampling.spec import SamplingSpec
 
 EPOCH = 12  # keys per epoch (num_samples)
 TYPE_MAP = ["O", "H"]
@@ -59,7 +60,8 @@ def systems(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 
 def _loader_set(systems: list[str], balance: int = 0) -> DpLoaderSet:
-    return DpLoaderSet(systems, 2, TYPE_MAP, seed=11, balance_window=balance)
+    return DpLoaderSet(systems, 2, TYPE_MAP, seed=11,
+                       spec=SamplingSpec(2, balance_window=balance))
 
 
 def _sampler(systems: list[str], balance: int = 0) -> Any:
@@ -209,7 +211,7 @@ NEW_STEPS = 40
 def _loader_on(systems: list[str], rank: int, world: int, workers: int,
                balance: int = 0) -> StatefulLoader:
     ls = DpLoaderSet(systems, 2, TYPE_MAP, seed=11, world=World(rank=rank, world_size=world),
-                     balance_window=balance)
+                     spec=SamplingSpec(2, balance_window=balance))
     return StatefulLoader(ls, get_weighted_sampler(ls, "prob_sys_size", num_samples=EPOCH),
                           num_workers=workers)
 
@@ -217,7 +219,7 @@ def _loader_on(systems: list[str], rank: int, world: int, workers: int,
 def _sampler_on(systems: list[str], rank: int, world: int, workers: int,
                 balance: int = 0) -> Any:
     ls = DpLoaderSet(systems, 2, TYPE_MAP, seed=11, world=World(rank=rank, world_size=world),
-                     balance_window=balance)
+                     spec=SamplingSpec(2, balance_window=balance))
     return get_weighted_sampler(ls, "prob_sys_size", num_samples=EPOCH)
 
 
@@ -327,7 +329,7 @@ def _gloo_generation(rank: int, world: int, systems: list[str], workers: int, st
 
 def _built(systems: list[str], balance: int = 0) -> tuple[DpLoaderSet, Any]:
     # rank and world size from the group
-    ls = DpLoaderSet(systems, 2, TYPE_MAP, seed=11, balance_window=balance)
+    ls = DpLoaderSet(systems, 2, TYPE_MAP, seed=11, spec=SamplingSpec(2, balance_window=balance))
     return ls, get_weighted_sampler(ls, "prob_sys_size", num_samples=EPOCH)
 
 

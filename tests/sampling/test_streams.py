@@ -1,25 +1,24 @@
-"""The two system streams behind the weighted sampler, and the plan owner that pushes a new seed.
+"""The two system streams behind the weighted sampler, and who adopts a loaded seed.
 
 A stream made from a plan serves exactly the sampler's keys, and seeks to any step as a fresh
-one stepped there would stand; the strategy follows the plan's balance window. The plan owner
-tells every subscriber of an adopted seed once, keeps no sampler alive, and a copied sampler
-(pickled, as a worker or a checkpoint copy would) still hears of it.
+one stepped there would stand; the strategy follows the plan's balance window. A seed loaded
+from a state is adopted by what loads it (a sampler, a copied sampler, a loader set), and by
+nothing else: no seed is pushed from one to another.
 """
 
 from __future__ import annotations
 
-import gc
 import itertools
 import pickle
-import weakref
 
 import pytest
 
 from mdloader.errors import StateDictError
 from mdloader.loading.loader import DpLoaderSet, get_weighted_sampler
-from mdloader.sampling.plan import LoaderPlan, PlanOwner
+from mdloader.sampling.plan import LoaderPlan
 from mdloader.sampling.probability import StyleRule
 from mdloader.sampling.samplers import WeightedSystemSampler
+from mdloader.sampling.spec import SamplingSpec
 from mdloader.sampling.streams import BalancedStream, IndependentStream, stream_type
 from mdloader.testing import make_system
 
@@ -31,7 +30,8 @@ RULE = StyleRule.of("prob_sys_size")
 
 def plan_of(world: int, window: int = 0, **kw) -> LoaderPlan:
     return LoaderPlan.of_sizes(NFRAMES, BSIZES, seed=5, world_size=world, natoms=NATOMS,
-                               balance_window=window, probabilities=RULE, **kw)
+                               spec=SamplingSpec(balance_window=window), probabilities=RULE,
+                               **kw)
 
 
 @pytest.mark.parametrize(("window", "kind"), [(0, IndependentStream), (4, BalancedStream)])
@@ -98,39 +98,6 @@ def test_each_stream_refuses_the_other_strategys_state():
         balanced.load_state_dict(plain.state_dict())
 
 
-def test_the_owner_pushes_an_adopted_seed_once_to_each_subscriber():
-    owner = PlanOwner(plan_of(1, seed_given=False))
-    seen: list[int] = []
-
-    class Listener:
-        def heard(self, plan: LoaderPlan) -> None:
-            seen.append(plan.seed)
-
-    listener = Listener()
-    owner.subscribe(listener.heard)
-    assert owner.adopt_seed(5) is owner.plan and seen == []       # the same seed: no news
-    assert owner.adopt_seed(9).seed == 9 and seen == [9]
-    given = PlanOwner(plan_of(1))
-    given.subscribe(listener.heard)
-    with pytest.raises(StateDictError, match="seed 8 but this loader has 5"):
-        given.adopt_seed(8)
-    assert seen == [9] and given.plan.seed == 5                    # a refusal pushes nothing
-    del listener
-    gc.collect()
-    owner.adopt_seed(11)                                           # held weakly: nobody left
-    assert seen == [9] and owner.plan.seed == 11
-
-
-def test_a_dropped_sampler_is_not_kept_alive_by_its_owner():
-    owner = PlanOwner(plan_of(1, seed_given=False))
-    sampler = WeightedSystemSampler.of_plan(owner, RULE)
-    ref = weakref.ref(sampler)
-    del sampler
-    gc.collect()
-    assert ref() is None
-    assert owner.adopt_seed(12).seed == 12
-
-
 def test_a_copied_sampler_still_hears_an_adopted_seed():
     sampler = WeightedSystemSampler(NFRAMES, BSIZES, RULE, seed=5, adopt_seed=True)
     [sampler.next_key() for _ in range(6)]
@@ -144,18 +111,16 @@ def test_a_copied_sampler_still_hears_an_adopted_seed():
     assert sampler.plan.seed == 5                                  # the original is its own
 
 
-def test_a_seed_loaded_into_the_loader_set_reaches_every_sampler_and_the_set(tmp_path):
+def test_a_seed_loaded_into_the_loader_set_is_the_sets_alone(tmp_path):
     paths = [make_system(tmp_path, f"sys_{i}", natoms=3 + i, nframes=5 + i) for i in range(3)]
     a = DpLoaderSet(paths, 2, ["O", "H"], seed=21)
-    first = get_weighted_sampler(a, "prob_uniform", num_samples=10)
     b = DpLoaderSet(paths, 2, ["O", "H"])                          # a drawn seed
-    samplers = [get_weighted_sampler(b, "prob_uniform", num_samples=10) for _ in range(2)]
-    assert b.frame_order.seed == b.seed != 21
+    sampler = get_weighted_sampler(b, "prob_uniform", num_samples=10)
+    drawn = b.seed
+    assert b.frame_order.seed == drawn != 21
     b.load_state_dict(a.state_dict())
-    assert b.seed == 21 and all(s.order.seed == 21 for s in samplers)
+    assert b.seed == b.frame_order.seed == 21 and sampler.order.seed == drawn
     assert [x["fid"] for x in b.dataloaders[0]] == [x["fid"] for x in a.dataloaders[0]]
-    expected = [first.next_key() for _ in range(5)]
-    assert all([s.next_key() for _ in range(5)] == expected for s in samplers)
     again = pickle.loads(pickle.dumps(b))                          # a worker's copy of the set
     assert again.sampler is None and again.frame_order.seed == 21
     again.load_state_dict(DpLoaderSet(paths, 2, ["O", "H"], seed=33).state_dict())

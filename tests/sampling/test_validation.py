@@ -11,8 +11,11 @@ from support.distributed_utils import run_ranks, values
 from torch.utils.data import DistributedSampler
 
 from mdloader import ShardedValidationSampler, reduce_sums
-from mdloader.config.input_json import DataConfig
 from mdloader.errors import ConfigError
+from mdloader.loading.build import Section
+from mdloader.loading.feed import Feed, StreamSpec
+from mdloader.sampling.loop import TrainingLoop
+from mdloader.sampling.spec import SamplingSpec
 from mdloader.testing import make_system
 from mdloader.train.job import LABELS
 from mdloader.train.model import RadialPotential
@@ -89,8 +92,12 @@ def _full_pass(rank: int, world: int, systems: list[str]) -> tuple[dict, list]:
     """One full validation pass of a seeded model; returns the result and the frames seen."""
     from mdloader.distributed.group import current_world
 
-    data = DataConfig(systems=tuple(systems), batch_size=2, json_path="training.validation_data")
-    valid = Validation(data, type_map=["O", "H"], seed=3, world=current_world(), labels=LABELS)
+    section = Section.of(None, "validation", systems, type_map=["O", "H"])
+    spec = SamplingSpec(2, json_path="training.validation_data")
+    feed = Feed.build([StreamSpec(section, spec)], seed=3, world=current_world(), labels=LABELS,
+                      num_workers=0, type_map=["O", "H"])
+    feed.start(0, TrainingLoop())
+    valid = Validation(feed, numb_btch=1)
     torch.manual_seed(0)
     model = RadialPotential(2, rcut=2.5, nbasis=4, hidden=(8,))
     seen = []
@@ -101,7 +108,8 @@ def _full_pass(rank: int, world: int, systems: list[str]) -> tuple[dict, list]:
         labels = {k: batch[k].to(torch.float64) for k in ("energy", "force")}
         return {k: v.detach() for k, v in out.items()}, labels
 
-    result = valid.full(predict, step=1)
+    with feed:
+        result = valid.full(predict, step=1)
     return {"rmse_e": result.rmse_e, "rmse_f": result.rmse_f, "frames": result.frames}, seen
 
 
