@@ -1,22 +1,25 @@
 """``mdloader bench``: time the loader exactly as the training job uses it, per rank.
 
-Each rank builds the loader (rank 0 discovers and reads headers, the others receive metadata), then
-pulls N batches through the outer ``DataLoader`` with the stateful weighted sampler and the same
-labels the training job requests. Reported per rank: the build phases (discovery, build, broadcast)
-and the broadcast bytes from :class:`~mdloader.loading.build.BuildReport`, the time to the first
-batch (worker start-up), batches/frames/atoms per second after the first batch, and the peak
-resident memory of the rank and of its DataLoader workers. Rows are gathered on rank 0. A
-multi-task input is benched task by task (each task's own loader), not as the job's mix of tasks,
-which depends on the task schedule of the trainer.
+Each rank builds the feed of the training data (rank 0 discovers and reads headers, the others
+receive metadata), then pulls N batches through its pool of DataLoader workers with the stateful
+weighted sampler and the same labels the training job requests. Reported per rank: the build
+phases (discovery, build, broadcast) and the broadcast bytes from
+:class:`~mdloader.loading.build.BuildReport`, the time to the first batch (worker start-up),
+batches/frames/atoms per second after the first batch, and the peak resident memory of the rank
+and of its DataLoader workers. Rows are gathered on rank 0. A multi-task input is benched task
+by task (each task's own stream), not as the job's mix of tasks, which depends on the task
+schedule of the trainer.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +30,6 @@ from mdloader.world import World
 if TYPE_CHECKING:
     from mdloader.config.input_json import Config
     from mdloader.config.multitask import JobConfig
-    from mdloader.loading.stateful_loader import StatefulLoader
 
 #: Labels read as the training job reads them, but optional: bench also runs on unlabeled data.
 BENCH_LABELS = [DataRequirementItem("energy", 1, atomic=False, must=False, high_prec=True),
@@ -79,18 +81,22 @@ def run_job_bench(job: JobConfig, *, batches: int = 200, num_workers: int | None
 def bench_rank(config: Config, world: World, *, batches: int, num_workers: int | None
                ) -> dict[str, Any]:
     """One rank's measurements (see the module docstring)."""
-    from mdloader.loading.assembly import configured_loader
+    from mdloader.loading.feed import Feed
     from mdloader.loading.loader import default_num_workers
+    from mdloader.sampling.loop import TrainingLoop
     from mdloader.threads import set_torch_threads
 
     workers = default_num_workers(num_workers, "--num-workers")
     set_torch_threads(workers, world=world)
     t0 = time.perf_counter()
-    built = configured_loader(config.training_data, type_map=config.type_map, seed=config.seed,
-                              world=world, labels=BENCH_LABELS, num_workers=workers)
-    report = built.report
+    feed = Feed.build([config.training_data.stream("training", config.type_map)],
+                      seed=config.seed, world=world, labels=BENCH_LABELS, num_workers=workers,
+                      type_map=config.type_map)
+    report = feed.report
     setup = time.perf_counter() - t0
-    pulled = _pull(built.loader, batches)
+    feed.start(0, TrainingLoop(displays=False))
+    with feed:  # the workers end before the peak RSS of the children is read
+        pulled = _pull(feed.stream(None, "training"), batches)
     return {
         "rank": world.rank, "world_size": world.world_size, "nsys": report.nsys,
         "num_workers": workers, "batches": batches, "setup_s": setup,
@@ -118,30 +124,21 @@ class Pulled:
         return count / self.seconds if self.seconds > 0 else float("nan")
 
 
-def _pull(loader: StatefulLoader, batches: int) -> Pulled:
-    """Pull ``batches`` batches as the trainer does (re-``iter`` when an epoch ends).
+def _pull(stream: Iterator[dict[str, Any]], batches: int) -> Pulled:
+    """Pull ``batches`` batches as the trainer does.
 
     The rates count from the first batch on: with workers, the wait for the first one is
     mostly their start-up, which would otherwise dominate a short run."""
     out = Pulled()
-    pulled = 0
     start = time.perf_counter()
-    steady = start
-    while pulled < batches:
-        it = iter(loader)
-        for batch in it:
-            pulled += 1
-            if pulled == 1:
-                steady = time.perf_counter()
-                out.first = steady - start
-            else:
-                nframes = len(batch["fid"])
-                out.batches += 1
-                out.frames += nframes
-                out.atoms += nframes * int(batch["atype"].shape[1])
-            if pulled == batches:
-                break
-        it.close()  # stop this epoch's workers now, so their peak RSS is counted
+    next(stream)
+    steady = time.perf_counter()
+    out.first = steady - start
+    for batch in itertools.islice(stream, batches - 1):
+        nframes = len(batch["fid"])
+        out.batches += 1
+        out.frames += nframes
+        out.atoms += nframes * int(batch["atype"].shape[1])
     out.seconds = time.perf_counter() - steady
     return out
 

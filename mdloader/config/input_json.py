@@ -19,9 +19,9 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dargs import Argument
 from dargs.dargs import ArgumentError, ArgumentKeyError, ArgumentTypeError, ArgumentValueError
@@ -32,6 +32,9 @@ from mdloader.errors import ConfigError
 from mdloader.sampling.batching import parse_rule
 from mdloader.sampling.probability import check_style
 from mdloader.sampling.spec import SamplingSpec
+
+if TYPE_CHECKING:
+    from mdloader.loading.feed import StreamSpec
 
 __all__ = ["Config", "DataConfig", "LearningRateConfig", "LossConfig", "load_config",
            "parse_config", "read_input_json", "sampling_spec", "schema_markdown"]
@@ -55,6 +58,17 @@ class DataConfig:
     def json_path(self) -> str:
         """Where the section sits in ``input.json``."""
         return self.sampling.json_path or "training.training_data"
+
+    def stream(self, role: str, type_map: Sequence[str] | None, *,
+               seed_offset: int = 0) -> StreamSpec:
+        """The stream a feed builds from this section in ``role`` (``training``,
+        ``validation``) under the job seed plus ``seed_offset``."""
+        from mdloader.loading.build import Section  # torch: when a job is built, not parsed
+        from mdloader.loading.feed import StreamSpec
+
+        section = Section.of(None, role, self.systems, self.rglob_patterns, type_map,
+                             index_file=self.index_file, key=f"{self.json_path}.systems")
+        return StreamSpec(section, self.sampling, seed_offset=seed_offset)
 
 
 @dataclass(frozen=True)

@@ -254,11 +254,15 @@ def _task_config(data: Mapping[str, Any], name: str, model: Mapping[str, Any], b
         raise ConfigError(exc.message, path=_task_path(exc.path, name)) from None
     prefix = f"training.data_dict.{name}."
     return dataclasses.replace(
-        config,
-        training_data=dataclasses.replace(
-            config.training_data, json_path=prefix + "training_data"),
-        validation_data=None if config.validation_data is None else dataclasses.replace(
-            config.validation_data, json_path=prefix + "validation_data"))
+        config, training_data=_placed(config.training_data, prefix + "training_data"),
+        validation_data=None if config.validation_data is None
+        else _placed(config.validation_data, prefix + "validation_data"))
+
+
+def _placed(data: DataConfig, json_path: str) -> DataConfig:
+    """``data`` as it sits at ``json_path`` of the multi-task file."""
+    return dataclasses.replace(data, sampling=dataclasses.replace(data.sampling,
+                                                                  json_path=json_path))
 
 
 def _task_path(path: str | None, name: str) -> str | None:

@@ -48,7 +48,6 @@ from mdloader.distributed.failure import Activity
 from mdloader.distributed.group import device_of, process_group
 from mdloader.errors import ConfigError, StateDictError, WriteError
 from mdloader.loading import feed_state
-from mdloader.loading.build import Section
 from mdloader.loading.feed import Feed, StreamSpec
 from mdloader.loading.loader import default_num_workers
 from mdloader.loading.pool import lost_worker_error
@@ -79,13 +78,10 @@ LABELS = [DataRequirementItem("energy", 1, atomic=False, must=True, high_prec=Tr
 
 def _stream_specs(config: Config) -> list[StreamSpec]:
     """The job's streams: its training data, and its validation data under the job seed + 1."""
-    specs = []
-    for role, data, offset in (("training", config.training_data, 0),
-                               ("validation", config.validation_data, 1)):
-        if data is not None:
-            section = Section.of(None, role, data.systems, data.rglob_patterns, config.type_map,
-                                 index_file=data.index_file, key=f"{data.json_path}.systems")
-            specs.append(StreamSpec(section, data.sampling, seed_offset=offset))
+    specs = [config.training_data.stream("training", config.type_map)]
+    if config.validation_data is not None:
+        specs.append(config.validation_data.stream("validation", config.type_map,
+                                                   seed_offset=1))
     return specs
 
 
@@ -201,7 +197,6 @@ class _Trainer:
         step = self.start
         self.activity.doing = f"opening the logs in {self.output}"
         self._open_logs(restart, step)
-        self.activity.doing = "starting the data streams"
         try:
             self.feed.start(step, self._loop_shape(), self.resumed)
             return self._loop(step, stop_after)

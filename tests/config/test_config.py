@@ -61,8 +61,8 @@ def test_complete_deepmd_input_is_accepted(tmp_path: Path) -> None:
     assert isinstance(cfg, Config)
     data = str(tmp_path / "data")
     assert cfg.training_data.systems == tuple(os.path.join(data, f"data_{i}") for i in range(3))
-    assert cfg.training_data.batch_size == "auto"
-    assert cfg.training_data.auto_prob == "prob_sys_size"
+    assert cfg.training_data.sampling.batch_size == "auto"
+    assert cfg.training_data.sampling.auto_prob == "prob_sys_size"
     assert cfg.validation_data is not None
     assert cfg.validation_data.numb_btch == 3
     assert cfg.validation_data.systems == (os.path.join(data, "data_3"),)
@@ -78,7 +78,7 @@ def test_complete_deepmd_input_is_accepted(tmp_path: Path) -> None:
 def test_defaults_match_deepmd() -> None:
     cfg = parse_config({"training": {"training_data": {"systems": "/d"}}})
     td = cfg.training_data
-    assert (td.systems, td.batch_size, td.auto_prob, td.sys_probs, td.rglob_patterns) == (
+    assert (td.systems, td.sampling.batch_size, td.sampling.auto_prob, td.sampling.sys_probs, td.rglob_patterns) == (
         ("/d",), "auto", "prob_sys_size", None, None)
     assert cfg.validation_data is None and cfg.type_map is None and cfg.seed is None
     assert (cfg.numb_steps, cfg.numb_epoch, cfg.disp_freq, cfg.save_freq) == (
@@ -101,7 +101,7 @@ def test_keys_starting_with_underscore_are_dropped_everywhere_as_in_deepmd() -> 
     data["training"]["validation_data"]["_note"] = {"anything": [1, 2]}
     data["training"]["_comment3"] = "display and restart"
     cfg = parse_config(data)
-    assert cfg.training_data.batch_size == "auto" and cfg.validation_data.numb_btch == 3
+    assert cfg.training_data.sampling.batch_size == "auto" and cfg.validation_data.numb_btch == 3
     with pytest.raises(ConfigError, match=r"^training\.training_data\.comment: unknown key"):
         parse_config(_with("training.training_data.comment", "no underscore"))
 
@@ -123,9 +123,9 @@ def test_data_aliases_and_sampler_params() -> None:
         "validation_data": {"systems": "/c", "numb_batch": 4},
     }})
     td = cfg.training_data
-    assert td.auto_prob == "prob_uniform" and td.sys_probs == (0.25, -1.0)
-    assert td.sampler_params() == {"auto_prob": "prob_uniform", "sys_probs": [0.25, -1.0]}
-    assert td.batch_size_value() == [1, 2]
+    assert td.sampling.auto_prob == "prob_uniform" and td.sampling.sys_probs == (0.25, -1.0)
+    assert td.sampling.sampler_params() == {"auto_prob": "prob_uniform", "sys_probs": [0.25, -1.0]}
+    assert td.sampling.batch_size_value() == [1, 2]
     assert cfg.validation_data is not None and cfg.validation_data.numb_btch == 4
     assert cfg.validation_data.json_path == "training.validation_data"
 
@@ -266,18 +266,24 @@ def test_schema_markdown_covers_every_key() -> None:
 
 def test_balance_keys_reach_the_sampler(tmp_path: Path) -> None:
     """training_data.balance_window/balance_cost: checked, and the configured sampler balances."""
-    from mdloader.loading.assembly import configured_loader
+    from mdloader.loading.build import Section
+    from mdloader.loading.feed import Feed, StreamSpec
     from mdloader.testing import make_dataset
     from mdloader.world import World
+
+    def configured(data):
+        spec = StreamSpec(Section.of(None, "training", data.systems, type_map=["O", "H"]),
+                          data.sampling)
+        return Feed.build([spec], seed=3, world=World(0, 1), labels=[], num_workers=0,
+                          type_map=["O", "H"]).stream(None, "training")
 
     systems = make_dataset(tmp_path, 4, natoms_range=(3, 40), nframes=6)
     raw = {"model": {"type_map": ["O", "H"]},
            "training": {"training_data": {"systems": systems, "batch_size": "auto",
                                           "balance_window": 8}}}
     data = parse_config(raw).training_data
-    assert (data.balance_window, data.balance_cost) == (8, "atoms")
-    built = configured_loader(data, type_map=["O", "H"], seed=3, world=World(0, 1), labels=[],
-                              num_workers=0)
+    assert (data.sampling.balance_window, data.sampling.balance_cost) == (8, "atoms")
+    built = configured(data)
     assert built.sampler.balance_window == 8 and built.sampler.state_dict()["balance_window"] == 8
     for bad, match in [({"balance_window": -1}, "balance_window: bad value -1"),
                        ({"balance_cost": "pairs"}, "balance_cost: bad value")]:
@@ -289,5 +295,4 @@ def test_balance_keys_reach_the_sampler(tmp_path: Path) -> None:
     needs["training"]["training_data"]["balance_cost"] = "neighbours"
     with pytest.raises(ConfigError, match="training.training_data.balance_cost: the cost model "
                        "'neighbours' needs the mean number of neighbours"):
-        configured_loader(parse_config(needs).training_data, type_map=["O", "H"], seed=3,
-                          world=World(0, 1), labels=[], num_workers=0)
+        configured(parse_config(needs).training_data)

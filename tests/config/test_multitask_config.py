@@ -49,7 +49,7 @@ def test_tasks_resolve_shared_dict_and_keep_the_multitask_json_paths(tmp_path: P
     assert a.config.training_data.systems == (str(tmp_path / "sys0"), str(tmp_path / "sys1"))
     assert a.config.training_data.json_path == "training.data_dict.a.training_data"
     assert a.config.validation_data.json_path == "training.data_dict.a.validation_data"
-    assert b.config.validation_data is None and b.config.training_data.batch_size == 2
+    assert b.config.validation_data is None and b.config.training_data.sampling.batch_size == 2
     assert a.config.seed == b.config.seed == 7 and a.config.numb_steps == 5
     assert a.config.loss.start_pref_f == 10 and b.config.loss.start_pref_f == 1000.0
     assert job.shared_descriptors() == {"desc": ("a", "b", "c")}

@@ -202,7 +202,9 @@ def test_checkpoint_errors(tmp_path: Path) -> None:
     out = train(cfg, output=str(tmp_path / "o"), num_workers=0, options=SMALL)
     assert out.last_valid is None and set(out.last_train) == {"rmse", "rmse_e", "rmse_f"}
     ckpt = str(tmp_path / "o" / "model.ckpt-2.pt")
-    assert load_checkpoint(ckpt)["loader"]["sampler"]["generations"] == [[1, 2]]
+    state = load_checkpoint(ckpt)["loader_state"]
+    assert (state["next_step"], set(state["streams"])) == (2, {"training"})
+    assert state["streams"]["training"]["generations"] == [[1, 2]]
     with pytest.raises(StateDictError, match=r"^checkpoint not found: .*nope\.pt$"):
         load_checkpoint(str(tmp_path / "nope.pt"))
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
@@ -236,10 +238,10 @@ def _resumed_keys(cfg, ckpt: str, rank: int, world: int, n: int) -> list:
     from mdloader.world import World
 
     data = cfg.training_data
-    ls = DpLoaderSet(list(data.systems), data.batch_size_value(), list(cfg.type_map),
-                     seed=cfg.seed, world=World(rank=rank, world_size=world))
-    sampler = get_sampler_from_params(ls, data.sampler_params(), num_workers=0)
-    sampler.load_state_dict(load_checkpoint(ckpt)["loader"]["sampler"])
+    ls = DpLoaderSet(list(data.systems), None, list(cfg.type_map), seed=cfg.seed,
+                     spec=data.sampling, world=World(rank=rank, world_size=world))
+    sampler = get_sampler_from_params(ls, data.sampling.sampler_params(), num_workers=0)
+    sampler.load_state_dict(load_checkpoint(ckpt)["loader_state"]["streams"]["training"])
     return [(k.sid, k.fids) for k in (sampler.next_key() for _ in range(n))]
 
 
@@ -264,7 +266,8 @@ def test_restart_on_another_number_of_ranks(tmp_path: Path) -> None:
             assert trained == _resumed_keys(cfg, ckpt, rank, world, 4)
         state = load_checkpoint(str(tmp_path / ("one" if world == 1 else "three") /
                                     "model.ckpt-8.pt"))
-        assert state["loader"]["sampler"]["generations"] == [[2, 4, 4], [world, *[4] * world]]
+        generations = state["loader_state"]["streams"]["training"]["generations"]
+        assert generations == [[2, 4, 4], [world, *[4] * world]]
         fulls = [r.full_valid for r in results]
         assert all([f.step for f in full] == [8] for full in fulls)
         assert {(f[0].frames, f[0].rmse_e, f[0].rmse_f) for f in fulls} == {

@@ -196,7 +196,7 @@ def test_a_killed_dataloader_worker_is_one_line_on_every_rank(tmp_path: Path) ->
     print(f"killed worker under mdloader dp: every rank ended {job.seconds:.1f} s after")
     line = _one_line_on_every_rank(out)
     assert "rank 1 failed (DeePMD-kit's training): WorkerLostError: DataLoader worker " \
-           f"(pid {worker}) is killed by signal: Killed" in line, line
+           f"(pid {worker}) is killed by signal SIGKILL" in line, line
 
 
 ALONE = {
