@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.catalog.stats_store import StatsStore, system_stamp
 from mdloader.distributed.collectives import gather_from_every_rank
 from mdloader.distributed.group import current_world
 from mdloader.errors import CorruptFileError, MdloaderError
@@ -42,6 +41,7 @@ from mdloader.stats.neighbours import (
 )
 from mdloader.stats.output import OutputSamples, system_samples
 from mdloader.stats.shards import share, system_weights
+from mdloader.stats.store import StatsStore, system_stamp
 
 log = logging.getLogger(__name__)
 
