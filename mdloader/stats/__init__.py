@@ -8,7 +8,8 @@ train``'s reference model (:mod:`~mdloader.stats.moments`), which systems a rank
 (:mod:`~mdloader.stats.shards`), the key and payload of a per-system cache entry
 (:mod:`~mdloader.stats.cache`) and the folder that keeps the entries between jobs
 (:mod:`~mdloader.stats.store`). Every partial result is computed on a share of the systems and
-merges exactly, so each rank can take a disjoint share and a collective can combine them.
+merges exactly (:func:`~mdloader.stats.merging.merge_all` folds any number of them), so each
+rank can take a disjoint share and a collective can combine them.
 
 This package may import only the leaves (``mdloader.errors``, ``mdloader.settings``,
 ``mdloader.world``, ``mdloader.logs``, ``mdloader.persist``), ``mdloader.data``, numpy and vesin;
