@@ -111,11 +111,6 @@ class DeepmdDataSetForLoader(Dataset):
                 self._meta, self._requirements, self._origin)
         return self._reader
 
-    @property
-    def _lmdb(self) -> FrameReader | None:
-        """The reader, under the name tests of the LMDB fast path reach for."""
-        return self._reader
-
     # -- reading ------------------------------------------------------------------------------
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.get_frames([index])[0]
