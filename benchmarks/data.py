@@ -272,7 +272,7 @@ def synthesize_index(root: str, nsys: int, cache_dir: str, seed: int = 0) -> str
     from mdloader.catalog.index import index_header, index_request
     from mdloader.catalog.index_file import SavedIndex, write_index
     from mdloader.catalog.table import SystemTable
-    from mdloader.data.system import restore_set
+    from mdloader.data.formats.base import restore_set
 
     rng = np.random.default_rng(seed)
     natoms = rng.integers(NATOMS_RANGE[0], NATOMS_RANGE[1] + 1, size=nsys)

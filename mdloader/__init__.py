@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "DeepmdDataSetForLoader": "mdloader.data.dataset",
     "DataRequirementItem": "mdloader.data.schema",
-    "SystemMeta": "mdloader.data.system",
+    "SystemMeta": "mdloader.data.formats.base",
     "build_system_meta": "mdloader.data.system",
     "discover_systems": "mdloader.catalog.discover",
     "collate_batch": "mdloader.data.collate",

@@ -65,8 +65,9 @@ SETTINGS: dict[str, Setting] = {
         "NCCL's watchdog aborts a stuck collective after it."),
     "stop_check_steps": Setting(
         "MDLOADER_STOP_CHECK_STEPS", lambda: 10, int, 1, "step",
-        "How often the ranks of `mdloader train` exchange a stop flag (SIGTERM, SIGUSR1): "
-        "every this many steps; the checkpoint comes at most this many steps after the signal."),
+        "How often the ranks of `mdloader train` and `mdloader dp` exchange a stop flag "
+        "(SIGTERM, SIGUSR1): every this many steps; the checkpoint comes at most this many steps "
+        "after the signal."),
     "task_draw": Setting(
         "MDLOADER_TASK_DRAW", lambda: "per-rank", str, None, "mode",
         "How `mdloader dp` picks the task of each multi-task step: each rank its own draw "

@@ -1,7 +1,7 @@
 """The rules of docs/architecture.md, checked on the source: every violation is named.
 
 * imports follow the layers (:func:`violations`);
-* no import cycle between mdloader modules (:func:`cycles`);
+* no import cycle between mdloader modules, imports for type checking included (:func:`cycles`);
 * no reach-in to another module's private attributes (:func:`reach_ins`);
 * one atomic write and one file stamp, in ``mdloader/persist.py`` (:func:`persistence_outside`).
 """
@@ -127,23 +127,26 @@ def _is_type_checking(node: ast.If) -> bool:
     return ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
 
 
-def _import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import of the module, in functions too, except under ``if TYPE_CHECKING:``."""
-    found: list[ast.Import | ast.ImportFrom] = []
-    todo: list[ast.AST] = [tree]
+def _import_nodes(tree: ast.AST) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import of the module, in functions too, each with whether it is only for the type
+    checker (under ``if TYPE_CHECKING:``)."""
+    found: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
+    todo: list[tuple[ast.AST, bool]] = [(tree, False)]
     while todo:
-        node = todo.pop()
+        node, typing_only = todo.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
+            found.append((node, typing_only))
         elif isinstance(node, ast.If) and _is_type_checking(node):
-            todo.extend(node.orelse)
+            todo.extend((child, True) for child in node.body)
+            todo.extend((child, typing_only) for child in node.orelse)
         else:
-            todo.extend(ast.iter_child_nodes(node))
-    return sorted(found, key=lambda n: n.lineno)
+            todo.extend((child, typing_only) for child in ast.iter_child_nodes(node))
+    return sorted(found, key=lambda found: found[0].lineno)
 
 
 def import_graph(package: Path = PACKAGE) -> dict[str, dict[str, str]]:
-    """``graph[a][b]``: where module ``a`` imports module ``b`` (``path:line``), both mdloader's.
+    """``graph[a][b]``: where module ``a`` imports module ``b`` (``path:line``, and ``, for type
+    checking`` when under ``if TYPE_CHECKING:``), both mdloader's.
 
     ``from p import name`` is an edge to ``p.name`` when that is a module, else to ``p``; the
     packages that Python imports on the way (``p``'s parents) are not edges.
@@ -157,7 +160,7 @@ def import_graph(package: Path = PACKAGE) -> dict[str, dict[str, str]]:
 
     graph: dict[str, dict[str, str]] = {me: {} for me in paths}
     for me, path in paths.items():
-        for node in _import_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+        for node, typing_only in _import_nodes(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif node.level:  # relative: reported by violations(), not followed here
@@ -170,7 +173,8 @@ def import_graph(package: Path = PACKAGE) -> dict[str, dict[str, str]]:
                 module = known(target) if target.startswith(package.name) else None
                 if module is not None and module != me:
                     rel = path.relative_to(package.parent)
-                    graph[me].setdefault(module, f"{rel}:{node.lineno}")
+                    note = ", for type checking" if typing_only else ""
+                    graph[me].setdefault(module, f"{rel}:{node.lineno}{note}")
     return graph
 
 
@@ -244,9 +248,11 @@ def cycles(package: Path = PACKAGE,
 
     Function-level imports count: an import deferred into a function (for a cheap ``import
     mdloader`` or an optional dependency) still makes the two modules depend on each other, and
-    a cycle closed that way is a circle the layers hide. Imports under ``if TYPE_CHECKING:`` do
-    not count (they never run). The packages Python imports on the way to a module (its
-    ``__init__`` files) are not edges, only the modules an import names.
+    a cycle closed that way is a circle the layers hide. Imports under ``if TYPE_CHECKING:``
+    count too: they never run, but a module that needs another's types to be understood
+    depends on it as much, and such an import is how a runtime cycle is hidden. The packages
+    Python imports on the way to a module (its ``__init__`` files) are not edges, only the
+    modules an import names.
     """
     graph = import_graph(package)
     return [f"import cycle: {_one_cycle(graph, members)}"
@@ -267,14 +273,24 @@ def test_the_cycle_checker_names_a_cycle(tmp_path: Path) -> None:
     (package / "data" / "a.py").write_text("from mdloader.data import b\n", encoding="utf-8")
     (package / "data" / "b.py").write_text("def f():\n    from mdloader.data.a import x\n",
                                            encoding="utf-8")
-    (package / "data" / "c.py").write_text(  # only for the type checker: no cycle
+    (package / "data" / "c.py").write_text(  # only for the type checker: a cycle all the same
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import mdloader.data.d\n",
         encoding="utf-8")
     (package / "data" / "d.py").write_text("import mdloader.data.c\n", encoding="utf-8")
+    (package / "data" / "e.py").write_text(  # for the type checker, one way: no cycle
+        "import typing\nif typing.TYPE_CHECKING:\n    pass\nelse:\n    import mdloader.data.a\n"
+        "if typing.TYPE_CHECKING:\n    from mdloader.data.d import x\n", encoding="utf-8")
     assert cycles(package, expected=()) == [
         "import cycle: mdloader.data.a (mdloader/data/a.py:1) -> "
-        "mdloader.data.b (mdloader/data/b.py:2) -> mdloader.data.a"]
-    assert cycles(package, expected=(frozenset({"mdloader.data.a", "mdloader.data.b"}),)) == []
+        "mdloader.data.b (mdloader/data/b.py:2) -> mdloader.data.a",
+        "import cycle: mdloader.data.c (mdloader/data/c.py:3, for type checking) -> "
+        "mdloader.data.d (mdloader/data/d.py:1) -> mdloader.data.c"]
+    assert cycles(package, expected=(frozenset({"mdloader.data.a", "mdloader.data.b"}),
+                                      frozenset({"mdloader.data.c", "mdloader.data.d"}))) == []
+    graph = import_graph(package)
+    assert graph["mdloader.data.e"] == {"mdloader.data.a": "mdloader/data/e.py:5",
+                                        "mdloader.data.d": "mdloader/data/e.py:7, for type "
+                                                           "checking"}
 
 
 # -- no reach-ins to another module's private attributes ----------------------------------------

@@ -72,15 +72,15 @@ def _job_state(sampler: Any, world: int, steps: int) -> dict:
 
 def _table(natoms: np.ndarray, nframes: np.ndarray):
     from mdloader.catalog.table import SystemTable
-    from mdloader.data.system import SetMeta, SystemMeta
+    from mdloader.data.formats.base import SetMeta, SystemMeta
 
     keys = ("coord", "box", "energy", "force")
     metas = []
     for i, (n, f) in enumerate(zip(natoms.tolist(), nframes.tolist())):
         types = np.zeros(n, dtype=np.int32)
         types.flags.writeable = False
-        metas.append(SystemMeta(address=f"data/group{i % 100}/sys{i}", atom_types=types,
-                                type_map=("O", "H"), pbc=True, mixed_type=False,
+        metas.append(SystemMeta(address=f"data/group{i % 100}/sys{i}", backend="npy",
+                                atom_types=types, type_map=("O", "H"), pbc=True, mixed_type=False,
                                 sets=(SetMeta("set.000", f, keys, (3 * n, 9, 1, 3 * n)),)))
     return SystemTable.from_metas(metas)
 

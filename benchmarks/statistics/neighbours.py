@@ -42,7 +42,8 @@ print("RESULT " + json.dumps({"seconds": time.perf_counter() - start,
 
 def ours(systems: list[str], rcut: float, mixed: bool, threads: int) -> dict:
     from mdloader.data.dataset import DeepmdDataSetForLoader
-    from mdloader.stats.neighbours import merge_all, min_nbor_dist, system_neighbour_stats
+    from mdloader.stats.merging import merge_all
+    from mdloader.stats.neighbours import min_nbor_dist, system_neighbour_stats
 
     start = time.perf_counter()
     stats = merge_all(system_neighbour_stats(DeepmdDataSetForLoader(s, ["O", "H"]), rcut, 2,

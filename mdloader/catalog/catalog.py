@@ -33,8 +33,8 @@ from mdloader.catalog.freshness import check_saved
 from mdloader.catalog.index_file import SavedIndex
 from mdloader.catalog.table import SystemTable, TableBuilder
 from mdloader.data.formats import backend_of, parse_address
+from mdloader.data.formats.base import SystemMeta
 from mdloader.data.formats.capabilities import walks_folders
-from mdloader.data.system import SystemMeta
 from mdloader.fs_calls import Overlap
 from mdloader.settings import resolve
 

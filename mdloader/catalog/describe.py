@@ -26,7 +26,8 @@ from functools import partial
 from typing import Any, Generic, TypeVar
 
 from mdloader.data.formats import Listing
-from mdloader.data.system import SystemMeta, build_system_meta
+from mdloader.data.formats.base import SystemMeta
+from mdloader.data.system import build_system_meta
 from mdloader.errors import DataError
 from mdloader.fs_calls import PROBE, measuring
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from mdloader.catalog.table import SystemTable, TableBuilder
 from mdloader.data.formats import get_backend
-from mdloader.data.system import SetMeta, restore_set
+from mdloader.data.formats.base import SetMeta, restore_set
 from mdloader.persist import write_atomic
 
 MAGIC = b"MDLINDEX"

@@ -1,6 +1,6 @@
 """Many system descriptions as a few columns: what rank 0 broadcasts and what an index stores.
 
-A list of :class:`~mdloader.data.system.SystemMeta` pickles compactly, but pickle builds one
+A list of :class:`~mdloader.data.formats.base.SystemMeta` pickles compactly, but pickle builds one
 Python object per system on every rank, which dominates the start-up at 10^5 to 10^6 systems
 (``docs/benchmarks.md``). A :class:`SystemTable` keeps the same facts column by column: numpy
 arrays, plus tables of the few distinct folders, type maps and sets. It pickles as a handful of
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.data.system import SetMeta, SystemMeta, interned
+from mdloader.data.formats.base import SetMeta, SystemMeta, interned
 
 _PBC, _MIXED = 1, 2
 _COLUMNS = ("folder_id", "name_len", "natoms", "types", "type_map_id", "flags", "nsets",
@@ -237,7 +237,8 @@ class SystemTable(Sequence):
         types.flags.writeable = False
         s0, s1 = self._set_ends[row] - c["nsets"][row], self._set_ends[row]
         flags = int(c["flags"][row])
-        return SystemMeta(address=self.address(row), atom_types=types,
+        return SystemMeta(address=self.address(row),
+                          backend=self.backend_names[c["backend_id"][row]], atom_types=types,
                           type_map=self._type_maps[c["type_map_id"][row]],
                           pbc=bool(flags & _PBC), mixed_type=bool(flags & _MIXED),
                           sets=interned(tuple(self._sets[j] for j in c["set_ids"][s0:s1])),

@@ -128,10 +128,10 @@ def _used(inputs: Sequence[str]) -> set[str]:
     """
     from mdloader.catalog.catalog import catalog_for
     from mdloader.catalog.describe import SystemFailed
-    from mdloader.catalog.stats_store import system_stamp
     from mdloader.config.input_json import load_config
     from mdloader.loading.build import resolve_workers
     from mdloader.loading.statistics import layout_of
+    from mdloader.stats.store import system_stamp
 
     used: set[str] = set()
     for input_json in inputs:

@@ -24,7 +24,8 @@ from mdloader.catalog.discover import discover_systems
 from mdloader.config.input_json import Config, DataConfig, parse_config
 from mdloader.config.multitask import JobConfig, weights_rule
 from mdloader.data.formats import backend_of, diagnostics
-from mdloader.data.system import SystemMeta, inspect_system
+from mdloader.data.formats.base import SystemMeta
+from mdloader.data.system import inspect_system
 from mdloader.errors import ConfigError, MdloaderError
 from mdloader.sampling.plan import LoaderPlan
 

@@ -1,7 +1,8 @@
 """``DeepmdDataSetForLoader``: one system as a lazy torch ``Dataset``.
 
-It holds a :class:`~mdloader.data.system.SystemMeta` and the data requirements, nothing else, so it
-pickles to a few hundred bytes and travels cheaply to other ranks and DataLoader workers.
+It holds a :class:`~mdloader.data.formats.base.SystemMeta` and the data requirements, nothing
+else, so it pickles to a few hundred bytes and travels cheaply to other ranks and DataLoader
+workers.
 Frames are read on demand by the reader of the system's storage format
 (:meth:`mdloader.data.formats.base.Backend.reader`), through handles opened on first read in the
 reading process.
@@ -15,10 +16,10 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from mdloader.data.formats.base import FrameReader
+from mdloader.data.formats.base import FrameReader, SystemMeta
 from mdloader.data.formats.registry import backend_of
 from mdloader.data.schema import DataRequirementItem, merge_requirements
-from mdloader.data.system import SystemMeta, build_system_meta
+from mdloader.data.system import build_system_meta
 
 
 class DeepmdDataSetForLoader(Dataset):
@@ -108,11 +109,6 @@ class DeepmdDataSetForLoader(Dataset):
         if self._reader is None:
             self._reader = backend_of(self._meta.location).reader(
                 self._meta, self._requirements, self._origin)
-        return self._reader
-
-    @property
-    def _lmdb(self) -> FrameReader | None:
-        """The reader, under the name tests of the LMDB fast path reach for."""
         return self._reader
 
     # -- reading ------------------------------------------------------------------------------

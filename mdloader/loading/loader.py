@@ -28,8 +28,8 @@ from torch.utils.data import Dataset, get_worker_info
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.data.formats import backend_of
+from mdloader.data.formats.base import SystemMeta
 from mdloader.data.schema import as_requirement
-from mdloader.data.system import SystemMeta
 from mdloader.distributed.collectives import agreed_seed
 from mdloader.distributed.group import current_world
 from mdloader.errors import ConfigError, StateDictError

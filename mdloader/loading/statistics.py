@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.catalog.stats_store import StatsStore, system_stamp
 from mdloader.distributed.collectives import gather_from_every_rank
 from mdloader.distributed.group import current_world
 from mdloader.errors import CorruptFileError, MdloaderError
@@ -34,14 +33,11 @@ from mdloader.loading.system_list import natoms_of, nframes_of
 from mdloader.settings import cache_folder, resolve
 from mdloader.stats import cache, env_mat
 from mdloader.stats.env_mat import EnvMatSettings, EnvMatSums, system_env_sums
-from mdloader.stats.neighbours import (
-    DEEPMD_BATCH_ATOMS,
-    NeighbourStats,
-    merge_all,
-    system_neighbour_stats,
-)
+from mdloader.stats.merging import merge_all
+from mdloader.stats.neighbours import DEEPMD_BATCH_ATOMS, NeighbourStats, system_neighbour_stats
 from mdloader.stats.output import OutputSamples, system_samples
 from mdloader.stats.shards import share, system_weights
+from mdloader.stats.store import StatsStore, system_stamp
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ seed; the sampler makes a new one when either changes, and picks the strategy on
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -81,7 +82,54 @@ def _check_balance(state: Mapping[str, Any], mine: Mapping[str, int]) -> None:
         check_same("sampler", words, state.get(key, 0), mine.get(key, 0), BALANCE_HINT)
 
 
-class IndependentStream:
+class _DrawnStream(ABC):
+    """What both strategies share: a rank's step draws one system, from chunks of
+    ``chunk_steps`` steps computed on demand (:meth:`_chunk`), and reads that system's next
+    frames by its own per-system counter; seeking replays only the counters, from the draws
+    between two steps (:meth:`_draws`).
+    """
+
+    def __init__(self, plan: LoaderPlan, order: FrameOrder, generation: int,
+                 chunk_steps: int) -> None:
+        self.plan, self.order, self.generation = plan, order, generation
+        self.step = 0
+        self._chunk_steps = chunk_steps
+        self._counts = np.zeros(plan.nsys, dtype=np.int64)
+        self._chunk_id = -1
+        self._chunk_sids = np.empty(0, dtype=np.int64)
+
+    @abstractmethod
+    def _chunk(self, c: int) -> np.ndarray:
+        """The system of each step of chunk ``c`` (steps ``c * chunk_steps`` on)."""
+
+    @abstractmethod
+    def _draws(self, lo: int, hi: int) -> np.ndarray:
+        """How many times each system is drawn at steps ``lo`` to ``hi - 1``."""
+
+    def _draw(self, step: int) -> int:
+        c = step // self._chunk_steps
+        if c != self._chunk_id:
+            self._chunk_sids = self._chunk(c)
+            self._chunk_id = c
+        return int(self._chunk_sids[step - c * self._chunk_steps])
+
+    def next_key(self) -> BatchKey:
+        step = self.step
+        sid = self._draw(step)
+        occ = int(self._counts[sid])
+        self._counts[sid] = occ + 1
+        self.step = step + 1
+        return BatchKey(sid, self.order.fids(sid, occ), step, self.order.rank)
+
+    def seek(self, step: int) -> None:
+        """Replay only the difference between the two steps (the per-system cursors)."""
+        lo, hi = sorted((self.step, step))
+        delta = self._draws(lo, hi)
+        self._counts += delta if step >= self.step else -delta
+        self.step = step
+
+
+class IndependentStream(_DrawnStream):
     """Every rank trains the batches its own system stream draws.
 
     Parameters
@@ -95,35 +143,15 @@ class IndependentStream:
     """
 
     def __init__(self, plan: LoaderPlan, order: FrameOrder, generation: int) -> None:
-        self.plan, self.order, self.generation = plan, order, generation
-        self.step = 0
-        self._counts = np.zeros(plan.nsys, dtype=np.int64)
-        self._chunk_id = -1
-        self._chunk = np.empty(0, dtype=np.int64)
+        super().__init__(plan, order, generation, STREAM_CHUNK)
 
-    def _draw(self, step: int) -> int:
-        c = step // STREAM_CHUNK
-        if c != self._chunk_id:
-            self._chunk = stream_chunk(self.order.seed, self.order.rank, c, self.plan.cdf,
-                                       self.plan.same_system_across_ranks, self.generation)
-            self._chunk_id = c
-        return int(self._chunk[step - c * STREAM_CHUNK])
+    def _chunk(self, c: int) -> np.ndarray:
+        return stream_chunk(self.order.seed, self.order.rank, c, self.plan.cdf,
+                            self.plan.same_system_across_ranks, self.generation)
 
-    def next_key(self) -> BatchKey:
-        step = self.step
-        sid = self._draw(step)
-        occ = int(self._counts[sid])
-        self._counts[sid] = occ + 1
-        self.step = step + 1
-        return BatchKey(sid, self.order.fids(sid, occ), step, self.order.rank)
-
-    def seek(self, step: int) -> None:
-        """Replay only the difference between the two steps (the per-system cursors)."""
-        lo, hi = sorted((self.step, step))
-        delta = stream_counts(self.order.seed, self.order.rank, lo, hi, self.plan.cdf,
-                              self.plan.same_system_across_ranks, self.generation)
-        self._counts += delta if step >= self.step else -delta
-        self.step = step
+    def _draws(self, lo: int, hi: int) -> np.ndarray:
+        return stream_counts(self.order.seed, self.order.rank, lo, hi, self.plan.cdf,
+                             self.plan.same_system_across_ranks, self.generation)
 
     def identity(self) -> dict[str, int]:
         return {}
@@ -135,7 +163,7 @@ class IndependentStream:
         """Any history: each rank continues its own share."""
 
 
-class BalancedStream:
+class BalancedStream(_DrawnStream):
     """Every rank of a step draws from the same cost stratum of each window of
     ``balance_window`` steps, so that the step's ranks cost about the same; a rank reads its own
     frames of what it draws, as :class:`IndependentStream` does.
@@ -147,37 +175,18 @@ class BalancedStream:
     """
 
     def __init__(self, plan: LoaderPlan, order: FrameOrder, generation: int) -> None:
-        self.plan, self.order, self.generation = plan, order, generation
-        self.step = 0
+        super().__init__(plan, order, generation,
+                         chunk_windows(plan.balance_window) * plan.balance_window)
         self._strata = Strata.of(plan.cdf, plan.balance_costs)
-        self._chunk_steps = chunk_windows(plan.balance_window) * plan.balance_window
-        self._counts = np.zeros(plan.nsys, dtype=np.int64)
-        self._chunk_id = -1
-        self._chunk = np.empty(0, dtype=np.int64)
 
-    def _draw(self, step: int) -> int:
-        c = step // self._chunk_steps
-        if c != self._chunk_id:
-            self._chunk = balanced_chunk(self.order.seed, self.order.rank, c, self._strata,
-                                         self.plan.balance_window, self.generation)
-            self._chunk_id = c
-        return int(self._chunk[step - c * self._chunk_steps])
-
-    def next_key(self) -> BatchKey:
-        step = self.step
-        sid = self._draw(step)
-        occ = int(self._counts[sid])
-        self._counts[sid] = occ + 1
-        self.step = step + 1
-        return BatchKey(sid, self.order.fids(sid, occ), step, self.order.rank)
-
-    def seek(self, step: int) -> None:
-        """Replay only this rank's draws between the two steps (the per-system cursors)."""
-        lo, hi = sorted((self.step, step))
-        delta = strata_counts(self.order.seed, self.order.rank, lo, hi, self._strata,
+    def _chunk(self, c: int) -> np.ndarray:
+        return balanced_chunk(self.order.seed, self.order.rank, c, self._strata,
                               self.plan.balance_window, self.generation)
-        self._counts += delta if step >= self.step else -delta
-        self.step = step
+
+    def _draws(self, lo: int, hi: int) -> np.ndarray:
+        """Only this rank's draws: the strata are shared, the systems drawn are its own."""
+        return strata_counts(self.order.seed, self.order.rank, lo, hi, self._strata,
+                             self.plan.balance_window, self.generation)
 
     def identity(self) -> dict[str, int]:
         return {"balance_window": self.plan.balance_window,

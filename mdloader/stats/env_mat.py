@@ -20,13 +20,14 @@ neighbour list instead of its all-pairs one:
   ``dstd`` is ``sqrt(max(sq/n - (s/n)**2, 0))`` raised to at least 1e-2 (0.1 without data).
 
 Sums are accumulated in float64: per frame with ``numpy.sum``, then frame after frame, then
-system after system in the order given to :func:`merge_all`.
+system after system in the order given to :func:`~mdloader.stats.merging.merge_all`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ from mdloader.stats.frames import (
     place_of,
     read_chunks,
 )
+from mdloader.stats.merging import merge_all
 from mdloader.stats.neighbours import check_frames
 
 #: ``StatItem.compute_std``'s default (no data) and protection (lower bound).
@@ -114,18 +116,6 @@ class EnvMatSums:
                 out[f"{name}_{t}"] = (float(self.number[t, c]), float(self.total[t, c]),
                                       float(self.squared[t, c]))
         return out
-
-
-def merge_all(parts: Iterable[EnvMatSums]) -> EnvMatSums:
-    """The sum of partial statistics, added in the order given."""
-    it = iter(parts)
-    try:
-        total = next(it)
-    except StopIteration:
-        raise ConfigError("no environment statistics to merge") from None
-    for part in it:
-        total = total.merge(part)
-    return total
 
 
 def smooth_weight(r: np.ndarray, rmin: float, rmax: float) -> np.ndarray:
@@ -226,11 +216,10 @@ def frames_env_sums(coord: np.ndarray, atype: np.ndarray, box: np.ndarray | None
     check_frames(coord, cells, place)
     nlist = vesin.NeighborList(cutoff=settings.rcut * (1 + 1e-9), full_list=True,
                                n_threads=threads)
-    sums = EnvMatSums.zeros(settings.ntypes) if start is None else start
-    for k in range(nf):
-        sums = sums.merge(frame_sums(nlist, coord[k], atype[k],
-                                     None if cells is None else cells[k], settings))
-    return sums
+    first = EnvMatSums.zeros(settings.ntypes) if start is None else start
+    return merge_all(chain([first], (frame_sums(nlist, coord[k], atype[k],
+                                                None if cells is None else cells[k], settings)
+                                     for k in range(nf))))
 
 
 def system_env_sums(dataset: Any, settings: EnvMatSettings, *,

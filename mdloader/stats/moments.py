@@ -8,7 +8,6 @@ the atoms of the system's statistics frames, the columns the model's radial feat
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,13 +57,3 @@ class FeatureMoments:
         return mean, np.sqrt(np.maximum(variance, 0.0))
 
 
-def merge_all(parts: Iterable[FeatureMoments]) -> FeatureMoments:
-    """All shares merged, in the order given (at least one)."""
-    it = iter(parts)
-    try:
-        total = next(it)
-    except StopIteration:
-        raise ConfigError("no feature moments to merge") from None
-    for part in it:
-        total = total.merge(part)
-    return total

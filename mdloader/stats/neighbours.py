@@ -23,7 +23,7 @@ DeePMD-kit stores in the model (``min_nbor_dist``) and writes into the descripto
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,6 +39,7 @@ from mdloader.stats.frames import (
     place_of,
     read_chunks,
 )
+from mdloader.stats.merging import merge_all
 
 #: DeePMD-kit's neighbour statistics start from this squared distance (``min_nbor_dist = 100``).
 DEEPMD_MIN_DIST2_START = 100.0
@@ -107,17 +108,6 @@ class NeighbourStats:
             self.rcut, self.mixed_type,
             tuple(max(a, b) for a, b in zip(self.max_neighbours, other.max_neighbours)),
             min(self.min_distance2, other.min_distance2), self.findings + other.findings)
-
-
-def merge_all(parts: Iterable[NeighbourStats]) -> NeighbourStats:
-    """Merge any number of partial statistics (at least one)."""
-    parts = list(parts)
-    if not parts:
-        raise ConfigError("no neighbour statistics to merge")
-    total = parts[0]
-    for part in parts[1:]:  # counts and distances; the findings are joined once, below
-        total = total.merge(replace(part, findings=()))
-    return replace(total, findings=tuple(f for part in parts for f in part.findings))
 
 
 # -- what DeePMD-kit derives from the statistics -----------------------------------------------

@@ -10,7 +10,7 @@ of the residuals broadcast to every type, with preset (``atom_ener``) biases sub
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,18 +48,6 @@ class OutputSamples:
         return OutputSamples(self.key, np.concatenate([self.counts, other.counts])[order],
                              np.concatenate([self.labels, other.labels])[order],
                              positions[order])
-
-
-def merge_all(parts: Iterable[OutputSamples]) -> OutputSamples:
-    """All shares merged (at least one)."""
-    it = iter(parts)
-    try:
-        total = next(it)
-    except StopIteration:
-        raise ConfigError("no output samples to merge") from None
-    for part in it:
-        total = total.merge(part)
-    return total
 
 
 def system_samples(dataset: Any, position: int, *, key: str = "energy", ndim: int = 1,

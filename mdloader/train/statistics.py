@@ -31,7 +31,8 @@ from mdloader.distributed.group import current_world
 from mdloader.errors import DataError
 from mdloader.loading.loader import DpLoaderSet
 from mdloader.loading.statistics import report_line, sharded_pass
-from mdloader.stats.moments import FeatureMoments, merge_all
+from mdloader.stats.merging import merge_all
+from mdloader.stats.moments import FeatureMoments
 from mdloader.stats.output import OutputSamples, output_bias, system_samples
 from mdloader.train.guards import nonfinite_data, small_box_in_batch
 from mdloader.train.model import RadialPotential

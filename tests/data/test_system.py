@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
+from mdloader.data.formats import parse_address
+from mdloader.data.formats.lmdb.groups import group_addresses
 from mdloader.data.schema import DataRequirementItem as Req
 from mdloader.data.system import build_system_meta
 from mdloader.errors import CorruptFileError, DataError, MissingDataError, ShapeError, TypeMapError
-from mdloader.testing import make_system
+from mdloader.testing import make_lmdb, make_system
 
 BACKENDS = ["npy", "hdf5"]
 
@@ -169,6 +171,23 @@ def test_many_descriptions_pickle_compactly_and_round_trip(tmp_path):
     clone = pickle.loads(blob)
     assert clone == metas and clone[-1].address.endswith("r.h5#/")
     assert clone[0].sets is clone[1].sets  # shared after unpickling too
+
+
+def test_a_description_knows_its_location_without_the_registry(tmp_path):
+    """The location follows from the address and the format's name, as parsing the address
+    gives it, for every built-in format, and survives a pickle."""
+    npy = make_system(tmp_path, "npy_sys")
+    h5 = make_system(tmp_path, "grp", backend="hdf5", h5_file="d.h5")
+    make_system(tmp_path, "", backend="hdf5", h5_file="root.h5")
+    db = make_lmdb(tmp_path / "d.lmdb", [make_system(tmp_path / "src", "s0")])
+    for address in (npy, h5, str(tmp_path / "root.h5"), group_addresses(db)[0]):
+        meta = build_system_meta(address)
+        assert meta.location == parse_address(meta.address)
+        assert meta.backend == meta.location.backend
+        clone = pickle.loads(pickle.dumps(meta))
+        assert clone.location == meta.location and clone == meta
+    assert [build_system_meta(a).backend for a in (npy, h5, group_addresses(db)[0])] == [
+        "npy", "hdf5", "lmdb"]
 
 
 @pytest.mark.parametrize("shape,frames,expected", [

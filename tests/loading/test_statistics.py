@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from support.distributed_utils import RankError, run_ranks, values
 
-from mdloader.catalog import stats_store
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.data.schema import DataRequirementItem
 from mdloader.loading.build import build_systems
 from mdloader.loading.statistics import input_statistics, neighbour_statistics
-from mdloader.stats import env_mat
+from mdloader.stats import store
 from mdloader.stats.env_mat import EnvMatSettings, system_env_sums
-from mdloader.stats.neighbours import OverlappingAtomsError, merge_all, system_neighbour_stats
+from mdloader.stats.merging import merge_all
+from mdloader.stats.neighbours import OverlappingAtomsError, system_neighbour_stats
 from mdloader.testing import make_system
 
 TYPE_MAP = ["O", "H"]
@@ -208,7 +208,7 @@ def test_input_statistics_of_chosen_frames_share_the_all_frames_cache(tmp_path: 
         assert sorted(computed, key=str) == sorted(
             [(s, sorted(chosen[i]) if i in chosen else None) for i, s in enumerate(systems)],
             key=str)
-        expected = env_mat.merge_all(system_env_sums(ds, block, frames=chosen.get(i))
+        expected = merge_all(system_env_sums(ds, block, frames=chosen.get(i))
                                      for i, ds in enumerate(datasets()))
         np.testing.assert_allclose(sums[0].total, expected.total, rtol=1e-14)
         np.testing.assert_array_equal(sums[0].number, expected.number)
@@ -237,7 +237,7 @@ def test_a_cache_that_cannot_be_written_costs_one_line_per_cause(tmp_path: Path,
         if os.access(cache, os.W_OK):  # root writes anyway: the write is refused as it would be
             def refused(path, *args, **kwargs):
                 raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-            monkeypatch.setattr(stats_store, "write_atomic", refused)
+            monkeypatch.setattr(store, "write_atomic", refused)
     datasets = [DeepmdDataSetForLoader(s, TYPE_MAP) for s in systems]
     try:
         with caplog.at_level("WARNING"):

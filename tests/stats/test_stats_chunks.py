@@ -21,10 +21,10 @@ from mdloader.data.system import build_system_meta
 from mdloader.errors import NonFiniteError
 from mdloader.stats.env_mat import EnvMatSettings, system_env_sums
 from mdloader.stats.frames import frames_by_set, read_chunks, read_frames
+from mdloader.stats.merging import merge_all
 from mdloader.stats.neighbours import (
     OverlappingAtomsError,
     frames_neighbour_stats,
-    merge_all,
     system_neighbour_stats,
 )
 from mdloader.stats.output import system_samples

@@ -15,10 +15,10 @@ from mdloader.stats.env_mat import (
     EnvMatSettings,
     EnvMatSums,
     davg_dstd,
-    merge_all,
     smooth_weight,
     system_env_sums,
 )
+from mdloader.stats.merging import merge_all
 
 
 def _settings(case: dict) -> EnvMatSettings:
@@ -121,5 +121,3 @@ def test_bad_settings_and_merges_are_refused() -> None:
         EnvMatSettings(6.0, 1.0, (1, 2), 2, mixed_types=True)
     with pytest.raises(ConfigError, match="statistics of 2 and 3 types cannot be merged"):
         EnvMatSums.zeros(2).merge(EnvMatSums.zeros(3))
-    with pytest.raises(ConfigError, match="no environment statistics to merge"):
-        merge_all([])

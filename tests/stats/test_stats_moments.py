@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mdloader.errors import ConfigError
-from mdloader.stats.moments import FeatureMoments, merge_all
+from mdloader.stats.merging import merge_all
+from mdloader.stats.moments import FeatureMoments
 
 
 @pytest.mark.parametrize("cuts", [(), (1,), (40, 41, 90), (13, 13, 60)])

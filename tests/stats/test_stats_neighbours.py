@@ -13,13 +13,13 @@ from support import deepmd_ref, stats_data
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.errors import ConfigError, NonFiniteError
+from mdloader.stats.merging import merge_all
 from mdloader.stats.neighbours import (
     DegenerateBoxError,
     NeighbourStats,
     OverlappingAtomsError,
     auto_sel_ratio,
     frames_neighbour_stats,
-    merge_all,
     min_nbor_dist,
     resolve_sel,
     system_neighbour_stats,
@@ -115,8 +115,6 @@ def test_merge_is_min_and_max_and_refuses_other_settings() -> None:
     assert a.merge(NeighbourStats.empty(6.0, 2, False)) == a
     with pytest.raises(ConfigError, match="different settings.*rcut 6.0 / 5.0"):
         a.merge(NeighbourStats(5.0, False, (1, 1)))
-    with pytest.raises(ConfigError, match="no neighbour statistics to merge"):
-        merge_all([])
 
 
 def _system(tmp_path: Path, **kw) -> tuple[str, Path]:

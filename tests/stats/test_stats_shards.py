@@ -12,6 +12,7 @@ from support import stats_data
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.errors import ConfigError
 from mdloader.stats import env_mat, neighbours
+from mdloader.stats.merging import merge_all
 from mdloader.stats.shards import assign, share, system_weights
 
 
@@ -52,18 +53,17 @@ def test_statistics_merged_over_shares_equal_one_share(tmp_path: Path) -> None:
     settings = env_mat.EnvMatSettings(5.0, 1.0, (4, 6, 2), 3)
     nb = [neighbours.system_neighbour_stats(d, 5.0, 3) for d in data]
     em = [env_mat.system_env_sums(d, settings) for d in data]
-    nb_one, em_one = neighbours.merge_all(nb), env_mat.merge_all(em)
+    nb_one, em_one = merge_all(nb), merge_all(em)
     for world_size in range(1, 6):
         nb_parts, em_parts = [], []
         for r in range(world_size):
             mine = share(weights, r, world_size).tolist()
-            nb_parts.append(neighbours.merge_all(
+            nb_parts.append(merge_all(
                 [neighbours.NeighbourStats.empty(5.0, 3, False)] + [nb[i] for i in mine]))
-            em_parts.append(env_mat.merge_all([env_mat.EnvMatSums.zeros(3)]
-                                              + [em[i] for i in mine]))
-        got = neighbours.merge_all(nb_parts)
+            em_parts.append(merge_all([env_mat.EnvMatSums.zeros(3)] + [em[i] for i in mine]))
+        got = merge_all(nb_parts)
         assert got == nb_one and got.min_distance2 == nb_one.min_distance2
-        sums = env_mat.merge_all(em_parts)
+        sums = merge_all(em_parts)
         np.testing.assert_array_equal(sums.number, em_one.number)
         np.testing.assert_allclose(sums.total, em_one.total, rtol=1e-12, atol=1e-300)
         np.testing.assert_allclose(sums.squared, em_one.squared, rtol=1e-12, atol=1e-300)

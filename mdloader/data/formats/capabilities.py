@@ -12,14 +12,11 @@ registry refuses one that implements only some of a protocol's methods
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from mdloader.data.formats.base import Backend, Listing, Location
-
-if TYPE_CHECKING:
-    from mdloader.data.system import SystemMeta
+from mdloader.data.formats.base import Backend, Listing, Location, SystemMeta
 
 
 @runtime_checkable

@@ -14,7 +14,7 @@ from mdloader.data.formats.registry import backend_of
 from mdloader.errors import DataError
 
 if TYPE_CHECKING:
-    from mdloader.data.system import SystemMeta
+    from mdloader.data.formats.base import SystemMeta
 
 #: Frames read at once by the default deep check and box check (bounds memory on large systems).
 DEEP_CHUNK = 1024

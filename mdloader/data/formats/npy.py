@@ -21,11 +21,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from mdloader.data.formats.base import Listing, Location
+from mdloader.data.formats.base import Listing, Location, interned
 from mdloader.data.formats.handles import HandleCache
 from mdloader.data.formats.sets import SetBackend, SetStorage
 from mdloader.data.layout import frames_and_width
-from mdloader.data.system import interned
 from mdloader.errors import (
     CorruptFileError,
     MissingDataError,

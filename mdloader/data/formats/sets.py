@@ -16,13 +16,22 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.data.formats.base import Backend, FrameReader, Listing, Location, frame_ids
+from mdloader.data.formats.base import (
+    Backend,
+    FrameReader,
+    Listing,
+    Location,
+    SetMeta,
+    SystemMeta,
+    frame_ids,
+    interned,
+    restore_set,
+)
 from mdloader.data.formats.diagnostics import DEEP_CHUNK, SHOWN, nonfinite_rows
 from mdloader.data.formats.geometry import degenerate_boxes
 from mdloader.data.frames import AtomOrder, default_block, expected_widths, transform
 from mdloader.data.layout import frames_and_width, known_width, stored_flat
 from mdloader.data.schema import DataRequirementItem, output_key, stem_in
-from mdloader.data.system import SetMeta, SystemMeta, interned, restore_set
 from mdloader.errors import (
     DataError,
     MissingDataError,
@@ -86,7 +95,7 @@ class SetBackend(Backend):
         atom_types, final_map, idx_map = resolved
         atom_types = atom_types.astype(np.int32)
         atom_types.flags.writeable = False
-        return SystemMeta(address=loc.address, atom_types=atom_types,
+        return SystemMeta(address=loc.address, backend=loc.backend, atom_types=atom_types,
                           type_map=interned(final_map), pbc=pbc, mixed_type=bool(mixed),
                           sets=interned(sets), mixed_idx_map=idx_map)
 

@@ -23,7 +23,7 @@ from mdloader.data.formats import (
     register_backend,
     unregister_backend,
 )
-from mdloader.data.formats.base import frame_ids
+from mdloader.data.formats.base import SetMeta, SystemMeta, frame_ids
 from mdloader.data.formats.capabilities import (
     Diagnostics,
     EntryExpansion,
@@ -31,7 +31,6 @@ from mdloader.data.formats.capabilities import (
     Freshness,
 )
 from mdloader.data.formats.diagnostics import box_blocks, deep_check
-from mdloader.data.system import SetMeta, SystemMeta
 from mdloader.errors import DataError, MissingDataError, UnknownFormatError
 from mdloader.loading.loader import DpLoaderSet
 from mdloader.testing import make_lmdb, make_system
@@ -91,8 +90,8 @@ class NpzBackend(Backend):
         types.flags.writeable = False
         n = len(types)
         sets = (SetMeta("frames", nframes, KEYS, (3 * n, 9, 1, 3 * n)),)
-        return SystemMeta(address=loc.address, atom_types=types, type_map=tuple(model),
-                          pbc=True, mixed_type=False, sets=sets)
+        return SystemMeta(address=loc.address, backend=loc.backend, atom_types=types,
+                          type_map=tuple(model), pbc=True, mixed_type=False, sets=sets)
 
     def reader(self, meta: SystemMeta, requirements: Sequence[Any],
                origin: str | None = None) -> NpzReader:

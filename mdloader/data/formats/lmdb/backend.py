@@ -13,7 +13,14 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from mdloader.data.formats.base import Backend, FrameReader, Listing, Location, frame_ids
+from mdloader.data.formats.base import (
+    Backend,
+    FrameReader,
+    Listing,
+    Location,
+    SystemMeta,
+    frame_ids,
+)
 from mdloader.data.formats.lmdb.address import LMDB_GROUP, lmdb_group_of
 from mdloader.data.formats.lmdb.check import check_group
 from mdloader.data.formats.lmdb.environment import entry_of, frame_key
@@ -21,7 +28,6 @@ from mdloader.data.formats.lmdb.fields import check_requirements
 from mdloader.data.formats.lmdb.groups import describe_group, group_addresses
 from mdloader.data.formats.lmdb.reader import LmdbGroupReader
 from mdloader.data.schema import DataRequirementItem
-from mdloader.data.system import SystemMeta
 from mdloader.errors import DataError
 
 

@@ -12,10 +12,10 @@ from collections import defaultdict
 
 import numpy as np
 
+from mdloader.data.formats.base import SystemMeta
 from mdloader.data.formats.diagnostics import SHOWN
 from mdloader.data.formats.geometry import degenerate_boxes
 from mdloader.data.formats.lmdb.reader import LmdbGroupReader
-from mdloader.data.system import SystemMeta
 from mdloader.errors import MdloaderError
 
 

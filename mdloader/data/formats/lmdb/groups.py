@@ -4,8 +4,8 @@ A database mixes frames of many source systems and atom counts; a batch needs on
 So its frames are grouped by (``frame_system_ids``, ``frame_nlocs``) -- by atom count alone when
 the database records no system ids, as DeePMD-kit does -- and every group becomes one system
 with the address ``<db>#system=S,natoms=N``, in the order of (S, N). Each group is described by
-a :class:`~mdloader.data.system.SystemMeta` whose one set-like entry, :class:`LmdbGroup`, lists
-its frames as runs of consecutive indices, so the description stays small at 10⁶ frames.
+a :class:`~mdloader.data.formats.base.SystemMeta` whose one set-like entry, :class:`LmdbGroup`,
+lists its frames as runs of consecutive indices, so the description stays small at 10⁶ frames.
 
 Only the ``__metadata__`` entry is read, except when it lacks ``frame_nlocs``: then every frame is
 read once, here (on rank 0), for its atom count. The groups of each database are kept per process
@@ -24,13 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from mdloader.data.formats.base import Location
+from mdloader.data.formats.base import Location, SystemMeta, interned
 from mdloader.data.formats.lmdb import environment
 from mdloader.data.formats.lmdb.address import group_address, lmdb_group_of
 from mdloader.data.formats.lmdb.environment import METADATA_KEY, entry_of
 from mdloader.data.formats.lmdb.frame_runs import FrameRuns, encode_groups
 from mdloader.data.formats.lmdb.metadata import Metadata, read_metadata
-from mdloader.data.system import SystemMeta, interned
 from mdloader.errors import DataError, MissingDataError, TypeMapError
 
 _CACHE: OrderedDict[str, tuple[tuple[int, ...], LmdbGroups]] = OrderedDict()
@@ -159,8 +158,9 @@ def describe_group(loc: Location, type_map: Sequence[str] | None) -> SystemMeta:
     final_map, remap = _type_maps(found, type_map, loc.address)
     group = _restore_group(runs.nframes, runs.blob, found.metadata.frame_format, remap,
                            found.stamp)
-    return SystemMeta(address=loc.address, atom_types=_placeholder(natoms),
-                      type_map=interned(final_map), pbc=True, mixed_type=True, sets=(group,))
+    return SystemMeta(address=loc.address, backend=loc.backend,
+                      atom_types=_placeholder(natoms), type_map=interned(final_map), pbc=True,
+                      mixed_type=True, sets=(group,))
 
 
 def _some_groups(found: LmdbGroups) -> str:

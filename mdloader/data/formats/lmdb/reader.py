@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from mdloader.data.collate import batch_from_blocks
+from mdloader.data.formats.base import SystemMeta
 from mdloader.data.formats.geometry import degenerate_boxes
 from mdloader.data.formats.lmdb import codec, environment, stacked
 from mdloader.data.formats.lmdb.environment import entry_of, frame_key
@@ -43,7 +44,6 @@ from mdloader.data.formats.lmdb.fields import (
     resolve_requirement,
 )
 from mdloader.data.schema import DataRequirementItem, float_precisions
-from mdloader.data.system import SystemMeta
 from mdloader.errors import (
     CorruptFileError,
     DataError,

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from mdloader.data.formats import backend_of
+from mdloader.data.formats.base import SystemMeta
 from mdloader.data.formats.lmdb.writer import SourceChunk
 from mdloader.data.formats.sets import SetBackend
-from mdloader.data.system import SystemMeta
 from mdloader.errors import DataError, UnknownFormatError
 
 #: npy key -> (LMDB field, per-frame shape with -1 for the atom count).

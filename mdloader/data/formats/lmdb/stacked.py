@@ -14,7 +14,7 @@ names a defective frame.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,44 +29,58 @@ from mdloader.data.formats.lmdb.fields import (
     canonical,
     resolve_requirement,
 )
+from mdloader.data.schema import DataRequirementItem
 
-if TYPE_CHECKING:
-    from mdloader.data.formats.lmdb.reader import LmdbGroupReader
+
+class StackTarget(Protocol):
+    """What stacking needs of the group a batch is read from, and nothing of how its records
+    are read: the group's atom and type counts, the remap of stored type ids, the data
+    requirements and the output dtypes (the group's reader, which passes itself, has them)."""
+
+    natoms: int
+    ntypes: int
+    #: stored type id -> model type id (``None``: ids are used as stored)
+    remap: np.ndarray | None
+    #: the data requirements, by key
+    requirements: dict[str, DataRequirementItem]
+    #: the output dtype of each cast field, and a hashable key of them (layouts are shared by it)
+    dtypes: dict[str, np.dtype]
+    dtypes_key: tuple
 
 
 #: Per-frame shape of the fields stacked (``-1``: the atom count), in DeePMD-kit's keys.
 _CORE_SHAPES = {**CORE_SHAPES, "atype": (-1,)}
 
 
-def stacked_batch(reader: LmdbGroupReader, raws: list[dict[Any, Any]],
+def stacked_batch(group: StackTarget, raws: list[dict[Any, Any]],
                   indices: list[int]) -> dict[str, Any] | None:
     """The batch of ``raws`` (unpacked records of frames ``indices``), or ``None`` when the
     records do not share one layout or one of them needs the per-frame path's error."""
     try:
-        blocks = _blocks(reader, raws)
+        blocks = _blocks(group, raws)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError):
         return None
-    if blocks is None or not _types_ok(reader, blocks):
+    if blocks is None or not _types_ok(group, blocks):
         return None
     box = blocks.get("box")
     if box is not None and len(degenerate_boxes(box)):  # the per-frame path names the frame
         return None
     flags: dict[str, list[np.float32]] = {}
-    if not _requirements(reader, blocks, flags, len(raws)):
+    if not _requirements(group, blocks, flags, len(raws)):
         return None
     for name in list(blocks):
-        if name not in reader.requirements and name not in ("coord", "box", "atype"):
+        if name not in group.requirements and name not in ("coord", "box", "atype"):
             flags["find_" + name] = [ONE]
     for name in ALWAYS_FLAGGED:
         flags.setdefault("find_" + name, [ONE if name in blocks else ZERO])
-    blocks["natoms"] = blocks["real_natoms_vec"] = _counts(blocks["atype"], reader.ntypes)
+    blocks["natoms"] = blocks["real_natoms_vec"] = _counts(blocks["atype"], group.ntypes)
     blocks.setdefault("box", None)
     return batch_from_blocks(blocks, flags, indices)
 
 
-def _blocks(reader: LmdbGroupReader, raws: list[dict[Any, Any]]) -> dict[str, Any] | None:
+def _blocks(group: StackTarget, raws: list[dict[Any, Any]]) -> dict[str, Any] | None:
     """One stacked array per field, or ``None`` when the records' layouts differ."""
-    layout = _layout(reader, raws[0])
+    layout = _layout(group, raws[0])
     if layout is None:
         return None
     names = layout.names
@@ -103,15 +117,15 @@ _LAYOUTS: dict[tuple[Any, ...], _StackLayout] = {}
 _LAYOUTS_LIMIT = 256
 
 
-def _layout(reader: LmdbGroupReader, first: dict[Any, Any]) -> _StackLayout | None:
+def _layout(group: StackTarget, first: dict[Any, Any]) -> _StackLayout | None:
     """The stacking layout of records like ``first``, or ``None`` when such a record needs the
     per-frame path. Layouts are shared by the groups of equal atom count and output dtypes."""
     names = tuple(first)
-    key = (names, reader.natoms, reader.dtypes_key)
+    key = (names, group.natoms, group.dtypes_key)
     layout = _LAYOUTS.get(key)
     if layout is not None and layout.fits(first):
         return layout
-    layout = _new_layout(reader, first)
+    layout = _new_layout(group, first)
     if layout is not None:
         if len(_LAYOUTS) >= _LAYOUTS_LIMIT:
             _LAYOUTS.clear()
@@ -119,7 +133,7 @@ def _layout(reader: LmdbGroupReader, first: dict[Any, Any]) -> _StackLayout | No
     return layout
 
 
-def _new_layout(reader: LmdbGroupReader, first: dict[Any, Any]) -> _StackLayout | None:
+def _new_layout(group: StackTarget, first: dict[Any, Any]) -> _StackLayout | None:
     layout = _StackLayout()
     layout.names = first.keys()
     for name in first:
@@ -133,7 +147,7 @@ def _new_layout(reader: LmdbGroupReader, first: dict[Any, Any]) -> _StackLayout 
         count = math.prod(shape)
         per_frame = tuple(shape) if key not in _CORE_SHAPES else _resolve(_CORE_SHAPES[key],
                                                                         count)
-        dtype = np.dtype(np.int64) if key == "atype" else reader.dtypes.get(key, stored)
+        dtype = np.dtype(np.int64) if key == "atype" else group.dtypes.get(key, stored)
         layout.append((name, key, kind, shape, stored, per_frame, dtype, count * stored.itemsize))
     if not {"atype", "coord"} <= {step[1] for step in layout}:
         return None
@@ -151,28 +165,28 @@ def _resolve(shape: tuple[int, ...], count: int) -> tuple[int, ...]:
     return tuple(count // rest if s == -1 else s for s in shape)
 
 
-def _types_ok(reader: LmdbGroupReader, blocks: dict[str, Any]) -> bool:
+def _types_ok(group: StackTarget, blocks: dict[str, Any]) -> bool:
     """Atom counts match the group, ids are in range; remaps them in place."""
     atype = blocks["atype"]
-    if atype.shape[1] != reader.natoms or blocks["coord"].shape[1] != reader.natoms:
+    if atype.shape[1] != group.natoms or blocks["coord"].shape[1] != group.natoms:
         return False
-    if "force" in blocks and blocks["force"].shape[1] != reader.natoms:
+    if "force" in blocks and blocks["force"].shape[1] != group.natoms:
         return False
-    limit = reader.ntypes if reader.remap is None else len(reader.remap)
+    limit = group.ntypes if group.remap is None else len(group.remap)
     if atype.size and atype.max() >= limit:
         return False
-    if reader.remap is not None:
+    if group.remap is not None:
         real = atype >= 0
-        atype[real] = reader.remap[atype[real]]
+        atype[real] = group.remap[atype[real]]
     return True
 
 
-def _requirements(reader: LmdbGroupReader, blocks: dict[str, Any],
+def _requirements(group: StackTarget, blocks: dict[str, Any],
                   flags: dict[str, list[np.float32]], k: int) -> bool:
     """Resolve every requirement for the whole batch; ``False``: a ``must`` label is absent
     (the per-frame path names the frame)."""
     natoms = blocks["atype"].shape[1]
-    for name, req in reader.requirements.items():
+    for name, req in group.requirements.items():
         if name not in blocks and req.must:
             return False
         flag, blocks[name] = resolve_requirement(req, blocks.get(name), natoms, k)
