@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 from pathlib import Path
 
 import pytest
+from support.inputs import write_input
 
 from mdloader.config.argcheck import schema_markdown
 from mdloader.config.input_json import Config, load_config, parse_config
@@ -56,8 +56,7 @@ _DELETE = object()
 def test_complete_deepmd_input_is_accepted(tmp_path: Path) -> None:
     folder = tmp_path / "se_e2_a"
     folder.mkdir()
-    (folder / "input.json").write_text(json.dumps(DEEPMD_INPUT))
-    cfg = load_config(folder / "input.json")
+    cfg = load_config(write_input(folder, DEEPMD_INPUT))
     assert isinstance(cfg, Config)
     data = str(tmp_path / "data")
     assert cfg.training_data.systems == tuple(os.path.join(data, f"data_{i}") for i in range(3))
