@@ -7,8 +7,8 @@ Conventions (also explained on the docs' home page):
   ``bash`` and ``console`` commands then run, in order, from the same folder (``console``:
   lines starting with ``$ `` are commands, the lines after them the expected output, in which
   ``...`` stands for any text and any run of whitespace matches any other). ``json`` blocks must
-  parse, and a ``json`` block with a ``training`` section must pass mdloader's ``input.json``
-  checker.
+  parse to an object, and a ``json`` block with a ``training`` section must pass mdloader's
+  ``input.json`` checker, which reads the systems and batch size it shows.
   ``text`` blocks (diagrams, outputs) are shown only.
 * An HTML comment right before a block changes how it is tested, visibly in the source:
   ``<!-- docs-test: skip (reason) -->`` (the reason is required),
@@ -200,14 +200,36 @@ def test_every_environment_variable_is_documented() -> None:
     assert not unknown, f"job_slurm.sh exports variables no code reads: {unknown}"
 
 
-@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.lang == "json"],
-                         ids=lambda b: b.where)
+JSON_BLOCKS = [b for b in ALL_BLOCKS if b.lang == "json"]
+
+
+def test_the_json_blocks_are_found() -> None:
+    """getting-started.md's input and sampling.md's balanced steps at least: without them the
+    test below would check nothing and pass."""
+    assert len(JSON_BLOCKS) >= 2, [b.where for b in JSON_BLOCKS]
+
+
+@pytest.mark.parametrize("block", JSON_BLOCKS, ids=lambda b: b.where)
 def test_json_blocks_are_valid(block: Block) -> None:
+    """A JSON object; with a ``training`` section, one that mdloader's ``input.json`` checker
+    accepts and reads as shown: each key of its training data under its own name (the systems
+    relative to the repository)."""
     from mdloader.config.input_json import parse_config
 
     data = json.loads(block.code)
-    if isinstance(data, dict) and "training" in data:
-        parse_config(data, base_dir=str(REPO))
+    assert isinstance(data, dict) and data, f"{block.where}: not a JSON object: {data!r}"
+    if "training" not in data:
+        return
+    read = parse_config(data, base_dir=str(REPO)).training_data
+    shown = dict(data["training"]["training_data"])
+    systems = shown.pop("systems")
+    assert read.systems == tuple(os.path.normpath(os.path.join(REPO, s)) for s in
+                                 ([systems] if isinstance(systems, str) else systems))
+    assert read.batch_size_value() == shown.pop("batch_size", "auto")
+    for key, value in shown.items():
+        if hasattr(read, key):  # lists are read as tuples
+            assert getattr(read, key) == (tuple(value) if isinstance(value, list) else value), (
+                f"{block.where}: {key}")
 
 
 def test_example_input_json_is_accepted() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.inputs import write_input
 
 from mdloader.cli.main import main
 from mdloader.persist import temporary_path
@@ -17,14 +18,12 @@ from mdloader.testing import make_dataset
 
 def _input(tmp_path: Path, name: str, count: int) -> Path:
     systems = make_dataset(tmp_path / name, count, nframes=4, seed=count)
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps({
+    return write_input(tmp_path, {
         "model": {"type_map": ["O", "H"], "fitting_net": {},
                   "descriptor": {"type": "se_e2_a", "sel": "auto", "rcut": 4.0,
                                  "rcut_smth": 0.5}},
         "training": {"training_data": {"systems": systems, "batch_size": 1},
-                     "numb_steps": 1}}))
-    return path
+                     "numb_steps": 1}}, f"{name}.json")
 
 
 def _cache(capsys: pytest.CaptureFixture[str], *argv: str) -> list[dict]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.inputs import write_input
 
 from mdloader.cli.main import main
 from mdloader.logs import setup_logging
@@ -43,9 +44,7 @@ def _input(tmp_path: Path, training: dict | None = None, data: dict | None = Non
                         "validation_data": {"systems": "data/valid", "batch_size": 1},
                         "numb_steps": 4, "seed": 3, "disp_freq": 2, "save_freq": 2,
                         **(training or {})}}
-    path = tmp_path / "input.json"
-    path.write_text(json.dumps(raw))
-    return path
+    return write_input(tmp_path, raw)
 
 
 def test_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -108,9 +107,8 @@ def test_check_deep_reads_hdf5(tmp_path: Path, capsys: pytest.CaptureFixture[str
                           keys=("energy", "force"))
     with h5py.File(tmp_path / "data.h5", "r+") as fh:
         fh["grp/set.000/energy.npy"][1] = np.nan
-    (tmp_path / "in.json").write_text(json.dumps(
-        {"training": {"training_data": {"systems": "data.h5", "batch_size": 1}}}))
-    assert main(["check", str(tmp_path / "in.json"), "--deep"]) == 1
+    config = {"training": {"training_data": {"systems": "data.h5", "batch_size": 1}}}
+    assert main(["check", str(write_input(tmp_path, config, "in.json")), "--deep"]) == 1
     out = capsys.readouterr().out
     assert address in out
     assert "NaN/inf in " in out and "energy.npy: 1 frame(s), system frame ids 1" in out

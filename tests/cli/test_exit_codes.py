@@ -1,13 +1,13 @@
 """What a new user meets first: exit codes that agree, a closed pipe, fast argument errors."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.inputs import write_input
 
 from mdloader.cli.main import EXIT_CODES, main
 from mdloader.testing import make_system
@@ -22,10 +22,8 @@ def _env() -> dict[str, str]:
 
 def _water_like(tmp_path: Path, systems: list[str]) -> Path:
     make_system(tmp_path / "data", "s0", natoms=4, nframes=4, keys=("energy", "force"))
-    path = tmp_path / "input.json"
-    path.write_text(json.dumps({"model": {"type_map": ["O", "H"]}, "training": {
-        "training_data": {"systems": systems, "batch_size": 1}, "numb_steps": 2}}))
-    return path
+    return write_input(tmp_path, {"model": {"type_map": ["O", "H"]}, "training": {
+        "training_data": {"systems": systems, "batch_size": 1}, "numb_steps": 2}})
 
 
 def test_help_lists_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:

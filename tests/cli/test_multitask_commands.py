@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.inputs import write_input
 
 from mdloader.cli.main import main
 from mdloader.testing import make_system
@@ -19,8 +20,7 @@ def _job(tmp_path: Path, *, broken_b: bool = False) -> Path:
                     keys=("energy", "force"),
                     broken="frame_mismatch" if broken_b and name == "only_b" else None)
     descriptor = {"type": "se_e2_a", "rcut": 3.0, "rcut_smth": 0.5, "sel": "auto"}
-    path = tmp_path / "input.json"
-    path.write_text(json.dumps({
+    return write_input(tmp_path, {
         "model": {"shared_dict": {"tm": ["O", "H"], "desc": descriptor},
                   "model_dict": {t: {"type_map": "tm", "descriptor": "desc", "fitting_net": {}}
                                  for t in ("a", "b")}},
@@ -30,8 +30,7 @@ def _job(tmp_path: Path, *, broken_b: bool = False) -> Path:
                   "validation_data": {"systems": ["data/shared"], "batch_size": 1}},
             "b": {"training_data": {"systems": ["data/shared", "data/only_b"],
                                     "batch_size": 2}}},
-            "numb_steps": 2, "seed": 1}}))
-    return path
+            "numb_steps": 2, "seed": 1}})
 
 
 def test_check_reports_every_task_and_the_weights(tmp_path: Path,

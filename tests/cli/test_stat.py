@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.inputs import write_input
 
 from mdloader.cli.main import main
 from mdloader.cli.stat import descriptor_blocks
@@ -18,12 +19,10 @@ from mdloader.testing import make_dataset
 
 def _input(tmp_path: Path, descriptor: dict) -> str:
     systems = make_dataset(tmp_path / "data", 3, nframes=5, seed=3)
-    path = tmp_path / "input.json"
-    path.write_text(json.dumps({
+    return str(write_input(tmp_path, {
         "model": {"type_map": ["O", "H"], "descriptor": descriptor, "fitting_net": {}},
         "training": {"training_data": {"systems": systems, "batch_size": 1},
                      "numb_steps": 1}}))
-    return str(path)
 
 
 def _stat(capsys: pytest.CaptureFixture[str], *argv: str, log: list[str] | None = None) -> dict:

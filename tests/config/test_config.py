@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 from pathlib import Path
 
 import pytest
+from support.inputs import write_input
 
 from mdloader.config.argcheck import schema_markdown
 from mdloader.config.input_json import Config, load_config, parse_config
@@ -56,8 +56,7 @@ _DELETE = object()
 def test_complete_deepmd_input_is_accepted(tmp_path: Path) -> None:
     folder = tmp_path / "se_e2_a"
     folder.mkdir()
-    (folder / "input.json").write_text(json.dumps(DEEPMD_INPUT))
-    cfg = load_config(folder / "input.json")
+    cfg = load_config(write_input(folder, DEEPMD_INPUT))
     assert isinstance(cfg, Config)
     data = str(tmp_path / "data")
     assert cfg.training_data.systems == tuple(os.path.join(data, f"data_{i}") for i in range(3))
@@ -141,15 +140,23 @@ def test_paths_resolve_against_the_json_folder() -> None:
     assert cfg.validation_data is not None and cfg.validation_data.index_file is None
 
 
-@pytest.mark.parametrize("rule", ["auto", "auto:64", "max:300", "filter:200", 4, [1, 2]])
-def test_good_batch_rules(rule: object) -> None:
-    parse_config(_with("training.training_data.batch_size", rule))
+@pytest.mark.parametrize("rule, held", [("auto", "auto"), ("auto:64", "auto:64"),
+                                        ("max:300", "max:300"), ("filter:200", "filter:200"),
+                                        (4, 4), ([1, 2], (1, 2))])
+def test_good_batch_rules(rule: object, held: object) -> None:
+    """Held as given (a list as a tuple, in the frozen config) and handed on as DeePMD-kit
+    passes it."""
+    data = parse_config(_with("training.training_data.batch_size", rule)).training_data
+    assert data.batch_size == held
+    assert data.batch_size_value() == rule
 
 
 @pytest.mark.parametrize("style", ["prob_uniform", "prob_sys_size",
                                    "prob_sys_size;0:2:0.3;2:3:0.7", "prob_sys_size; 0:1:1"])
 def test_good_prob_styles(style: str) -> None:
-    parse_config(_with("training.training_data.auto_prob", style))
+    data = parse_config(_with("training.training_data.auto_prob", style)).training_data
+    assert data.auto_prob == style
+    assert data.sampler_params() == {"auto_prob": style}
 
 
 BAD_CASES = [

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+from support.inputs import write_input
 
 from mdloader.config.input_json import load_config
 from mdloader.config.multitask import JobConfig, load_job, parse_multitask, task_weights
@@ -103,10 +103,9 @@ def test_bad_multitask_inputs_name_the_json_path(tmp_path: Path, edit: object,
 
 def test_load_job_tells_single_from_multi_task_and_one_config_refuses_it(
         tmp_path: Path) -> None:
-    multi, single = tmp_path / "multi.json", tmp_path / "single.json"
-    multi.write_text(json.dumps(_multitask()))
-    single.write_text(json.dumps({"model": {"type_map": ["O", "H"]}, "training": {
-        "training_data": {"systems": ["sys0"]}, "numb_steps": 1}}))
+    multi = write_input(tmp_path, _multitask(), "multi.json")
+    single = write_input(tmp_path, {"model": {"type_map": ["O", "H"]}, "training": {
+        "training_data": {"systems": ["sys0"]}, "numb_steps": 1}}, "single.json")
     assert isinstance(load_job(multi), JobConfig)
     assert load_job(single) == load_config(single)
     with pytest.raises(ConfigError, match=r"^model\.model_dict: a multi-task input: mdloader "

@@ -89,7 +89,11 @@ def test_error_packet_is_raised_on_every_rank(mode: str, pattern: str) -> None:
         with pytest.raises(RemoteError, match=pattern):
             raise err.exception
         assert "Traceback" in err.exception.traceback_text
-    assert max(e.finished_at for e in errs) - min(e.finished_at for e in errs) < 2.0
+    spread = max(e.finished_at for e in errs) - min(e.finished_at for e in errs)
+    print(f"the {len(errs)} ranks raised within {spread:.3f} s")
+    # measured 0.001-0.016 s: 2 s is a hang guard (5-10 times that would be a timing test on a
+    # busy machine), a tenth of the 20 s a rank left waiting for the packet would take
+    assert spread < 2.0
 
 
 def _slow_source(rank: int, world: int) -> None:

@@ -3,7 +3,6 @@ losses and weights, boxes too small for the cutoff, restarts that trim lcurve.ou
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from support.distributed_utils import errors, run_ranks
+from support.inputs import write_input
 
 from mdloader.config.input_json import parse_config
 from mdloader.errors import ConfigError, DataError, NonFiniteError, StaleDataError
@@ -164,7 +164,7 @@ def test_a_restart_drops_the_lines_after_its_checkpoint(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_sigterm_stops_after_a_step_with_a_checkpoint_and_exit_143(tmp_path: Path) -> None:
     raw = _raw(tmp_path, steps=100000, save_freq=100000)
-    (tmp_path / "input.json").write_text(json.dumps(raw))
+    write_input(tmp_path, raw)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "mdloader", "train", "input.json", "--rcut",
                              "2.5", "--num-workers", "1", "-o", "out"], cwd=tmp_path, env=env,

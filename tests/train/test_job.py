@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.distributed_utils import errors, run_ranks
+from support.inputs import write_input
 
 from mdloader.cli.main import main
 from mdloader.config.input_json import parse_config
@@ -127,9 +127,7 @@ def test_a_failed_checkpoint_write_names_the_file_and_keeps_the_last(tmp_path: P
 
 
 def _input(tmp_path: Path, raw: dict) -> str:
-    path = tmp_path / "input.json"
-    path.write_text(json.dumps(raw))
-    return str(path)
+    return str(write_input(tmp_path, raw))
 
 
 @pytest.mark.parametrize("kind", ["file", "under a file"])

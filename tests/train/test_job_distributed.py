@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.inputs import write_input
 
 from mdloader import DpLoaderSet, get_sampler_from_params
 from mdloader.loading.build import build_systems
@@ -143,9 +144,7 @@ def _input(tmp_path: Path, dataset: Path, *, seed: int, systems: list[str] | Non
     raw = {"model": {"type_map": ["O", "H"]},
            "training": {"training_data": {"systems": systems or ["data"], "batch_size": 2},
                         "numb_steps": steps, "seed": seed, "disp_freq": 1, "save_freq": 1000}}
-    path = tmp_path / "input.json"
-    path.write_text(json.dumps(raw))
-    return path
+    return write_input(tmp_path, raw)
 
 
 def _first_reads(systems: list, seed: int, rank: int, steps: int = 80) -> dict[int, int]:
@@ -353,7 +352,7 @@ def test_sigterm_to_torchrun_during_a_long_full_validation(tmp_path: Path,
                     keys=("energy", "force"))
     raw = json.loads(path.read_text())
     raw["training"].update(save_freq=5, validation_data={"systems": ["valid"], "batch_size": 1})
-    path.write_text(json.dumps(raw))
+    write_input(tmp_path, raw)
     job = _job([str(path), "--rcut", "2.5", "--num-workers", "1", "-o", "out",
                 "--full-validation"], tmp_path,
                ready=_logged("full validation at step 5: started"),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from support.deepmd_env import require_deepmd_python
+from support.inputs import write_input
 
 from mdloader.errors import ConfigError
 from mdloader.integrations.deepmd import (
@@ -194,7 +195,7 @@ def dp_job(tmp_path: Path, systems: object, batch_size: object) -> Path:
         "training": {"training_data": {"systems": systems, "batch_size": batch_size},
                      "numb_steps": STEPS, "seed": 7, "disp_freq": 2, "save_freq": STEPS},
     }
-    (tmp_path / "input.json").write_text(json.dumps(config))
+    write_input(tmp_path, config)
     (tmp_path / "spy.py").write_text(SPY)
     return tmp_path
 

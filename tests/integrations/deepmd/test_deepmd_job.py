@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from support.deepmd_env import require_deepmd_python
 from support.deepmd_ref import DEEPMD_DP, assert_statistics_equal, run_job, saved_statistics
+from support.inputs import write_input
 
 from mdloader.loading.job import JobSection, build_job
 from mdloader.testing import make_dataset
@@ -93,7 +94,7 @@ def _finetune_job(root: Path, name: str) -> Path:
     training = config["training"]
     config["training"] = {"training_data": training["data_dict"]["dense"]["training_data"],
                           "numb_steps": 1, "seed": 7, "disp_freq": 1, "save_freq": 1}
-    (job / "input.json").write_text(json.dumps(config))
+    write_input(job, config)
     return job
 
 
@@ -121,14 +122,14 @@ def _multitask_finetune_job(root: Path, name: str) -> Path:
         config["training"]["model_prob"][head] = 1.0
         config["training"]["data_dict"][head] = {
             "training_data": {"systems": [str(root / d) for d in data], "batch_size": 1}}
-    (job / "input.json").write_text(json.dumps(config))
+    write_input(job, config)
     return job
 
 
 def _job(root: Path, name: str, heads: tuple[str, ...]) -> Path:
     job = root / name
     job.mkdir()
-    (job / "input.json").write_text(json.dumps(_config(root, heads)))
+    write_input(job, _config(root, heads))
     return job
 
 

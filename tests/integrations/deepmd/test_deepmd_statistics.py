@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from support.deepmd_env import require_deepmd_python
 from support.deepmd_ref import DEEPMD_DP, run_job, saved_statistics
+from support.inputs import write_input
 
 from mdloader.testing import make_dataset, make_lmdb, make_system
 
@@ -103,7 +104,7 @@ def _subset_job(root: Path, name: str, systems: list[str], descriptor: dict,
     config = json.loads((job / "input.json").read_text())
     config["model"]["data_stat_nbatch"] = nbatch
     config["training"]["training_data"]["batch_size"] = "auto:24"
-    (job / "input.json").write_text(json.dumps(config))
+    write_input(job, config)
     (job / "deepmd_statistics.py").write_text(DEEPMD_STATISTICS)
     return job
 
@@ -115,7 +116,7 @@ def _model(job: Path) -> dict:
 def _job(root: Path, name: str, systems: object, descriptor: dict, type_map: list[str]) -> Path:
     job = root / name
     job.mkdir()
-    (job / "input.json").write_text(json.dumps(_config(systems, descriptor, type_map)))
+    write_input(job, _config(systems, descriptor, type_map))
     return job
 
 

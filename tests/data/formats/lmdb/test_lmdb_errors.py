@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.inputs import write_input
 
 from mdloader.catalog.discover import discover_systems
 from mdloader.cli.check import deep_check
@@ -177,19 +178,17 @@ def test_check_deep_passes_a_good_database_and_reports_nan(tmp_path: Path) -> No
 
 def test_mdloader_check_on_a_database(tmp_path: Path, sources: list[str],
                                       capsys: pytest.CaptureFixture[str]) -> None:
-    import json
-
     from mdloader.cli.main import main
 
     db = _db(tmp_path, sources, "corrupt_frame")
     config = {"model": {"type_map": ["O", "H"]},
               "training": {"training_data": {"systems": db, "batch_size": "auto"},
                            "numb_steps": 1}}
-    (tmp_path / "input.json").write_text(json.dumps(config))
-    assert main(["check", str(tmp_path / "input.json")]) == 0
+    path = write_input(tmp_path, config)
+    assert main(["check", str(path)]) == 0
     out = capsys.readouterr().out
     assert f"{db}#system=0,natoms=6       6        4     6        1    0.500  ?" in out, out
-    assert main(["check", str(tmp_path / "input.json"), "--deep"]) == 1
+    assert main(["check", str(path), "--deep"]) == 1
     assert "cannot decode frame 0 (not msgpack)" in capsys.readouterr().out
 
 
