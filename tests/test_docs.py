@@ -225,10 +225,11 @@ def test_json_blocks_are_valid(block: Block) -> None:
     systems = shown.pop("systems")
     assert read.systems == tuple(os.path.normpath(os.path.join(REPO, s)) for s in
                                  ([systems] if isinstance(systems, str) else systems))
-    assert read.batch_size_value() == shown.pop("batch_size", "auto")
+    assert read.sampling.batch_size_value() == shown.pop("batch_size", "auto")
     for key, value in shown.items():
-        if hasattr(read, key):  # lists are read as tuples
-            assert getattr(read, key) == (tuple(value) if isinstance(value, list) else value), (
+        holder = read.sampling if hasattr(read.sampling, key) else read
+        if hasattr(holder, key):  # lists are read as tuples
+            assert getattr(holder, key) == (tuple(value) if isinstance(value, list) else value), (
                 f"{block.where}: {key}")
 
 

@@ -19,7 +19,7 @@ import json
 import resource
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -124,12 +124,13 @@ class Pulled:
         return count / self.seconds if self.seconds > 0 else float("nan")
 
 
-def _pull(stream: Iterator[dict[str, Any]], batches: int) -> Pulled:
+def _pull(stream: Iterable[dict[str, Any]], batches: int) -> Pulled:
     """Pull ``batches`` batches as the trainer does.
 
     The rates count from the first batch on: with workers, the wait for the first one is
     mostly their start-up, which would otherwise dominate a short run."""
     out = Pulled()
+    stream = iter(stream)
     start = time.perf_counter()
     next(stream)
     steady = time.perf_counter()

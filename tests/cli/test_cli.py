@@ -282,7 +282,8 @@ def test_torchrun_train_and_restart(tmp_path: Path) -> None:
     assert full.returncode == 0, full.stderr
     assert "[rank 0] INFO" in full.stderr and "[rank 1] INFO" not in full.stderr
     ckpt = torch.load(tmp_path / "full" / "model.ckpt.pt", weights_only=True)
-    assert ckpt["world_size"] == 2 and ckpt["loader"]["sampler"]["generations"] == [[2, 6, 6]]
+    generations = ckpt["loader_state"]["streams"]["training"]["generations"]
+    assert ckpt["world_size"] == 2 and generations == [[2, 6, 6]]
     part = _run(_torchrun(["train", path, "-o", "part", "--stop-after", "3", *common]),
                 tmp_path, 120)
     assert part.returncode == 0, part.stderr
@@ -296,7 +297,7 @@ def test_torchrun_train_and_restart(tmp_path: Path) -> None:
     assert [line.split()[0] for line in full_valid[1:]] == ["4", "6"]
     assert all(line.split()[3] == "4" for line in full_valid[1:])  # the 4 validation frames
     ckpt = torch.load(tmp_path / "one" / "model.ckpt.pt", weights_only=True)
-    assert ckpt["loader"]["sampler"]["generations"] == [[2, 3, 3], [1, 3]]
+    assert ckpt["loader_state"]["streams"]["training"]["generations"] == [[2, 3, 3], [1, 3]]
     rest = _run(_torchrun(["train", path, "-o", "part", "--restart", "part/model.ckpt-3.pt",
                            *common]), tmp_path, 120)
     assert rest.returncode == 0, rest.stderr
@@ -325,6 +326,7 @@ def test_torchrun_train_fails_together(tmp_path: Path) -> None:
     each rank finds it on its own, the first to publish it in the store names itself."""
     data = tmp_path / "data"
     make_system(data, "train0", natoms=5, nframes=4, keys=("energy",))  # no force.npy
+    make_system(data, "valid", natoms=5, nframes=4, keys=("energy", "force"))
     path = _input(tmp_path)
     done = _run(_torchrun(["train", str(path), "--rcut", "2.5", "--num-workers", "0"]),
                 tmp_path, 150)

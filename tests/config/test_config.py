@@ -77,7 +77,8 @@ def test_complete_deepmd_input_is_accepted(tmp_path: Path) -> None:
 def test_defaults_match_deepmd() -> None:
     cfg = parse_config({"training": {"training_data": {"systems": "/d"}}})
     td = cfg.training_data
-    assert (td.systems, td.sampling.batch_size, td.sampling.auto_prob, td.sampling.sys_probs, td.rglob_patterns) == (
+    spec = td.sampling
+    assert (td.systems, spec.batch_size, spec.auto_prob, spec.sys_probs, td.rglob_patterns) == (
         ("/d",), "auto", "prob_sys_size", None, None)
     assert cfg.validation_data is None and cfg.type_map is None and cfg.seed is None
     assert (cfg.numb_steps, cfg.numb_epoch, cfg.disp_freq, cfg.save_freq) == (
@@ -147,16 +148,16 @@ def test_good_batch_rules(rule: object, held: object) -> None:
     """Held as given (a list as a tuple, in the frozen config) and handed on as DeePMD-kit
     passes it."""
     data = parse_config(_with("training.training_data.batch_size", rule)).training_data
-    assert data.batch_size == held
-    assert data.batch_size_value() == rule
+    assert data.sampling.batch_size == held
+    assert data.sampling.batch_size_value() == rule
 
 
 @pytest.mark.parametrize("style", ["prob_uniform", "prob_sys_size",
                                    "prob_sys_size;0:2:0.3;2:3:0.7", "prob_sys_size; 0:1:1"])
 def test_good_prob_styles(style: str) -> None:
     data = parse_config(_with("training.training_data.auto_prob", style)).training_data
-    assert data.auto_prob == style
-    assert data.sampler_params() == {"auto_prob": style}
+    assert data.sampling.auto_prob == style
+    assert data.sampling.sampler_params() == {"auto_prob": style}
 
 
 BAD_CASES = [

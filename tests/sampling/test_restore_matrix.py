@@ -33,10 +33,10 @@ from mdloader import (
 from mdloader.distributed.collectives import gather_to_main
 from mdloader.errors import StateDictError
 from mdloader.loading.stateful_loader import StatefulLoader
+from mdloader.sampling.spec import SamplingSpec
 from mdloader.testing import make_system
 from mdloader.transport import identity
 from mdloader.world import World
-from mdloader.sampling.spec import SamplingSpec
 
 EPOCH = 12  # keys per epoch (num_samples)
 TYPE_MAP = ["O", "H"]
