@@ -52,13 +52,14 @@ def sizes(nsys: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _sampler(natoms: np.ndarray, nframes: np.ndarray, world: int, rank: int, balanced: bool):
-    from mdloader.sampling.plan import LoaderPlan, PlanOwner
+    from mdloader.sampling.plan import LoaderPlan
     from mdloader.sampling.samplers import WeightedSystemSampler
+    from mdloader.sampling.spec import SamplingSpec
 
-    plan = LoaderPlan.build(natoms, nframes, "auto", seed=1, world_size=world,
-                            balance_window=WINDOW if balanced else 0)
+    plan = LoaderPlan.build(natoms, nframes, SamplingSpec(balance_window=WINDOW if balanced
+                                                          else 0), seed=1, world_size=world)
     plan = plan.with_probabilities("prob_sys_size")
-    return WeightedSystemSampler.of_plan(PlanOwner(plan), plan.rule, rank=rank)
+    return WeightedSystemSampler.of_plan(plan, plan.rule, rank=rank)
 
 
 def _job_state(sampler: Any, world: int, steps: int) -> dict:
@@ -137,8 +138,9 @@ def cell(row: str, nsys: int, world: int, rank: int, balanced: bool,
         ShardedValidationSampler(nframes, np.ones_like(nframes), rank=rank, world_size=world)
     elif row == "statistics":
         from mdloader.sampling.plan import LoaderPlan
+        from mdloader.sampling.spec import SamplingSpec
 
-        plan = LoaderPlan.build(natoms, nframes, "auto", seed=1, world_size=world)
+        plan = LoaderPlan.build(natoms, nframes, SamplingSpec(), seed=1, world_size=world)
         counts = plan.statistics_frame_counts(10)
         for sid in np.flatnonzero(counts)[rank::world]:
             plan.statistics_frames(int(sid), 10)

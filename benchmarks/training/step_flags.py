@@ -36,7 +36,9 @@ def child(systems: list[str], batch: int, steps: int, rounds: int) -> None:
     from mdloader.config.input_json import DataConfig, LossConfig
     from mdloader.distributed.collectives import any_rank, gather_to_main
     from mdloader.distributed.group import process_group
-    from mdloader.loading.assembly import configured_loader
+    from mdloader.loading.feed import Feed
+    from mdloader.sampling.loop import TrainingLoop
+    from mdloader.sampling.spec import SamplingSpec
     from mdloader.train.job import LABELS
     from mdloader.train.model import RadialPotential
     from mdloader.train.objective import EnergyForceLoss
@@ -44,16 +46,17 @@ def child(systems: list[str], batch: int, steps: int, rounds: int) -> None:
 
     torch.set_num_threads(1)
     with process_group() as world:
-        data = DataConfig(systems=tuple(systems), batch_size=batch)
-        built = configured_loader(data, type_map=["O", "H"], seed=1, world=world, labels=LABELS,
-                                  num_workers=0)
+        data = DataConfig(systems=tuple(systems), sampling=SamplingSpec(batch))
+        feed = Feed.build([data.stream("training", ["O", "H"])], seed=1, world=world,
+                          labels=LABELS, num_workers=0, type_map=["O", "H"])
+        feed.start(0, TrainingLoop(displays=False))
+        stream = feed.stream(None, "training")
         torch.manual_seed(0)
         model = RadialPotential(2, rcut=2.5)  # the 6-atom systems' boxes are 5.6 A
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         stepper = Stepper(model, ddp, torch.optim.Adam(model.parameters(), lr=1e-4),
                                       EnergyForceLoss.from_config(LossConfig(), 1e-3),
-                                      built.dataset.systems, device=torch.device("cpu"))
-        batches = _cycle(built.loader)
+                                      stream.dataset.systems, device=torch.device("cpu"))
         times: dict[str, list[float]] = {kind: [] for kind in KINDS}
         done = 0
         for _ in range(rounds + 1):  # the first round warms up
@@ -62,7 +65,7 @@ def child(systems: list[str], batch: int, steps: int, rounds: int) -> None:
                 started = time.perf_counter()
                 for _ in range(steps):
                     done += 1
-                    stepper.step(next(batches), 1e-4, done, False)
+                    stepper.step(next(stream), 1e-4, done, False)
                 times[kind].append((time.perf_counter() - started) / steps)
         alone = {"exchange": lambda: any_rank([False], activity="timing"),
                  "gradient check": stepper.gradients_finite}
@@ -81,11 +84,6 @@ def _timed(fn: object, n: int) -> float:
     for _ in range(n):
         fn()  # type: ignore[operator]
     return (time.perf_counter() - started) / n
-
-
-def _cycle(loader: object):  # noqa: ANN202 - a generator of batches
-    while True:
-        yield from loader  # type: ignore[misc]
 
 
 def run(world: int, systems: list[str], batch: int, steps: int, rounds: int) -> dict:

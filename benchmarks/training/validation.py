@@ -38,15 +38,21 @@ def child(systems: list[str], threads: int) -> None:
     from mdloader.config.input_json import DataConfig
     from mdloader.distributed.collectives import gather_to_main
     from mdloader.distributed.group import process_group
+    from mdloader.loading.feed import Feed
+    from mdloader.sampling.loop import TrainingLoop
+    from mdloader.sampling.spec import SamplingSpec
     from mdloader.train.job import LABELS
     from mdloader.train.model import RadialPotential
     from mdloader.train.validation import Validation
 
     torch.set_num_threads(threads)
     with process_group() as world:
-        data = DataConfig(systems=tuple(systems), batch_size=1,
-                          json_path="training.validation_data")
-        valid = Validation(data, type_map=["O", "H"], seed=1, world=world, labels=LABELS)
+        data = DataConfig(systems=tuple(systems),
+                          sampling=SamplingSpec(1, json_path="training.validation_data"))
+        feed = Feed.build([data.stream("validation", ["O", "H"])], seed=1, world=world,
+                          labels=LABELS, num_workers=0, type_map=["O", "H"])
+        feed.start(0, TrainingLoop())
+        valid = Validation(feed, numb_btch=1)
         torch.manual_seed(0)
         model = RadialPotential(2)
 

@@ -72,8 +72,8 @@ def test_a_changed_system_is_described_again_and_saved(tmp_path: Path) -> None:
 def test_the_report_reads_rank0s_catalog_and_defaults_elsewhere(tmp_path: Path) -> None:
     root = _tree(tmp_path / "data")
     _, report = build_systems_with_report(root, TYPE_MAP)
-    catalog = report.catalog
-    assert catalog is not None and report.source == catalog.source == "built"
+    (catalog,) = report.catalogs
+    assert report.source == catalog.source == "built"
     assert (report.described, report.reused, report.index_file, report.index_seconds) == (
         catalog.described, catalog.reused, catalog.index_file, catalog.check_seconds)
     assert (report.nsys, report.world_size, report.payload_bytes) == (3, 1, 0)

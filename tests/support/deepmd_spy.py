@@ -2,8 +2,9 @@
 
 The spy runs ``mdloader dp`` in the DeePMD-kit interpreter and records, on every rank, the
 task of each step and the batch it trained (``Trainer._next_training_batch``: the batch the
-optimizer step uses, never a display-time or validation one) as ``[sid, fids]``, and the most
-child processes (DataLoader workers) the rank had at once, in ``spy.rank<R>.json``.
+optimizer step uses, never a display-time or validation one) as ``[sid, fids]``, the most
+child processes (DataLoader workers) the rank had at once, and every attribute of the trainer
+that mdloader's code read or wrote (``touched``: ``[use, name]``), in ``spy.rank<R>.json``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,20 @@ import mdloader.integrations.deepmd as md
 from mdloader.integrations.deepmd import seam
 md.install()
 trainer = sys.modules[seam.TRAINING].Trainer
-tasks, drawn = [], {}
+tasks, drawn, touched = [], {}, set()
+import mdloader
+MDLOADER = os.path.dirname(os.path.abspath(mdloader.__file__))
+def _by_mdloader():
+    return sys._getframe(2).f_code.co_filename.startswith(MDLOADER + os.sep)
+def _get(self, name):
+    if _by_mdloader():
+        touched.add(("read", name))
+    return object.__getattribute__(self, name)
+def _set(self, name, value):
+    if _by_mdloader():
+        touched.add(("write", name))
+    object.__setattr__(self, name, value)
+trainer.__getattribute__, trainer.__setattr__ = _get, _set
 _next = trainer._next_training_batch
 def _next_training_batch(self, task_key="Default"):
     batch = _next(self, task_key)
@@ -50,7 +64,8 @@ def _count_children():
 threading.Thread(target=_count_children, daemon=True).start()
 code = md.run_dp(sys.argv[1:])
 with open(f"spy.rank{os.environ.get('RANK', '0')}.json", "w") as fh:
-    json.dump({"tasks": tasks, "drawn": drawn, "most_children": most[0]}, fh)
+    json.dump({"tasks": tasks, "drawn": drawn, "most_children": most[0],
+               "touched": sorted(touched)}, fh)
 sys.exit(code)
 '''
 
@@ -80,7 +95,8 @@ def dp_train(job: Path, config: dict[str, Any] | None, *extra: str, steps: int |
 
 def spied(job: Path, world: int = 1) -> list[dict[str, Any]]:
     """What each rank's spy recorded in the last launch in ``job``: ``tasks`` (one per step),
-    ``drawn`` (by task, DeePMD-kit's ``Default`` for a single task) and ``most_children``."""
+    ``drawn`` (by task, DeePMD-kit's ``Default`` for a single task), ``most_children`` and
+    ``touched`` (the trainer's attributes mdloader's code read or wrote)."""
     return [json.loads((job / f"spy.rank{r}.json").read_text()) for r in range(world)]
 
 

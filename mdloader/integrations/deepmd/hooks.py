@@ -161,7 +161,7 @@ def trainer_run(original: Callable[[Any], None]) -> Callable[[Any], None]:
     def run(self: Any) -> None:
         record = _RUNS[self]
         feed = record.feed
-        state = _restart_state(self, record.restart)
+        state = restart_state(self, record.restart)
         start = int(self.start_step) + (1 if state is not None else 0)
         feed.start(start, trainer_loop(self), state)
         if state is not None:
@@ -186,8 +186,9 @@ def trainer_run(original: Callable[[Any], None]) -> Callable[[Any], None]:
     return run
 
 
-def _restart_state(trainer: Any, checkpoint: str | None) -> dict[str, Any] | None:
-    """The loader state beside the ``--restart`` checkpoint (one warning when it has none)."""
+def restart_state(trainer: Any, checkpoint: str | None) -> dict[str, Any] | None:
+    """The loader state beside the ``--restart`` checkpoint (``None``, and one warning on
+    rank 0, when it has none: the streams start over)."""
     if checkpoint is None:
         return None
     state = feed_state.read_beside(checkpoint)

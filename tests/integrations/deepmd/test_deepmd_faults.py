@@ -306,3 +306,64 @@ def test_a_stop_signal_writes_a_checkpoint_that_resumes_and_nan_labels_end_the_r
     assert re.search(r"of the batch of training step (\d+)", line), line
     assert int(re.search(r"training step (\d+)", line)[1]) > step, line
     assert f"file: {targets[1]}" in line and f"system: {targets[1].parent.parent}" in line, line
+
+
+@pytest.mark.timeout(300)
+def test_a_missing_systems_entry_is_rank_0s_build_error_on_every_rank(tmp_path: Path) -> None:
+    """Found by rank 0's build and sent to every rank, which raise it together: one line
+    naming rank 0 and the JSON path, and the exit code of a configuration error (2). It used to
+    be published as one rank's failure, whichever came first, in DeePMD-kit's training (1)."""
+    _input(tmp_path)
+    config = json.loads((tmp_path / "input.json").read_text())
+    config["training"]["training_data"]["systems"].append(str(tmp_path / "nowhere"))
+    (tmp_path / "input.json").write_text(json.dumps(config))
+    job = Job(tmp_path)
+    job.fault = time.monotonic()
+    out = job.end()
+    line = _one_line_on_every_rank(out)
+    assert line.startswith("mdloader: error: rank 0 failed (discovering and building the "
+                           "systems): ConfigError: training.training_data.systems[2]: "), line
+    assert f"{tmp_path / 'nowhere'} does not exist" in line, line
+    # each rank's exit code, as torchrun's report of the failed ranks gives it (torchrun's own
+    # is 1 whenever a rank failed)
+    assert set(re.findall(r"exitcode\s*:\s*(-?\d+)", out)) == {"2"}, out[-4000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("section", "key", "value"), [
+    ("training_data", "balance_window", 4), ("validation_data", "index_file", "i.json")])
+def test_a_key_mdloader_dp_does_not_act_on_is_refused_before_any_set_up(
+        tmp_path: Path, section: str, key: str, value: object) -> None:
+    """One line naming the key, before DeePMD-kit's set-up (no neighbour statistics, no
+    model): DeePMD-kit's strict check used to stop the run with a traceback that named neither
+    mdloader nor what to do, or the key was read by nothing."""
+    _input(tmp_path)
+    config = json.loads((tmp_path / "input.json").read_text())
+    if section == "validation_data":
+        config["training"][section] = dict(config["training"]["training_data"])
+    config["training"][section][key] = value
+    (tmp_path / "input.json").write_text(json.dumps(config))
+    job = Job(tmp_path, torchrun=False)
+    job.fault = time.monotonic()
+    out = job.end()
+    errors = [line for line in out.splitlines() if line.startswith("mdloader: error:")]
+    assert errors == [f"mdloader: error: training.{section}.{key}: read by mdloader train only: "
+                      f"mdloader dp runs DeePMD-kit's trainer, which does not know {key}; "
+                      "remove it (docs/migrating.md)"], out[-4000:]
+    assert job.proc.returncode == 2 and "Traceback" not in out, out[-4000:]
+    assert "neighbor" not in out.lower() and "Model Params" not in out, out[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_with_workers_alive_ends_the_run(tmp_path: Path) -> None:
+    """Ctrl-C mid-training (SIGINT to the whole process group, workers included, as a terminal
+    sends it): the run ends within seconds, its workers with it."""
+    _input(tmp_path)
+    job = Job(tmp_path, torchrun=False, workers=2)
+    job.wait_for_steps()
+    os.killpg(job.proc.pid, signal.SIGINT)
+    job.fault = time.monotonic()
+    out = job.end(bound=60)
+    print(f"Ctrl-C under mdloader dp with 2 workers: ended {job.seconds:.1f} s after")
+    assert job.proc.returncode == 130 and "mdloader: interrupted" in out, out[-4000:]
+    assert _children(job.proc.pid) == []

@@ -1,6 +1,6 @@
 """One build and one statistics pass per ``mdloader dp`` job, for every task.
 
-In process: :func:`~mdloader.loading.job.build_job` gives sections with equal requests one list.
+In process: :func:`~mdloader.loading.build.build_job` gives sections with equal requests one list.
 End to end (DeePMD-kit's venv, 1 step each): a three-head se_e2_a input, each head its own
 descriptor (``sparse``, ``dense``, and ``twin`` on sparse's systems), trained by DeePMD-kit at
 W = 1 (the reference) and by ``mdloader dp`` at W = 1 and W = 2; at W = 2 the input also holds
@@ -27,7 +27,7 @@ from support.deepmd_env import require_deepmd_python
 from support.deepmd_ref import DEEPMD_DP, assert_statistics_equal, run_job, saved_statistics
 from support.inputs import write_input
 
-from mdloader.loading.job import JobSection, build_job
+from mdloader.loading.build import Section, build_job
 from mdloader.testing import make_dataset
 
 REPO = Path(__file__).resolve().parents[3]
@@ -38,9 +38,9 @@ SHARED = ("shared_sparse", "shared_dense")  # one descriptor, sel "auto", differ
 def test_sections_with_equal_requests_share_one_list(tmp_path: Path) -> None:
     a = make_dataset(tmp_path / "a", 3, nframes=4, seed=1)
     b = make_dataset(tmp_path / "b", 2, nframes=4, seed=2)
-    sections = [JobSection.of("t1", "training", [str(tmp_path / "a")], None, ["O", "H"]),
-                JobSection.of("t2", "training", [str(tmp_path / "a")], None, ["O", "H"]),
-                JobSection.of("t2", "validation", [str(tmp_path / "b")], None, ["O", "H"])]
+    sections = [Section.of("t1", "training", [str(tmp_path / "a")], None, ["O", "H"]),
+                Section.of("t2", "training", [str(tmp_path / "a")], None, ["O", "H"]),
+                Section.of("t2", "validation", [str(tmp_path / "b")], None, ["O", "H"])]
     job = build_job(sections, index_mode="off")
     assert job.view(sections[0]) is job.view(sections[1])
     assert [d.meta.address for d in job.view(sections[0])] == a

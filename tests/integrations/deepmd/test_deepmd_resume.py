@@ -106,21 +106,20 @@ def test_init_model_and_finetune_start_fresh_streams(single: SimpleNamespace,
 
 def test_a_checkpoint_without_loader_state_restarts_with_one_warning(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from mdloader.errors import StateDictError
-    from mdloader.integrations.deepmd.resume import STATE_FORMAT, STATE_VERSION, load_state
+    from mdloader.integrations.deepmd.hooks import restart_state
+    from mdloader.loading import feed_state
 
     checkpoint = tmp_path / "model.ckpt-6.pt"
     checkpoint.write_bytes(b"")
-    trainer = SimpleNamespace(rank=0, start_step=5, multi_task=False)
     with caplog.at_level(logging.WARNING, logger="mdloader"):
-        load_state(trainer, str(checkpoint), {})
+        assert restart_state(SimpleNamespace(rank=0), str(checkpoint)) is None
+        assert restart_state(SimpleNamespace(rank=1), str(checkpoint)) is None
     assert [r.getMessage().count("no mdloader loader state beside it")
-            for r in caplog.records] == [1]
-    assert trainer.start_step == 5   # the data starts over, and so does nothing else
-    (tmp_path / "model.ckpt-6.pt.mdloader").write_text(json.dumps(
-        {"format": STATE_FORMAT, "version": STATE_VERSION, "step": 2, "streams": {}}))
-    with pytest.raises(StateDictError, match="loader state of step 2 but .* restarts at step 5"):
-        load_state(trainer, str(checkpoint), {})
+            for r in caplog.records] == [1], "rank 0 says it, once"
+    state = feed_state.document({}, next_step=3, world_size=1, seed=7)
+    feed_state.write_beside(checkpoint, state)
+    assert restart_state(SimpleNamespace(rank=0), str(checkpoint)) == state
+    assert restart_state(SimpleNamespace(rank=0), None) is None  # no --restart
 
 
 # -- one task, 2 -> 1 ranks ------------------------------------------------------------------
@@ -143,7 +142,7 @@ def single_elastic(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Simp
 def test_two_ranks_restarted_on_one_finish_each_interrupted_pass_once(
         single_elastic: SimpleNamespace) -> None:
     run = single_elastic
-    assert run.state["world_size"] == 2 and run.state["step"] == 2
+    assert run.state["world_size"] == 2 and run.state["next_step"] == 3
     assert set(run.state["streams"]) == {"training", "validation"}
     assert "restored the loader state" in run.log and run.steps == [4, 5, 6, 7, 8, 9]
     _drained_exactly_once(run.state["streams"]["training"], run.before, run.after)
@@ -185,7 +184,7 @@ def test_a_multi_task_restart_on_two_ranks_equals_an_uninterrupted_run(
     assert set(multi.state["streams"]) == {f"{role}.{t}" for role in
                                            ("training", "validation", "display")
                                            for t in ("a", "b")}
-    assert multi.state["schedule_seed"] == 7
+    assert multi.state["seed"] == 7
 
 
 @pytest.mark.slow
@@ -241,14 +240,31 @@ def test_logging_at_every_step_trains_the_same_batches(tasks: dict[str, dict]) -
     assert often["drawn"] == once["drawn"]
 
 
-def test_a_tasks_seed_folds_in_its_key_and_a_single_task_keeps_the_job_seed() -> None:
-    from mdloader.integrations.deepmd.systems import task_seed
+def test_a_tasks_seed_folds_in_its_key_and_a_single_task_keeps_the_job_seed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mdloader.integrations.deepmd import systems
+    from mdloader.sampling.order import AgreedSeed
     from mdloader.sampling.tasks import display_stream_seed, task_stream_seed
 
-    assert task_seed([1, 7], "a") == [1, task_stream_seed(7, "a")]
-    assert task_seed(7, "a") == task_stream_seed(7, "a")
-    assert task_stream_seed(7, "a") != task_stream_seed(7, "b")
-    assert task_stream_seed(7, "a") != task_stream_seed(8, "a")
-    assert task_seed(None, "a") is None
+    def job(config: dict) -> systems.DeepmdJob:
+        return systems.DeepmdJob(config, {})
+
+    data = {"training_data": {"systems": ["/d"], "batch_size": 1}}
+    multi = job({"model": {"model_dict": {"a": {}, "b": {}}},
+                 "training": {"data_dict": {"a": data, "b": data}, "seed": 7}})
+    a, b = systems.Place("a", "training"), systems.Place("b", "training")
+    assert multi.stream_seed(a, [0, 7]) == AgreedSeed(task_stream_seed(7, "a"), True)
+    assert multi.stream_seed(a, 7) == multi.stream_seed(a, [0, 7])
+    assert multi.stream_seed(b, 7).value != multi.stream_seed(a, 7).value
+    assert multi.stream_seed(a, 8).value != multi.stream_seed(a, 7).value
+    unseeded = job({"model": {"model_dict": {"a": {}}},
+                    "training": {"data_dict": {"a": data}}})
+    drawn = unseeded.job_seed()  # agreed once (one process: drawn here), the job's for all
+    assert not drawn.given and unseeded.job_seed() is drawn
+    assert unseeded.stream_seed(a, None) == AgreedSeed(task_stream_seed(drawn.value, "a"), False)
+    single = job({"training": {**data, "seed": 7}})
+    assert single.stream_seed(systems.Place(None, "training"), [0, 7]) == AgreedSeed(7, True)
+    assert single.sections[systems.Place(None, "training")].key == \
+        "training.training_data.systems"
     seeds = {display_stream_seed(task_stream_seed(7, t)) for t in ("a", "b")}
     assert len(seeds | {task_stream_seed(7, "a"), task_stream_seed(7, "b")}) == 4

@@ -149,57 +149,60 @@ def test_the_dpa2_num_epoch_dict_example_meets_its_targets_exactly(tmp_path: Pat
     assert len(lcurve_rows(job)) == sum(targets.values())
 
 
-def test_schedule_of_reads_deepmd_kit_training_section(monkeypatch: pytest.MonkeyPatch) -> None:
+def _trainer(multi_task: bool, **attrs: object) -> object:
+    """What DeePMD-kit's trainer holds that shapes its loop."""
+    from types import SimpleNamespace
+
+    base = {"multi_task": multi_task, "disp_freq": 5, "display_in_training": True,
+            "disp_avg": False, "num_steps": 10, "model_keys": ["a", "b"],
+            "model_prob": [0.25, 0.75], "valid_numb_batch": {"a": 1, "b": 2} if multi_task
+            else 3}
+    return SimpleNamespace(**{**base, **attrs})
+
+
+def test_the_loop_of_deepmd_kits_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the feed reads ahead follows the trainer: its tasks and probabilities, its
+    displays and validation batches; ``num_epoch_dict`` makes the run one exact-count window;
+    ``MDLOADER_TASK_DRAW=same`` one task for all ranks."""
     from mdloader.errors import ConfigError, MdloaderError
-    from mdloader.integrations.deepmd.training import ScheduledTasks, schedule_of
+    from mdloader.integrations.deepmd import hooks, systems
+    from mdloader.sampling.loop import TrainingLoop
 
     monkeypatch.delenv("MDLOADER_TASK_DRAW", raising=False)
-    drawn = schedule_of(7, {"seed": 7}, [0.25, 0.75], 10)
-    assert (drawn.seed, drawn.window, drawn.same_task_across_ranks) == (7, 0, False)
-    exact = schedule_of(11, {"seed": None, "num_epoch_dict": {"a": 1, "b": 1}}, [0.6, 0.4], 5)
-    assert (exact.seed, exact.window) == (11, 5)
-    assert exact.counts(0, 0, 5).tolist() == [3, 2]
+    assert hooks.trainer_loop(_trainer(False)) == TrainingLoop(disp_freq=5, validation=(3,))
+    monkeypatch.setattr(systems, "_JOB", None)
+    drawn = hooks.trainer_loop(_trainer(True))
+    assert (drawn.tasks, drawn.probs, drawn.window, drawn.validation) == (
+        ("a", "b"), (0.25, 0.75), 0, (1, 2))
+    assert drawn.display_draws and not drawn.same_task_across_ranks
+    assert not hooks.trainer_loop(_trainer(True, disp_avg=True)).display_draws
+    data = {"training_data": {"systems": ["/d"], "batch_size": 1}}
+    monkeypatch.setattr(systems, "_JOB", systems.DeepmdJob(
+        {"model": {"model_dict": {"a": {}, "b": {}}},
+         "training": {"data_dict": {"a": data, "b": data}, "num_epoch_dict": {"a": 1, "b": 1}}},
+        {}))
+    assert hooks.trainer_loop(_trainer(True)).window == 10
     monkeypatch.setenv("MDLOADER_TASK_DRAW", "same")
-    assert schedule_of(7, {"seed": 7}, [0.5, 0.5], 4).same_task_across_ranks
+    assert hooks.trainer_loop(_trainer(True)).same_task_across_ranks
     monkeypatch.setenv("MDLOADER_TASK_DRAW", "both")
     with pytest.raises(ConfigError, match="MDLOADER_TASK_DRAW"):
-        schedule_of(7, {"seed": 7}, [0.5, 0.5], 4)
+        hooks.trainer_loop(_trainer(True))
     with pytest.raises(MdloaderError, match="outside Trainer.run"):
-        ScheduledTasks().choice(2, p=[0.5, 0.5])
-
-
-class _Trainer:
-    """Stands for a trainer (kept by weak reference)."""
-
-
-def test_an_unseeded_job_adopts_the_schedule_seed_of_its_loader_state() -> None:
-    from mdloader.errors import StateDictError
-    from mdloader.integrations.deepmd import training
-
-    trainer = _Trainer()
-    saved = dict(training.SCHEDULED_TASKS.training)
-    try:
-        training.SCHEDULED_TASKS.training = {"seed": None}
-        drawn = training.schedule_seed(trainer)          # rank 0's random seed (one process)
-        assert training.schedule_seed(trainer) == drawn  # drawn once per trainer
-        training.restore_schedule_seed(trainer, 12345)
-        assert training.schedule_seed(trainer) == 12345
-        training.SCHEDULED_TASKS.training = {"seed": 7}
-        with pytest.raises(StateDictError, match="seed 12345 but the input has training.seed 7"):
-            training.restore_schedule_seed(_Trainer(), 12345)
-    finally:
-        training.SCHEDULED_TASKS.training = saved
+        hooks.ScheduledTasks().choice(2, p=[0.5, 0.5])
 
 
 def test_deepmd_kits_full_validation_is_refused_in_one_line() -> None:
+    """By ``mdloader dp`` before any set-up; for a trainer made through DeePMD-kit's API, when
+    it is made."""
+    from types import SimpleNamespace
+
+    from mdloader.config.unsupported import refuse_under_deepmd
     from mdloader.errors import ConfigError
-    from mdloader.integrations.deepmd.training import refusing_full_validation
+    from mdloader.integrations.deepmd.hooks import refusing_full_validation
 
-    class Trainer:
-        def __init__(self, full: bool) -> None:
-            self.full_validator = object() if full else None
-
-    Trainer.__init__ = refusing_full_validation(Trainer.__init__)
-    assert Trainer(False).full_validator is None
-    with pytest.raises(ConfigError, match=r"^validating.full_validation: DeePMD-kit's full "):
-        Trainer(True)
+    refusing_full_validation(SimpleNamespace(full_validator=None))
+    for refuse in (lambda: refuse_under_deepmd({"validating": {"full_validation": True}}),
+                   lambda: refusing_full_validation(SimpleNamespace(full_validator=object()))):
+        with pytest.raises(ConfigError, match=r"^validating.full_validation: DeePMD-kit's full "):
+            refuse()
+    refuse_under_deepmd({"validating": {"full_validation": False}})
