@@ -76,8 +76,8 @@ SETTINGS: dict[str, Setting] = {
     "dp_workers": Setting(
         "MDLOADER_DP_WORKERS", lambda: "one", str, None, "mode",
         "How `mdloader dp` reads the trainer's data streams: one pool of DeePMD-kit's "
-        "NUM_WORKERS DataLoader workers for every task and role (one) or DeePMD-kit's "
-        "DataLoader per task and role, each with its own workers (per-loader).",
+        "NUM_WORKERS DataLoader workers for every task and role (one) or a pool of NUM_WORKERS "
+        "per task and role, DeePMD-kit's arrangement (per-loader).",
         choices=("one", "per-loader")),
     "build_workers": Setting(
         "MDLOADER_BUILD_WORKERS", lambda: 32, int, 1, "thread",

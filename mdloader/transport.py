@@ -6,7 +6,8 @@ Used by the packets of :mod:`mdloader.distributed` and by DataLoader workers.
 
 A DataLoader re-raises a worker's exception in the main process as ``type(exc)(text)``, the
 worker's traceback as the only argument: an mdloader error would arrive without its system and
-file. :class:`CarryErrors` sends the error itself instead, in place of the batch.
+file. A :class:`CarriedError` sends the error itself instead, in place of the batch (the worker
+pool of :mod:`mdloader.loading.pool` wraps its reads so).
 """
 
 from __future__ import annotations
@@ -61,17 +62,6 @@ class TransportBatch(dict):
         return _rebuild_batch, (plain, tuple(keys))
 
 
-class NumpyTransport:
-    """Worker side: wrap ``collate_fn``; a plain dict result becomes a :class:`TransportBatch`."""
-
-    def __init__(self, collate_fn: Any = identity) -> None:
-        self.collate_fn = collate_fn
-
-    def __call__(self, batch: Any) -> Any:
-        out = self.collate_fn(batch)
-        return TransportBatch(out) if type(out) is dict else out
-
-
 class CarriedError:
     """An mdloader error raised in a DataLoader worker, travelling to the main process in place
     of the batch it failed to read (the error pickles with its system and file)."""
@@ -83,20 +73,3 @@ class CarriedError:
 
     def __reduce__(self) -> tuple[Any, tuple[MdloaderError]]:
         return CarriedError, (self.error,)
-
-
-class CarryErrors:
-    """Worker side: a dataset whose mdloader errors come back as :class:`CarriedError` values;
-    the main process raises them (:class:`~mdloader.loading.stateful_loader.StatefulLoader`)."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __getitem__(self, key: Any) -> Any:
-        try:
-            return self.dataset[key]
-        except MdloaderError as exc:
-            return CarriedError(exc)
-
-    def __len__(self) -> int:
-        return len(self.dataset)

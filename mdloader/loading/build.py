@@ -232,10 +232,9 @@ def build_job(sections: Sequence[Section], *, num_workers: int | None = None,
                          workers if world.is_main else 0, world.world_size, catalogs)
     if world.is_main:
         log.info(report.summary())
-        if len(sections) > 1:
-            log.info("job systems: one build of %d sections (%d distinct requests, %d systems), "
-                     "one broadcast of %d bytes to %d ranks", len(sections), len(requests),
-                     report.nsys, payload_bytes, world.world_size)
+        log.info("job systems: one build of %d sections (%d distinct requests, %d systems), "
+                 "one broadcast of %d bytes to %d ranks", len(sections), len(requests),
+                 report.nsys, payload_bytes, world.world_size)
     return JobSystems(sections, {s: by_request[s.request] for s in sections}, report)
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -170,6 +169,25 @@ class Feed:
         of a DataLoader per task and role).
     report
         What the build did (``None`` for streams built elsewhere).
+
+    Examples
+    --------
+    >>> from mdloader.loading.build import Section
+    >>> from mdloader.loading.feed import Feed, StreamSpec
+    >>> from mdloader.sampling.loop import TrainingLoop
+    >>> from mdloader.sampling.spec import SamplingSpec
+    >>> from mdloader.testing import make_dataset
+    >>> from mdloader.world import World
+    >>> paths = make_dataset("data", 2, nframes=4, seed=1)
+    >>> spec = StreamSpec(Section.of(None, "training", paths), SamplingSpec(batch_size=2))
+    >>> feed = Feed.build([spec], seed=7, world=World(), labels=[], num_workers=0)
+    >>> feed.start(0, TrainingLoop(displays=False))     # resume (nothing), schedule, pool
+    >>> with feed.training_step():
+    ...     batch = next(feed.stream(None, "training"))
+    >>> state = feed.gather_state()                    # rank 0's document of the job
+    >>> state["next_step"], state["streams"]["training"]["generations"]
+    (1, [[1, 1]])
+    >>> feed.close()
     """
 
     def __init__(self, streams: Sequence[Stream], *, seed: AgreedSeed, world: World,
@@ -281,39 +299,43 @@ class Feed:
                      ", ".join(fresh))
 
     def _start_pool(self, loop: TrainingLoop) -> None:
-        """One pool reading every stream ahead in ``loop``'s order (or one per stream), and a
-        full validation pass per task with validation data, read when asked for."""
+        """One pool reading every stream ahead in ``loop``'s order, and a full validation pass
+        per task with validation data, read when asked for. With ``separate_pools``, a pool
+        per task and kind of data instead: its training stream (and display stream: DeePMD-kit
+        draws both from one DataLoader), its validation stream (and full passes)."""
         order = list(self.streams.values())
-        readers = [(s.name, s.dataset, s.sampler) for s in order]
+        readers = [(s.name, s.dataset, s.sampler, s.task, s.role) for s in order]
         for task in loop.tasks:
             validation = self.streams.get((task, "validation"))
             if validation is not None:
-                keys = PassKeys()
-                self._passes[task] = (keys, len(readers))
-                readers.append((stream_name(task, "full validation"), validation.dataset, keys))
-        if self.separate_pools:
-            self.pools = [self._pool([reader], itertools.repeat(0) if i < len(order) else None)
-                          for i, reader in enumerate(readers)]
-            where = [(pool, 0) for pool in self.pools]
-        else:
-            self.pools = [self._pool(readers, self._forecast(loop, order))]
-            where = [(self.pools[0], i) for i in range(len(readers))]
-        for stream, (pool, index) in zip(order, where):
-            stream.attach(pool, index)
+                self._passes[task] = (PassKeys(), len(readers))
+                readers.append((stream_name(task, "full validation"), validation.dataset,
+                                self._passes[task][0], task, "validation"))
+        groups: dict[Any, list[int]] = {}
+        for i, (_, _, _, task, role) in enumerate(readers):
+            kind = "validation" if role == "validation" else "training"
+            groups.setdefault((task, kind) if self.separate_pools else None, []).append(i)
+        where: dict[int, tuple[WorkerPool, int]] = {}
+        self.pools = []
+        for members in groups.values():
+            local = {stream: j for j, stream in enumerate(members)}
+            forecast = _among(self._forecast(loop, order, self.step), local)
+            pool = WorkerPool([readers[i][1] for i in members], [readers[i][2] for i in members],
+                              [readers[i][0] for i in members], forecast,
+                              num_workers=self.num_workers, pin_memory=self.pin_memory)
+            self.pools.append(pool)
+            where.update((i, (pool, local[i])) for i in members)
+        for i, stream in enumerate(order):
+            stream.attach(*where[i])
         self._passes = {task: (keys, where[i]) for task, (keys, i) in self._passes.items()}
         if self.world.is_main:
             log.info("DataLoader workers: %s of %d for %d stream(s) (%s)",
                      f"{len(self.pools)} pools" if self.separate_pools else "one pool",
                      self.num_workers, len(order), ", ".join(s.name for s in order))
 
-    def _pool(self, readers: Sequence[tuple[str, Any, Any]],
-              forecast: Iterator[int] | None) -> WorkerPool:
-        names, datasets, sources = zip(*readers)
-        return WorkerPool(datasets, sources, names, forecast, num_workers=self.num_workers,
-                          pin_memory=self.pin_memory)
-
-    def _forecast(self, loop: TrainingLoop, order: Sequence[Stream]) -> Iterator[int]:
-        """The streams of ``order`` in the order ``loop`` asks for them, from this step on."""
+    def _forecast(self, loop: TrainingLoop, order: Sequence[Stream],
+                  start: int) -> Iterator[int]:
+        """The streams of ``order`` in the order ``loop`` asks for them, from step ``start``."""
         index = {(s.task, s.role): i for i, s in enumerate(order)}
         wanted = [[index.get((task, role)) for role in ROLES] for task in loop.tasks]
         schedule = self.schedule.schedule if self.schedule is not None else None
@@ -322,7 +344,7 @@ class Feed:
         def tasks_of(first: int, stop: int) -> Any:
             return schedule.tasks(rank, first, stop)  # type: ignore[union-attr]
 
-        for task, role in requests(loop, self.step, tasks_of if schedule else None):
+        for task, role in requests(loop, start, tasks_of if schedule else None):
             stream = wanted[task][ROLES.index(role)]
             if stream is not None:
                 yield stream
@@ -403,6 +425,13 @@ class Feed:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _among(forecast: Iterator[int], local: Mapping[int, int]) -> Iterator[int]:
+    """The streams of ``forecast`` that are in ``local``, as ``local`` numbers them."""
+    for stream in forecast:
+        if stream in local:
+            yield local[stream]
 
 
 __all__ = ["Feed", "PassKeys", "ROLES", "Stream", "StreamSpec", "TrainingDraws", "stream_name"]

@@ -132,10 +132,13 @@ class DpLoaderSet(Dataset):
     --------
     >>> from mdloader import DpLoaderSet
     >>> from mdloader.testing import make_dataset
-    >>> paths = make_dataset(getfixture("tmp_path"), 2, nframes=4, seed=1)
+    >>> paths = make_dataset("data", 2, nframes=4, seed=1)       # two systems of 4 frames
     >>> ls = DpLoaderSet(paths, batch_size=2, type_map=["O", "H"], seed=7)
-    >>> len(ls), ls.total_batch, ls.batch_sizes.tolist()
-    (2, 4, [2, 2])
+    >>> len(ls), ls.index, ls.batch_sizes.tolist()                # batches per system
+    (2, [2, 2], [2, 2])
+    >>> batch = ls[0]                                             # the next batch of system 0
+    >>> batch["sid"], len(batch["fid"]), tuple(batch["coord"].shape[:1])
+    (0, 2, (2,))
     """
 
     def __init__(self, systems: Any, batch_size: int | Sequence[int] | str | None = None,
@@ -335,7 +338,22 @@ def get_sampler_from_params(data: DpLoaderSet, params: Mapping[str, Any], *,
                             json_path: str | None = None, **kwargs: Any
                             ) -> WeightedSystemSampler:
     """``sys_probs`` if set, else ``auto_prob``, else ``prob_sys_size``; errors name the key
-    under ``json_path`` (where ``params`` sit in ``input.json``, ``training.training_data``)."""
+    under ``json_path`` (where ``params`` sit in ``input.json``, ``training.training_data``;
+    default: the loader set's).
+
+    Examples
+    --------
+    >>> from mdloader import DpLoaderSet, get_sampler_from_params
+    >>> from mdloader.testing import make_dataset
+    >>> ls = DpLoaderSet(make_dataset("data", 2, nframes=4, seed=1), batch_size=2,
+    ...                  type_map=["O", "H"], seed=7)
+    >>> sampler = get_sampler_from_params(ls, {"sys_probs": [0.25, 0.75]}, num_workers=0)
+    >>> sampler.weights.tolist()
+    [0.25, 0.75]
+    >>> key = sampler.next_key()              # which frames of which system, for this rank
+    >>> ls[key]["fid"] == list(key.fids)
+    True
+    """
     value, is_sys_probs, name = select_prob_source(params)
     json_path = json_path if json_path is not None else data.plan.json_path
     key = f"{json_path}.{name}" if json_path else None

@@ -37,11 +37,11 @@ class StatefulLoader:
     --------
     >>> from mdloader import DpLoaderSet, StatefulLoader, get_sampler_from_params
     >>> from mdloader.testing import make_dataset
-    >>> ls = DpLoaderSet(make_dataset(getfixture("tmp_path"), 2, nframes=4, seed=1),
-    ...                  batch_size=2, type_map=["O", "H"], seed=7)
+    >>> ls = DpLoaderSet(make_dataset("data", 2, nframes=4, seed=1), batch_size=2,
+    ...                  type_map=["O", "H"], seed=7)
     >>> loader = StatefulLoader(ls, get_sampler_from_params(ls, {}, num_workers=0))
     >>> first = [tuple(b["fid"]) for b in itertools.islice(loader, 2)]
-    >>> state = loader.state_dict()              # two batches delivered
+    >>> state = loader.state_dict()              # two batches delivered (of an epoch of 4)
     >>> rest = [tuple(b["fid"]) for b in loader]
     >>> again = StatefulLoader(ls, get_sampler_from_params(ls, {}, num_workers=0))
     >>> again.load_state_dict(state)

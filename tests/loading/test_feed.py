@@ -101,13 +101,19 @@ def test_a_multi_task_loop_reads_ahead_exactly_what_it_asks(data: Path, workers:
     assert set(got["tasks"]) == set(TASKS)
 
 
-def test_one_pool_per_stream_serves_the_same_batches(data: Path) -> None:
+def test_a_pool_per_task_and_kind_of_data_serves_the_same_batches(data: Path) -> None:
+    """DeePMD-kit's arrangement (a DataLoader per task and role; display-time draws from the
+    training one): the same batches, and each pool reads ahead only its own streams."""
     one, separate = multi_feed(data, 2), multi_feed(data, 2, separate=True)
     one.start(0, LOOP)
     separate.start(0, LOOP)
     with one, separate:
-        assert len(separate.pools) == len(separate.streams) + 2  # and a full pass per task
+        assert len(separate.pools) == 2 * len(TASKS)
+        assert sorted(p.names for p in separate.pools) == sorted(
+            [[f"training.{t}", f"display.{t}"] for t in TASKS]
+            + [[f"validation.{t}", f"full validation.{t}"] for t in TASKS])
         assert run_loop(separate, 12) == run_loop(one, 12)
+        assert all(p.unforeseen == 0 for p in separate.pools), "each pool's own forecast"
 
 
 @pytest.mark.parametrize(("workers", "given"), [(0, True), (2, True), (2, False)])

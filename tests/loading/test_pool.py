@@ -102,15 +102,15 @@ def test_any_order_serves_each_stream_its_keys_in_order(
 
 
 class FailsAt(Echo):
-    """An :class:`Echo` whose key ``at`` cannot be read."""
+    """An :class:`Echo` whose key ``at`` cannot be read: ``error``, else a ValueError."""
 
-    def __init__(self, name: str, at: int) -> None:
+    def __init__(self, name: str, at: int, error: Exception | None = None) -> None:
         super().__init__(name)
-        self.at = at
+        self.at, self.error = at, error
 
     def __getitem__(self, key: int) -> dict[str, object]:
         if key == self.at:
-            raise ValueError(f"{self.name}: key {key} cannot be read")
+            raise self.error or ValueError(f"{self.name}: key {key} cannot be read")
         return super().__getitem__(key)
 
 
@@ -159,24 +159,12 @@ def test_a_stream_forecast_but_never_asked_for_is_read_on_demand_after_a_warning
     pool.close()
 
 
-class DataErrorAt(Echo):
-    """An :class:`Echo` whose key ``at`` is a data error naming its system and file."""
-
-    def __init__(self, name: str, at: int) -> None:
-        super().__init__(name)
-        self.at = at
-
-    def __getitem__(self, key: int) -> dict[str, object]:
-        if key == self.at:
-            raise DataError("cannot be read", system=f"/data/{self.name}", file="force.npy")
-        return super().__getitem__(key)
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_data_error_comes_back_whole_in_its_streams_turn(workers: int) -> None:
     """The error itself, with its system and file, in place of its batch: the batches asked
     before it of any stream are served first."""
-    pool = WorkerPool([Echo("a"), DataErrorAt("b", 1)], [CountingKeys(), CountingKeys()],
+    error = DataError("cannot be read", system="/data/b", file="force.npy")
+    pool = WorkerPool([Echo("a"), FailsAt("b", 1, error)], [CountingKeys(), CountingKeys()],
                       ["a", "b"], itertools.cycle([1, 0]), num_workers=workers)
     assert take(pool, [1, 0, 0]) == {1: [0], 0: [0, 1]}
     with pytest.raises(DataError, match="^cannot be read") as info:

@@ -232,3 +232,40 @@ def test_a_restart_on_a_full_disk_names_the_log_and_the_phase(tmp_path: Path) ->
     # without torchrun the store lived in rank 0's process: rank 1 says that rank 0 left
     assert failed[1].message.startswith(f"rank 1 failed (opening the logs in {out}): "), failed
     assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_with_workers_alive_ends_the_run(tmp_path: Path) -> None:
+    """Ctrl-C mid-training (SIGINT to the whole process group, workers included, as a terminal
+    sends it): the job ends within seconds with ``interrupted`` (130), its workers with it."""
+    import subprocess
+    import sys
+    import time
+
+    path = _input(tmp_path, _raw(tmp_path, steps=100000))
+    job = subprocess.Popen([sys.executable, "-m", "mdloader", "train", path, "--rcut", "2.5",
+                            "--num-workers", "2", "-o", str(tmp_path / "out")],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+    curve, started = tmp_path / "out" / "lcurve.out", time.monotonic()
+    while not (curve.exists() and len(curve.read_text().splitlines()) > 3):
+        assert job.poll() is None, job.stdout.read()[-4000:]  # type: ignore[union-attr]
+        assert time.monotonic() - started < 200, "training never started"
+        time.sleep(0.1)
+    os.killpg(job.pid, signal.SIGINT)
+    try:
+        out, _ = job.communicate(timeout=60)  # a hang guard: it ends in about a second here
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        pytest.fail("Ctrl-C did not end the job")
+    assert job.returncode == 130 and "mdloader: interrupted" in out, out[-4000:]
+    deadline = time.monotonic() + 10  # a hang guard: nothing of the session is left at once
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(job.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("a DataLoader worker outlived its job")

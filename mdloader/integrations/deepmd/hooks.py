@@ -39,6 +39,7 @@ from mdloader.integrations.deepmd.systems import current_job
 from mdloader.loading import feed_state
 from mdloader.loading.feed import Feed, Stream
 from mdloader.loading.loader import DpLoaderSet, agree_seed
+from mdloader.loading.pool import lost_worker_error
 from mdloader.sampling.loop import TrainingLoop
 from mdloader.sampling.samplers import WeightedSystemSampler
 
@@ -47,11 +48,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainerRun:
-    """What mdloader keeps of one trainer: its feed, the ``--restart`` checkpoint, and the
-    loader state gathered for the checkpoint about to be saved."""
+    """What mdloader keeps of one trainer: its feed, the ``--restart`` checkpoint, its
+    ``training`` section, and the loader state gathered for the checkpoint about to be saved."""
 
     feed: Feed
     restart: str | None
+    training: dict[str, Any]
     gathered: dict[str, Any] | None = None
 
 
@@ -78,9 +80,10 @@ class ScheduledTasks:
 SCHEDULED_TASKS = ScheduledTasks()
 
 
-def trainer_feed(trainer: Any) -> Feed:
+def trainer_feed(trainer: Any, training: dict[str, Any]) -> Feed:
     """The feed of the streams ``trainer`` built through mdloader, one per task and role, and
-    a display stream per task where a multi-task display evaluates other tasks' batches."""
+    a display stream per task where a multi-task display evaluates other tasks' batches; its
+    seed is the job's (``training.seed``, else rank 0's random one)."""
     tasks = list(trainer.model_keys) if trainer.multi_task else [None]
     streams = []
     for role, loaders in (("training", trainer.training_dataloader),
@@ -92,10 +95,11 @@ def trainer_feed(trainer: Any) -> Feed:
                 streams.append(Stream(task, role, data, sampler))
     job = current_job()
     world = current_world()
-    seed = job.job_seed() if job is not None else agree_seed(None, world)
-    training = seam.deepmd_module(seam.TRAINING)
-    feed = Feed(streams, seed=seed, world=world, num_workers=int(training.NUM_WORKERS),
-                pin_memory=str(training.DEVICE) != "cpu",
+    seed = (job.job_seed() if job is not None
+            else agree_seed(training.get("seed"), world))  # a trainer made by DeePMD-kit's API
+    module = seam.deepmd_module(seam.TRAINING)
+    feed = Feed(streams, seed=seed, world=world, num_workers=int(module.NUM_WORKERS),
+                pin_memory=str(module.DEVICE) != "cpu",
                 separate_pools=settings.resolve("dp_workers") == "per-loader")
     if trainer.multi_task and not trainer.disp_avg:
         feed.add_display_streams()
@@ -106,16 +110,14 @@ def trainer_feed(trainer: Any) -> Feed:
     return feed
 
 
-def trainer_loop(trainer: Any) -> TrainingLoop:
-    """The shape of DeePMD-kit's loop for ``trainer``: its tasks and their schedule, its
-    displays, validation batches and display-time draws."""
+def trainer_loop(trainer: Any, training: dict[str, Any]) -> TrainingLoop:
+    """The shape of DeePMD-kit's loop for ``trainer`` (and its ``training`` section): its tasks
+    and their schedule, its displays, validation batches and display-time draws."""
     if not trainer.multi_task:
         return TrainingLoop(disp_freq=int(trainer.disp_freq),
                             displays=bool(trainer.display_in_training),
                             validation=(int(trainer.valid_numb_batch),))
     tasks = tuple(trainer.model_keys)
-    job = current_job()
-    training = job.config.get("training", {}) if job is not None else {}
     counts = trainer.valid_numb_batch
     return TrainingLoop(
         tasks=tasks, probs=tuple(float(p) for p in trainer.model_prob),
@@ -147,7 +149,8 @@ def trainer_init(original: Callable[..., None]) -> Callable[..., None]:
         refusing_full_validation(self)
         given = signature.bind(self, *args, **kwargs).arguments
         restart = (given.get("restart_model") if given.get("init_model") is None else None)
-        _RUNS[self] = TrainerRun(trainer_feed(self), restart)
+        training = dict(given["config"].get("training", {}))
+        _RUNS[self] = TrainerRun(trainer_feed(self, training), restart, training)
 
     return __init__
 
@@ -163,7 +166,7 @@ def trainer_run(original: Callable[[Any], None]) -> Callable[[Any], None]:
         feed = record.feed
         state = restart_state(self, record.restart)
         start = int(self.start_step) + (1 if state is not None else 0)
-        feed.start(start, trainer_loop(self), state)
+        feed.start(start, trainer_loop(self, record.training), state)
         if state is not None:
             _skip_the_saved_step(self, record.restart)
         tasks = list(self.model_keys) if self.multi_task else [None]
@@ -178,6 +181,11 @@ def trainer_run(original: Callable[[Any], None]) -> Callable[[Any], None]:
         SCHEDULED_TASKS.feed = feed
         try:
             return original(self)
+        except RuntimeError as exc:  # torch noticed a dead worker wherever the loop was
+            lost = lost_worker_error()  # asked while the feed's pool is open
+            if lost is None:
+                raise
+            raise lost from exc
         finally:
             SCHEDULED_TASKS.feed = None
             self.training_data, self.validation_data, self.nonfinite_grad_guard = before

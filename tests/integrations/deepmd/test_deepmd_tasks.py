@@ -165,28 +165,23 @@ def test_the_loop_of_deepmd_kits_trainer(monkeypatch: pytest.MonkeyPatch) -> Non
     displays and validation batches; ``num_epoch_dict`` makes the run one exact-count window;
     ``MDLOADER_TASK_DRAW=same`` one task for all ranks."""
     from mdloader.errors import ConfigError, MdloaderError
-    from mdloader.integrations.deepmd import hooks, systems
+    from mdloader.integrations.deepmd import hooks
     from mdloader.sampling.loop import TrainingLoop
 
     monkeypatch.delenv("MDLOADER_TASK_DRAW", raising=False)
-    assert hooks.trainer_loop(_trainer(False)) == TrainingLoop(disp_freq=5, validation=(3,))
-    monkeypatch.setattr(systems, "_JOB", None)
-    drawn = hooks.trainer_loop(_trainer(True))
+    assert hooks.trainer_loop(_trainer(False), {}) == TrainingLoop(disp_freq=5, validation=(3,))
+    drawn = hooks.trainer_loop(_trainer(True), {"seed": 7})
     assert (drawn.tasks, drawn.probs, drawn.window, drawn.validation) == (
         ("a", "b"), (0.25, 0.75), 0, (1, 2))
     assert drawn.display_draws and not drawn.same_task_across_ranks
-    assert not hooks.trainer_loop(_trainer(True, disp_avg=True)).display_draws
-    data = {"training_data": {"systems": ["/d"], "batch_size": 1}}
-    monkeypatch.setattr(systems, "_JOB", systems.DeepmdJob(
-        {"model": {"model_dict": {"a": {}, "b": {}}},
-         "training": {"data_dict": {"a": data, "b": data}, "num_epoch_dict": {"a": 1, "b": 1}}},
-        {}))
-    assert hooks.trainer_loop(_trainer(True)).window == 10
+    assert not hooks.trainer_loop(_trainer(True, disp_avg=True), {}).display_draws
+    exact = {"num_epoch_dict": {"a": 1, "b": 1}}
+    assert hooks.trainer_loop(_trainer(True), exact).window == 10
     monkeypatch.setenv("MDLOADER_TASK_DRAW", "same")
-    assert hooks.trainer_loop(_trainer(True)).same_task_across_ranks
+    assert hooks.trainer_loop(_trainer(True), {}).same_task_across_ranks
     monkeypatch.setenv("MDLOADER_TASK_DRAW", "both")
     with pytest.raises(ConfigError, match="MDLOADER_TASK_DRAW"):
-        hooks.trainer_loop(_trainer(True))
+        hooks.trainer_loop(_trainer(True), {})
     with pytest.raises(MdloaderError, match="outside Trainer.run"):
         hooks.ScheduledTasks().choice(2, p=[0.5, 0.5])
 

@@ -1,10 +1,10 @@
 """One pool of DataLoader workers for every stream of DeePMD-kit's trainer (``mdloader dp``).
 
 Three heads with validation data on two ranks, two workers per DataLoader: DeePMD-kit's own
-arrangement (``MDLOADER_DP_WORKERS=per-loader``) runs 3 x 2 DataLoaders of 2 workers each per
-rank; the pool runs 2 workers for all of them and trains the same batches, validates on the same
-batches (equal ``lcurve.out``), and resumes exactly from a checkpoint taken while its workers
-read ahead. On one rank the pool is the same code without a process group; the resume tests
+arrangement (``MDLOADER_DP_WORKERS=per-loader``: a pool per task and role) runs 3 x 2 pools of
+2 workers each per rank; the one pool runs 2 workers for all of them and trains the same
+batches, validates on the same batches (equal ``lcurve.out``), and resumes exactly from a
+checkpoint taken while its workers read ahead. On one rank the pool is the same code without a process group; the resume tests
 run it there with ``NUM_WORKERS=0`` (every batch read on demand in the main process).
 """
 
@@ -55,12 +55,12 @@ def test_one_pool_trains_and_validates_on_deepmd_kits_batches(runs: SimpleNamesp
         assert set(own.spies[rank]["tasks"]) == set(TASKS), "every head trained"
     assert pooled.lcurve == own.lcurve, "validation and display batches are DeePMD-kit's too"
     assert [int(r.split()[0]) for r in pooled.lcurve] == [1, 3, 6, 9]  # each with validation
-    assert "DataLoader workers: one pool of 2 for 6 stream(s)" in pooled.log
-    # the forecast was DeePMD-kit's loop: 10 training and 4 x 3 x 2 validation batches, each
-    # in flight when asked for, none held for a later request
-    assert ("DataLoader worker pool: 34 batches served, 0 asked for out of turn, at most 0 "
+    assert "DataLoader workers: one pool of 2 for 9 stream(s)" in pooled.log
+    # the forecast was DeePMD-kit's loop: 10 training batches, and at each of 4 displays 2
+    # display-time and 3 x 2 validation batches, each in flight when asked for, none held
+    assert ("DataLoader worker pool: 42 batches served, 0 asked for out of turn, at most 0 "
             "held") in pooled.log
-    assert "one pool" not in own.log
+    assert "DataLoader workers: 6 pools of 2 for 9 stream(s)" in own.log
 
 
 def test_one_pool_runs_num_workers_processes_per_rank(runs: SimpleNamespace) -> None:
