@@ -3,7 +3,9 @@
 * imports follow the layers (:func:`violations`);
 * no import cycle between mdloader modules, imports for type checking included (:func:`cycles`);
 * no reach-in to another module's private attributes (:func:`reach_ins`);
-* one atomic write and one file stamp, in ``mdloader/persist.py`` (:func:`persistence_outside`).
+* one atomic write and one file stamp, in ``mdloader/persist.py`` (:func:`persistence_outside`);
+* one place that makes a DataLoader, one that obtains a job's catalogs, one record per
+  DeePMD-kit trainer (:func:`calls_outside`).
 """
 
 from __future__ import annotations
@@ -460,3 +462,54 @@ def test_the_persistence_checker_names_each_one(tmp_path: Path) -> None:
     ]
     allowed = {"mdloader/catalog/_probe.py: os.fsync": "a probe"}
     assert len(persistence_outside(tmp_path / "mdloader", allowed=allowed)) == 3
+
+
+# -- one place for each piece of infrastructure ------------------------------------------------
+
+#: A call and the one module that may make it: a DataLoader is the worker pool's (the one road
+#: to workers, errors carried as objects, workers bound to their rank), a catalog the build's
+#: (one rank-0 build and one broadcast per job), a weak dictionary keyed by DeePMD-kit's trainer
+#: the adapter's hooks' (one record per trainer, nothing else kept beside it).
+ONE_PLACE = {"DataLoader": "mdloader/loading/pool.py",
+             "catalog_for": "mdloader/loading/build.py",
+             "WeakKeyDictionary": "mdloader/integrations/deepmd/hooks.py"}
+#: The commands may obtain a catalog for themselves (``index``, ``cache``): they build no job.
+ONE_PLACE_EXEMPT = ("mdloader/cli/",)
+
+
+def calls_outside(package: Path = PACKAGE) -> list[str]:
+    """Every call of a :data:`ONE_PLACE` name outside its one module, and any second call in
+    that module of a name that is called once (``DataLoader``, ``WeakKeyDictionary``)."""
+    problems, seen = [], {}
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent).as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            name = ast.unparse(node.func).rsplit(".", 1)[-1]
+            home = ONE_PLACE.get(name)
+            if home is None or rel.startswith(ONE_PLACE_EXEMPT):
+                continue
+            if rel != home:
+                problems.append(f"{rel}:{node.lineno}: {name} is called outside {home}")
+            elif name != "catalog_for" and seen.setdefault(name, node.lineno) != node.lineno:
+                problems.append(f"{rel}:{node.lineno}: a second {name} in {home}")
+    return problems
+
+
+def test_a_dataloader_a_catalog_and_a_trainers_record_are_made_in_one_place() -> None:
+    problems = calls_outside()
+    assert not problems, "\n".join(problems)
+
+
+def test_the_one_place_checker_names_each_call(tmp_path: Path) -> None:
+    probe = tmp_path / "mdloader" / "train" / "_probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text("import weakref\nfrom torch.utils.data import DataLoader\n"
+                     "loader = DataLoader([])\nrecords = weakref.WeakKeyDictionary()\n",
+                     encoding="utf-8")
+    assert calls_outside(tmp_path / "mdloader") == [
+        "mdloader/train/_probe.py:3: DataLoader is called outside mdloader/loading/pool.py",
+        "mdloader/train/_probe.py:4: WeakKeyDictionary is called outside "
+        "mdloader/integrations/deepmd/hooks.py"]

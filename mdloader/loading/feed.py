@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mdloader.distributed.collectives import gather_to_main
-from mdloader.errors import ConfigError, StateDictError
+from mdloader.errors import ConfigError, MdloaderError, StateDictError
 from mdloader.loading import feed_state
 from mdloader.loading.build import BuildReport, Section, build_job
 from mdloader.loading.loader import (
@@ -89,8 +89,8 @@ class Stream:
 
     def __next__(self) -> Any:
         if self._pool is None:
-            raise ConfigError(f"the stream {self.name} is read once its feed has started "
-                              "(Feed.start)")
+            raise MdloaderError(f"the stream {self.name} is read once its feed has started "
+                                "(Feed.start)")
         batch = self._pool.next_batch(self._index)
         if self.check is not None:
             self.check(self, batch)
@@ -165,8 +165,8 @@ class Feed:
     num_workers, pin_memory
         The worker pool's processes (0: read in this process) and whether it pins batches.
     separate_pools
-        A pool of ``num_workers`` per stream instead of one for all (DeePMD-kit's arrangement
-        of a DataLoader per task and role).
+        A pool of ``num_workers`` per task and kind of data instead of one for all
+        (DeePMD-kit's arrangement of a DataLoader per task and role).
     report
         What the build did (``None`` for streams built elsewhere).
 
@@ -271,7 +271,8 @@ class Feed:
         self._start_pool(loop)
 
     def _restore(self, state: Mapping[str, Any], step: int) -> None:
-        """Every stream, and the seed, as ``state`` saved them; checked before any is changed."""
+        """Every stream, and the seed, as ``state`` saved them (its step, its streams and its
+        seed are checked before any stream is changed; each stream checks its own state)."""
         doc = feed_state.read(state)
         if int(doc["next_step"]) != int(step):
             raise StateDictError(f"the loader state continues at step {doc['next_step']} but "
@@ -363,8 +364,8 @@ class Feed:
     def next_task(self) -> int:
         """The task of the step now starting (the schedule moves to the next step)."""
         if self.schedule is None:
-            raise ConfigError("a multi-task step was drawn before the feed started its "
-                              "schedule (Feed.start)")
+            raise MdloaderError("a multi-task step was drawn before the feed started its "
+                                "schedule (Feed.start)")
         return self.schedule.choice()
 
     def draws(self, task: str | None) -> TrainingDraws:

@@ -3,7 +3,7 @@ reuses or computes each system's partial result, and one all-gather gives every 
 
 Shares are balanced by work (frames x atoms, :mod:`mdloader.stats.shards`); every rank merges
 the parts in system order, so the result is the same on every rank and at every world size.
-Partial results are cached per system (:mod:`mdloader.catalog.stats_store`) under a key of the
+Partial results are cached per system (:mod:`mdloader.stats.store`) under a key of the
 system's content stamp and everything the statistic depends on (:mod:`mdloader.stats.cache`):
 a restart or a data set with new systems computes only what is new or changed.
 
@@ -31,7 +31,7 @@ from mdloader.distributed.group import current_world
 from mdloader.errors import CorruptFileError, MdloaderError
 from mdloader.loading.system_list import natoms_of, nframes_of
 from mdloader.settings import cache_folder, resolve
-from mdloader.stats import cache, env_mat
+from mdloader.stats import cache
 from mdloader.stats.env_mat import EnvMatSettings, EnvMatSums, system_env_sums
 from mdloader.stats.merging import merge_all
 from mdloader.stats.neighbours import DEEPMD_BATCH_ATOMS, NeighbourStats, system_neighbour_stats
@@ -326,7 +326,7 @@ def job_input_statistics(requests: Sequence[InputRequest], *, mode: str | None =
     out, at = [], 0
     for request in requests:
         nblocks = len(request.blocks)
-        sums = [env_mat.merge_all([EnvMatSums.zeros(block.ntypes), *results[at + b]])
+        sums = [merge_all([EnvMatSums.zeros(block.ntypes), *results[at + b]])
                 for b, block in enumerate(request.blocks)]
         out.append((sums, placed_samples(results[at + nblocks])))
         at += nblocks + 1

@@ -7,7 +7,12 @@ finished exactly once, counted on the batches the trainer trained (tests/support
 against the definitions of docs/sampling.md (tests/support/elastic_ledger.py). ``--init-model``
 and ``--finetune`` start fresh streams. Each task draws its own stream, and its display-time
 batches from another one: adding a task, or logging more often, leaves a task's batches
-unchanged. Each group of launches is made once per module and asserted on by several tests.
+unchanged. A run upgraded between two checkpoints continues exactly: from the loader states of
+``tests/fixtures/legacy-states``, written beside DeePMD-kit's checkpoint of step 3 by the release
+before the feed (``mdloader-deepmd-loader-state`` of version 1), this release trains, step for
+step and task for task, what that release trained after them. Every attribute of DeePMD-kit's
+trainer that mdloader's code touched in these runs is in the seam. Each group of launches is
+made once per module and asserted on by several tests.
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ from support.deepmd_inputs import (
 )
 from support.deepmd_spy import dp_train, lcurve_rows, spied
 from support.elastic_ledger import Ledger
+
+from mdloader.integrations.deepmd.seam import SEAM, TRAINING
+from mdloader.loading import feed_state
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "legacy-states"
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +174,11 @@ def multi(data: Path, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespa
     _copy_checkpoint(run.parts, "model.ckpt-3.pt", run.elastic)
     dp_train(run.parts, multi_task_input(data), "--restart", "model.ckpt.pt", steps=6, world=2,
              env=same)
+    run.restarted = spied(run.parts, 2)
     dp_train(run.elastic, multi_task_input(data), "--restart", "model.ckpt-3.pt", steps=24)
     run.after = spied(run.elastic)[0]
+    run.touched = {tuple(t) for spy in [*run.whole_ranks, *run.before, *run.restarted,
+                                        run.after] for t in spy["touched"]}
     return run
 
 
@@ -269,3 +282,52 @@ def test_a_tasks_seed_folds_in_its_key_and_a_single_task_keeps_the_job_seed(
         "training.training_data.systems"
     seeds = {display_stream_seed(task_stream_seed(7, t)) for t in ("a", "b")}
     assert len(seeds | {task_stream_seed(7, "a"), task_stream_seed(7, "b")}) == 4
+
+
+# -- an upgrade between two checkpoints; the seam -----------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["single", "multi", "multi-unseeded"])
+def test_a_loader_state_of_the_earlier_format_continues_exactly(
+        data: Path, single: SimpleNamespace, multi: SimpleNamespace, tmp_path: Path,
+        name: str) -> None:
+    """DeePMD-kit's checkpoint of step 3 of this module's runs (the weights choose no batch:
+    the two-task one serves the job without a seed too), with the earlier release's loader
+    state beside it; and the loader state this release writes next holds the same stream
+    positions (an unseeded job adopts the saved schedule and stream seeds)."""
+    config = single_task_input(data) if name == "single" else multi_task_input(data)
+    if name.endswith("unseeded"):
+        del config["training"]["seed"]
+    expected = json.loads((FIXTURES / f"deepmd-{name}.json").read_text())
+    shutil.copy((single.parts if name == "single" else multi.parts) / "model.ckpt-3.pt",
+                tmp_path / "model.ckpt-3.pt")
+    shutil.copy(FIXTURES / f"deepmd-{name}.mdloader", tmp_path / "model.ckpt-3.pt.mdloader")
+    log = dp_train(tmp_path, config, "--restart", "model.ckpt-3.pt", steps=6)
+    assert "restored the loader state" in log
+    (run,) = spied(tmp_path)
+    assert (run["tasks"], run["drawn"]) == (expected["tasks"], expected["drawn"])
+    final = feed_state.read_beside(tmp_path / "model.ckpt-6.pt")
+    old = feed_state.read(expected["final"])
+    assert final is not None and final["streams"] == old["streams"]
+    assert final["next_step"] == old["next_step"] == 6
+    if old["seed"] is not None:
+        assert final["seed"] == old["seed"]
+
+
+@pytest.mark.slow
+def test_mdloader_dp_touches_only_trainer_attributes_the_seam_lists(
+        multi: SimpleNamespace) -> None:
+    """Recorded in this module's two-task runs (tests/support/deepmd_spy.py: a run, a stopped
+    one and its restart on two ranks, an elastic restart on one): every attribute of
+    DeePMD-kit's trainer that mdloader's code read or wrote is a name of the seam, and a written
+    one is listed as written."""
+    listed = {e.name.split(".", 1)[1]: e.use for e in SEAM
+              if e.module == TRAINING and e.name.startswith("Trainer.")}
+    names = {name for _, name in multi.touched}
+    assert sorted(names - set(listed)) == [], "touched, and not in the seam"
+    written = {name for use, name in multi.touched if use == "write"}
+    assert sorted(n for n in written if listed[n] != "write") == [], "written, listed otherwise"
+    # the recorder saw the adapter at work: the feed's iterators, the restart, the tasks
+    assert {"training_data", "start_step", "scheduler", "model_keys", "model_prob"} <= names
+

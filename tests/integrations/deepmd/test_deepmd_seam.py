@@ -231,33 +231,3 @@ def test_mdloader_imports_deepmd_kit_only_through_the_seam() -> None:
                     and node.value not in MODULES):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value}")
     assert found == []
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_mdloader_dp_touches_only_trainer_attributes_the_seam_lists(tmp_path: Path) -> None:
-    """Recorded in a real run (tests/support/deepmd_spy.py): a two-task job of 3 steps that
-    saves a checkpoint, then its restart for 2 more steps. Every attribute of DeePMD-kit's
-    trainer that mdloader's code read or wrote is a name of the seam, and a written one is
-    listed as written."""
-    import json
-
-    from support.deepmd_inputs import make_task_data, multi_task_input
-    from support.deepmd_spy import dp_train, spied
-
-    config = multi_task_input(make_task_data(tmp_path / "data"))
-    config["training"]["save_freq"] = 3
-    job = tmp_path / "job"
-    dp_train(job, json.loads(json.dumps(config)), steps=3)
-    touched = {tuple(t) for t in spied(job)[0]["touched"]}
-    dp_train(job, config, "--restart", "model.ckpt.pt", steps=5)
-    touched |= {tuple(t) for t in spied(job)[0]["touched"]}
-    listed = {e.name.split(".", 1)[1]: e.use for e in SEAM
-              if e.module == TRAINING and e.name.startswith("Trainer.")}
-    names = {name for _, name in touched}
-    assert sorted(names - set(listed)) == [], "touched, and not in the seam"
-    written = {name for use, name in touched if use == "write"}
-    assert sorted(n for n in written if listed[n] != "write") == [], "written, listed otherwise"
-    # the recorder saw the adapter at work: the feed's iterators, the restart, the tasks
-    assert {"training_data", "start_step", "model_keys", "model_prob"} <= names
-

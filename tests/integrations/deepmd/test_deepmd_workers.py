@@ -4,8 +4,9 @@ Three heads with validation data on two ranks, two workers per DataLoader: DeePM
 arrangement (``MDLOADER_DP_WORKERS=per-loader``: a pool per task and role) runs 3 x 2 pools of
 2 workers each per rank; the one pool runs 2 workers for all of them and trains the same
 batches, validates on the same batches (equal ``lcurve.out``), and resumes exactly from a
-checkpoint taken while its workers read ahead. On one rank the pool is the same code without a process group; the resume tests
-run it there with ``NUM_WORKERS=0`` (every batch read on demand in the main process).
+checkpoint taken while its workers read ahead. On one rank the pool is the same code without a
+process group; the resume tests run it there with ``NUM_WORKERS=0`` (every batch read on demand
+in the main process).
 """
 
 from __future__ import annotations
