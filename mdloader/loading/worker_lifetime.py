@@ -12,6 +12,8 @@
 * **No shorter.** ``torchrun`` sends its SIGTERM to each rank's whole process group, and Slurm
   to every process of a step: a worker must not die of it while its rank still needs it to
   finish a step and write a checkpoint. A stop signal from anyone but the parent is ignored.
+  So is Ctrl-C (SIGINT, which a terminal sends to the whole process group): it is the rank's to
+  act on, and a worker dead of it would be reported as a lost worker instead of an interruption.
 
 Telling the two apart needs the sender of the signal, which a Python handler never sees: the
 worker blocks the stop signals and a thread of its own receives them with
@@ -36,13 +38,14 @@ _bound_pid: int | None = None
 
 def bind_to_rank() -> None:
     """In a DataLoader worker: die with the parent process; end on the parent's SIGTERM; ignore
-    stop signals from anyone else (once per process)."""
+    stop signals from anyone else, and Ctrl-C (once per process)."""
     global _bound_pid
     pid = os.getpid()
     if _bound_pid == pid:
         return
     _bound_pid = pid
     parent = os.getppid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "sigwaitinfo"):
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         threading.Thread(target=_obey_the_parent, args=(parent,), daemon=True,

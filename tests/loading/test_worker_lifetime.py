@@ -33,7 +33,8 @@ def _death_signal() -> int:
 
 class _Probe(Dataset):
     """Reads through the loader set, then reports how the worker process is set up: its death
-    signal and which stop signals it blocks (a thread of its own receives them)."""
+    signal, which stop signals it blocks (a thread of its own receives them), and whether it
+    ignores Ctrl-C."""
 
     def __init__(self, loader_set: DpLoaderSet) -> None:
         self.loader_set = loader_set
@@ -41,10 +42,11 @@ class _Probe(Dataset):
     def __len__(self) -> int:
         return len(self.loader_set)
 
-    def __getitem__(self, key: Any) -> tuple[int, bool, bool]:
+    def __getitem__(self, key: Any) -> tuple[int, bool, bool, bool]:
         self.loader_set[key]
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-        return _death_signal(), signal.SIGTERM in blocked, signal.SIGUSR1 in blocked
+        return (_death_signal(), signal.SIGTERM in blocked, signal.SIGUSR1 in blocked,
+                signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
@@ -56,7 +58,7 @@ def test_a_worker_dies_with_its_rank_and_receives_stop_signals_itself(tmp_path) 
     dl = DataLoader(_Probe(ls), sampler=sampler, batch_size=None, num_workers=1,
                     multiprocessing_context="fork", collate_fn=lambda b: b)
     got = list(dl)
-    assert got and all(g == (signal.SIGKILL, True, True) for g in got), got
+    assert got and all(g == (signal.SIGKILL, True, True, True) for g in got), got
     assert _death_signal() == 0  # the rank itself is left as it was
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
@@ -144,6 +146,12 @@ SCRIPT = textwrap.dedent("""
 WAYS = {"end": 0, "exit": 3, "raise": 1, "interrupt": -signal.SIGINT}
 
 
+def ctrl_c_as_in_a_terminal() -> None:
+    """In the child before it starts: Ctrl-C at its default, as in a terminal (a test run
+    started in the background of a shell ignores it, and so would its children)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sigwaitinfo")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("how", "way"), [*(("dataloader", way) for way in WAYS),
@@ -160,7 +168,7 @@ def test_a_script_that_ends_with_live_workers_exits(tmp_path, how, way) -> None:
     started = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, how, way, *map(str, paths)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True,
+                            start_new_session=True, preexec_fn=ctrl_c_as_in_a_terminal,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
     if way == "interrupt":

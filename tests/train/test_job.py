@@ -237,7 +237,9 @@ def test_a_restart_on_a_full_disk_names_the_log_and_the_phase(tmp_path: Path) ->
 @pytest.mark.timeout(300)
 def test_ctrl_c_with_workers_alive_ends_the_run(tmp_path: Path) -> None:
     """Ctrl-C mid-training (SIGINT to the whole process group, workers included, as a terminal
-    sends it): the job ends within seconds with ``interrupted`` (130), its workers with it."""
+    sends it): the job ends within seconds with ``interrupted`` (130), its workers with it. The
+    job starts with Ctrl-C at its default, as in a terminal (a test run in the background of a
+    shell ignores it, and so would the job)."""
     import subprocess
     import sys
     import time
@@ -247,6 +249,7 @@ def test_ctrl_c_with_workers_alive_ends_the_run(tmp_path: Path) -> None:
                             "--num-workers", "2", "-o", str(tmp_path / "out")],
                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, start_new_session=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
     curve, started = tmp_path / "out" / "lcurve.out", time.monotonic()
     while not (curve.exists() and len(curve.read_text().splitlines()) > 3):

@@ -88,7 +88,8 @@ class Job:
         self.proc = subprocess.Popen(
             [require_deepmd_python(), *launcher, "-m", "mdloader", "dp", "--pt", "train",
              "input.json", *args], cwd=root, env=environ, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            preexec_fn=_ctrl_c_as_in_a_terminal)
         self.fault = 0.0
 
     def wait_for_steps(self, lines: int = 3) -> None:
@@ -132,6 +133,12 @@ class Job:
             except ProcessLookupError:
                 pass
         self.proc.communicate()
+
+
+def _ctrl_c_as_in_a_terminal() -> None:
+    """In the job before it starts: Ctrl-C at its default, as in a terminal (a test run started
+    in the background of a shell ignores it, and so would the job)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _children(pid: int) -> list[int]:
