@@ -2,7 +2,7 @@
 
 ``Trainer._run_stat_on_chief`` is wrapped (:func:`mdloader_run_stat_on_chief`). Unless something
 mdloader does not compute is needed (:func:`unsupported`), the first statistics call of a
-trainer computes the statistics of every task it will ask for (:class:`JobInputStats`: each
+job computes the statistics of every task it will ask for (:func:`merged_statistics`: each
 task's model, training set and ``data_stat_nbatch``) in one sharded pass with one all-gather
 (:func:`~mdloader.loading.statistics.job_input_statistics`; parts equal across tasks computed
 once); each task's call then has rank 0 run DeePMD-kit's own ``compute_or_load_stat`` with
@@ -251,67 +251,62 @@ def _env_stats_from(by_settings: dict[Any, Any], get_sample: Callable[[], Any]) 
     return patched(EnvMatStatSe, "load_or_compute_stats", load_or_compute_stats)
 
 
-class JobInputStats:
-    """Every task's input statistics of a recorded job, computed together at its first call.
+def merged_statistics(trainer: Any, takeover: InputStatTakeover) -> tuple[list[Any], list[Any]]:
+    """The merged statistics of ``takeover``: every task's of a recorded job in one pass, at the
+    job's first statistics call (collective), kept with the job.
 
-    The first statistics call plans a takeover for every task the trainer will ask for (all of
-    them, or under ``--finetune`` those with new types), from the trainer (its models, stat-file
-    settings, losses) and the recorded input and training sets
-    (:func:`~mdloader.integrations.deepmd.systems.planned_task_input`); one joint pass computes
-    them, kept with the job. A later call whose takeover is not the planned one computes alone
-    (every rank decides alike: the plan is a function of the input).
+    The first call plans a takeover for every task the trainer will ask for (all of them, or
+    under ``--finetune`` those with new types, :func:`planned_takeovers`); one joint pass
+    computes them. A later call whose takeover is not a planned one computes alone (every rank
+    decides alike: the plan is a function of the input).
     """
-
-    @staticmethod
-    def merged(trainer: Any, takeover: InputStatTakeover) -> tuple[list[Any], list[Any]]:
-        """The merged statistics of ``takeover`` (collective at the job's first call)."""
-        job = current_job()
-        results = job.input_statistics if job is not None else None
-        if results is None:
-            planned = [t for t in JobInputStats.plan(trainer) if not t.matches(takeover)]
-            todo = [takeover, *planned]
-            for t in todo:
-                t.log_frames()
-            merged = job_input_statistics([t.request() for t in todo])
-            results = list(zip(todo, merged, strict=True))
-            if job is not None:
-                job.input_statistics = results
-        for planned_takeover, merged_result in results:
-            if planned_takeover.matches(takeover):
-                return merged_result
-        return takeover.compute()
-
-    @staticmethod
-    def plan(trainer: Any) -> list[InputStatTakeover]:
-        """The takeovers of every task this trainer will compute statistics for."""
-        models = trainer.model
-        if not isinstance(models, dict):
-            return []
-        training = deepmd_module(TRAINING)
-        links = trainer.finetune_links
-        specs = trainer.stat_file_specs or {}
-        losses = trainer.loss or {}
-        out = []
-        for key, model in models.items():
-            if links is not None and not links[key].get_has_new_type():
-                continue  # a fine-tuned task keeps its loaded statistics
-            found = planned_task_input(key)
-            if found is None or key not in specs or key not in losses:
-                continue
-            data, nbatch, min_pair_dist = found
-            call = StatisticsCall(model, lambda: None, None, specs[key], data, nbatch,
-                                  min_pair_dist)
-            takeover = InputStatTakeover.of_call(call, quiet=True)
-            if takeover is None:
-                continue
-            # what the trainer adds before this task's statistics (an energy model's labels)
-            data.add_data_requirement(list(losses[key].label_requirement)
-                                      + training.get_additional_data_requirement(model))
-            out.append(takeover)
-        return out
+    job = current_job()
+    results = job.input_statistics if job is not None else None
+    if results is None:
+        planned = [t for t in planned_takeovers(trainer) if not t.matches(takeover)]
+        todo = [takeover, *planned]
+        for t in todo:
+            t.log_frames()
+        merged = job_input_statistics([t.request() for t in todo])
+        results = list(zip(todo, merged, strict=True))
+        if job is not None:
+            job.input_statistics = results
+    for planned_takeover, merged_result in results:
+        if planned_takeover.matches(takeover):
+            return merged_result
+    return takeover.compute()
 
 
-_JOB_STATS = JobInputStats()
+def planned_takeovers(trainer: Any) -> list[InputStatTakeover]:
+    """The takeovers of every task ``trainer`` will compute statistics for, from the trainer
+    (its models, stat-file settings, losses) and the recorded input and training sets
+    (:func:`~mdloader.integrations.deepmd.systems.planned_task_input`)."""
+    models = trainer.model
+    if not isinstance(models, dict):
+        return []
+    training = deepmd_module(TRAINING)
+    links = trainer.finetune_links
+    specs = trainer.stat_file_specs or {}
+    losses = trainer.loss or {}
+    out = []
+    for key, model in models.items():
+        if links is not None and not links[key].get_has_new_type():
+            continue  # a fine-tuned task keeps its loaded statistics
+        found = planned_task_input(key)
+        if found is None or key not in specs or key not in losses:
+            continue
+        data, nbatch, min_pair_dist = found
+        call = StatisticsCall(model, lambda: None, None, specs[key], data, nbatch, min_pair_dist)
+        takeover = InputStatTakeover.of_call(call, quiet=True)
+        if takeover is None:
+            continue
+        # what the trainer adds before this task's statistics (an energy model's labels)
+        data.add_data_requirement(list(losses[key].label_requirement)
+                                  + training.get_additional_data_requirement(model))
+        out.append(takeover)
+    return out
+
+
 
 #: The ``operation`` of DeePMD-kit's fine-tuning statistics start so (the task follows).
 FINETUNE_OPERATION = "fine-tuning statistics"
@@ -434,7 +429,7 @@ def mdloader_run_stat_on_chief(original: Callable[..., Any]) -> Callable[..., An
     def _run_stat_on_chief(self: Any, action: Callable[[], None], *, operation: str) -> None:
         takeover = InputStatTakeover.of(self, action) if operation == OPERATION else None
         if takeover is not None:
-            ours = takeover.action(_JOB_STATS.merged(self, takeover))
+            ours = takeover.action(merged_statistics(self, takeover))
             if ours is not None:
                 action = ours
         finetune = (FinetuneTakeover.of(self, action)
