@@ -12,6 +12,7 @@ from support.deepmd_env import require_deepmd_python
 
 from mdloader.config.argcheck import DEEPMD_KEYS
 from mdloader.config.input_json import parse_config
+from mdloader.config.unsupported import refuse_under_deepmd
 from mdloader.errors import ConfigError
 from mdloader.testing import make_system
 
@@ -94,3 +95,22 @@ print(json.dumps(found))
                 for n in (sub.name, *sub.alias)}
         expected = set(keys) - ours | (legacy if section == "training" else set())
         assert set(DEEPMD_KEYS[section]) == expected, section
+
+
+@pytest.mark.parametrize("key", ["index_file", "balance_window", "balance_cost"])
+@pytest.mark.parametrize("prefix", ["training", "training.data_dict.water"])
+@pytest.mark.parametrize("section", ["training_data", "validation_data"])
+def test_under_mdloader_dp_a_key_only_mdloader_train_reads_is_refused_by_its_path(
+        key: str, prefix: str, section: str) -> None:
+    """In any data section of any task, one line naming the key's JSON path (a launch of
+    ``mdloader dp`` checks it comes before any set-up: tests/integrations/deepmd)."""
+    data: dict = {"training": {}}
+    holder = data["training"]
+    if prefix != "training":
+        holder = holder.setdefault("data_dict", {}).setdefault("water", {})
+    holder["training_data"] = {"systems": ["sys"]}
+    holder.setdefault(section, {"systems": ["sys"]})[key] = 4
+    refuse_under_deepmd({"training": {"training_data": {"systems": ["sys"]}}})
+    with pytest.raises(ConfigError, match=rf"^{prefix}\.{section}\.{key}: read by mdloader "
+                                          rf"train only: .*which does not know {key}; remove it"):
+        refuse_under_deepmd(data)

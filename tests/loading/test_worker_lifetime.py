@@ -152,34 +152,52 @@ def ctrl_c_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+CASES = [*(("dataloader", way) for way in WAYS), ("stateful", "raise"), ("feed", "exit")]
+Ended = dict[tuple[str, str], tuple[bool, Any, str]]
+
+
+@pytest.fixture(scope="module")
+def ended(tmp_path_factory: pytest.TempPathFactory) -> Ended:
+    """Every script of :data:`CASES` started at once (each in a session of its own; they wait on
+    their imports, not on each other), Ctrl-C sent to the interrupted one once it is ready: for
+    each, whether it got ready, its exit code (``None``: it did not exit) and standard error."""
+    root = tmp_path_factory.mktemp("scripts")
+    paths = [str(make_system(root, f"sys{i}", natoms=3, nframes=4, seed=i)) for i in range(2)]
+    procs = {case: subprocess.Popen([sys.executable, "-c", SCRIPT, *case, *paths],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True, preexec_fn=ctrl_c_as_in_a_terminal,
+                                    env=dict(os.environ, OMP_NUM_THREADS="1"))
+             for case in CASES}
+    ready = {}
+    for (how, way), proc in procs.items():
+        ready[(how, way)] = proc.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
+        if way == "interrupt":
+            os.killpg(proc.pid, signal.SIGINT)
+    # a hang guard: each script exits 1.5-3 s after it starts when run alone; torch's own worker
+    # shutdown waits at most 5 s per worker
+    deadline = time.monotonic() + 90
+    results = {}
+    for case, proc in procs.items():
+        try:
+            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results[case] = (ready[case], proc.returncode, err)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            results[case] = (ready[case], None, proc.communicate()[1])
+    return results
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sigwaitinfo")
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("how", "way"), [*(("dataloader", way) for way in WAYS),
-                                          ("stateful", "raise"), ("feed", "exit")])
-def test_a_script_that_ends_with_live_workers_exits(tmp_path, how, way) -> None:
+@pytest.mark.parametrize(("how", "way"), CASES)
+def test_a_script_that_ends_with_live_workers_exits(ended: Ended, how: str, way: str) -> None:
     """Ended with an iterator alive (held by a name, a generator or a traceback), the script
     exits: Python's exit ends its daemonic workers with a SIGTERM from their parent, which a
     worker obeys. It never exited before (the workers ignored that SIGTERM and waited for the
     parent, which waited for them). Ctrl-C goes to the whole process group, as a terminal
     sends it. Every way out with a user's own DataLoader (the README's loop); mdloader's own
     loaders hold their workers the same way."""
-    code = WAYS[way]
-    paths = [make_system(tmp_path, f"sys{i}", natoms=3, nframes=4, seed=i) for i in range(2)]
-    started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, how, way, *map(str, paths)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=ctrl_c_as_in_a_terminal,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
-    if way == "interrupt":
-        os.killpg(proc.pid, signal.SIGINT)
-    try:
-        # a hang guard: these scripts exit 1.5-3 s after they start here, torch's own worker
-        # shutdown waits at most 5 s per worker
-        out, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the script ({how}, {way}) did not exit: its workers kept it alive")
-    assert proc.returncode == code, err[-2000:]
-    assert time.monotonic() - started < 60
-
+    ready, code, err = ended[(how, way)]
+    assert ready, err[-2000:]
+    assert code is not None, f"the script ({how}, {way}) did not exit: its workers kept it alive"
+    assert code == WAYS[way], err[-2000:]
