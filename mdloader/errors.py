@@ -8,6 +8,8 @@ expected and what was found, so that the same facts can travel from rank 0 to ev
 
 from __future__ import annotations
 
+import sys
+import traceback
 from typing import Any
 
 
@@ -240,3 +242,19 @@ class StopRequested(BaseException):
     def __init__(self, signal_name: str) -> None:
         self.signal_name = signal_name
         super().__init__(f"{signal_name} before the first training step: nothing to save")
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` as PEP 678 does (``__notes__``), on Python 3.10 too."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", ()), note]
+
+
+def traceback_text(exc: BaseException) -> str:
+    """The formatted traceback of ``exc`` with its notes (which Python 3.10 does not print)."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    if sys.version_info < (3, 11):
+        text += "".join(f"{note}\n" for note in getattr(exc, "__notes__", ()))
+    return text

@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 from mdloader.data.formats import Listing
 from mdloader.data.formats.base import SystemMeta
 from mdloader.data.system import build_system_meta
-from mdloader.errors import DataError
+from mdloader.errors import DataError, add_note
 from mdloader.fs_calls import PROBE, measuring
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,7 @@ class SystemFailed(Exception):
     def original(self) -> BaseException:
         """The cause, with a note naming the system (for the single-process path)."""
         exc = self.__cause__
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"while building the system {self.address}")
+        add_note(exc, f"while building the system {self.address}")
         return exc
 
 

@@ -28,6 +28,7 @@ from mdloader.distributed.group import (
     transport_device,
 )
 from mdloader.distributed.packets import MAGIC, PROTOCOL_VERSION, Kind, Packet, header_tensor
+from mdloader.distributed.torch_versions import broadcast_from
 from mdloader.errors import AgreementError, CollectiveTimeoutError, DistributedError
 from mdloader.settings import SETTINGS, resolve
 
@@ -89,15 +90,15 @@ class Channel:
             raise DistributedError("the source rank must pass a packet to broadcast")
         header = (header_tensor(packet) if self.is_source
                   else torch.zeros(5, dtype=torch.int64, device=self.device))
-        header = self._run(dist.broadcast, header.to(self.device), "packet header")
+        header = self._broadcast(header.to(self.device), "packet header")
         if self.is_source:
             if packet.payload:
-                self._run(dist.broadcast, _bytes_tensor(packet.payload, self.device), "packet body")
+                self._broadcast(_bytes_tensor(packet.payload, self.device), "packet body")
             return packet
         kind, nbytes, count = self._check_header(header.cpu().tolist())
         body = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if nbytes:
-            body = self._run(dist.broadcast, body, "packet body")
+            body = self._broadcast(body, "packet body")
         return Packet(kind, body.cpu().numpy().tobytes(), count)
 
     def gather(self, packet: Packet) -> list[Packet]:
@@ -110,7 +111,7 @@ class Channel:
         never the world size times the longest.
         """
         head = [torch.zeros(5, dtype=torch.int64, device=self.device) for _ in range(self.size)]
-        self._run(dist.all_gather, header_tensor(packet).to(self.device), "packet headers", head)
+        self._all_gather(header_tensor(packet).to(self.device), "packet headers", head)
         metas = [self._check_header(t.cpu().tolist()) for t in head]
         lengths = [n for _, n, _ in metas]
         plan = gather_plan(lengths)
@@ -128,7 +129,7 @@ class Channel:
         mine[:len(payload)] = _bytes_tensor(payload, self.device)
         out = [torch.empty(longest, dtype=torch.uint8, device=self.device)
                for _ in range(self.size)]
-        self._run(dist.all_gather, mine, "packet bodies", out)
+        self._all_gather(mine, "packet bodies", out)
         return [body[:n].cpu().numpy().tobytes() for n, body in zip(lengths, out)]
 
     def _broadcasts(self, payload: bytes, lengths: list[int]) -> list[bytes]:
@@ -136,8 +137,7 @@ class Channel:
         out = [_bytes_tensor(payload, self.device) if r == self.rank
                else torch.empty(n, dtype=torch.uint8, device=self.device)
                for r, n in enumerate(lengths)]
-        works = [(r, dist.broadcast(t, group=self.group, group_src=r, async_op=True))
-                 for r, t in enumerate(out) if lengths[r]]
+        works = [(r, broadcast_from(t, self.group, r)) for r, t in enumerate(out) if lengths[r]]
         for r, work in works:
             self._wait(lambda work=work: work, f"packet body of group rank {r}")
         return [payload if r == self.rank else t.cpu().numpy().tobytes()
@@ -154,7 +154,7 @@ class Channel:
         mine[0] = problem is None
         mine[1:] = np.frombuffer(payload_digest[:32], dtype=np.int64)
         out = [torch.zeros(5, dtype=torch.int64, device=self.device) for _ in range(self.size)]
-        self._run(dist.all_gather, torch.from_numpy(mine).to(self.device), "digest check", out)
+        self._all_gather(torch.from_numpy(mine).to(self.device), "digest check", out)
         rows = [t.cpu().tolist() for t in out]
         ranks = [dist.get_global_rank(self.group, r) for r in range(self.size)]
         failed = [g for g, row in zip(ranks, rows) if not row[0]]
@@ -192,13 +192,13 @@ class Channel:
                                            async_op=True), what)
         return [bool(v) for v in tensor.cpu().tolist()]
 
-    def _run(self, op: Callable[..., Any], tensor: torch.Tensor, what: str,
-             outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
-        if outputs is None:
-            self._wait(lambda: op(tensor, group=self.group, group_src=0, async_op=True), what)
-        else:
-            self._wait(lambda: op(outputs, tensor, group=self.group, async_op=True), what)
+    def _broadcast(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """Broadcast ``tensor`` in place from group rank 0; the tensor."""
+        self._wait(lambda: broadcast_from(tensor, self.group, 0), what)
         return tensor
+
+    def _all_gather(self, tensor: torch.Tensor, what: str, outputs: list[torch.Tensor]) -> None:
+        self._wait(lambda: dist.all_gather(outputs, tensor, group=self.group, async_op=True), what)
 
     def _wait(self, launch: Callable[[], Any], what: str) -> None:
         start = time.monotonic()

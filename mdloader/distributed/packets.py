@@ -12,14 +12,13 @@ import enum
 import hashlib
 import io
 import pickle
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from mdloader.errors import DataError, DistributedError, RemoteError
+from mdloader.errors import DataError, DistributedError, RemoteError, traceback_text
 from mdloader.transport import tensor_as_numpy
 
 MAGIC = 0x4D444C4450_4B54  # "MDLDPKT"
@@ -95,7 +94,7 @@ def remote_error(exc: BaseException, *, rank: int, context: str, system: str | N
         system = exc.system or system
         file = exc.file or file
     file = file or getattr(exc, "filename", None)  # OSError knows its file
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    text = traceback_text(exc)
     return RemoteError(origin_rank=rank, exc_type=type(exc).__name__,
                        exc_message=str(exc), context=context,
                        system=None if system is None else str(system),

@@ -28,7 +28,7 @@ import numpy as np
 
 from mdloader.distributed.collectives import gather_from_every_rank
 from mdloader.distributed.group import current_world
-from mdloader.errors import CorruptFileError, MdloaderError
+from mdloader.errors import CorruptFileError, MdloaderError, add_note
 from mdloader.loading.system_list import natoms_of, nframes_of
 from mdloader.settings import cache_folder, resolve
 from mdloader.stats import cache
@@ -179,7 +179,7 @@ def joint_pass(passes: Sequence[StatPass], *, mode: str | None = None,
             parts.append((u, payload))
     except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
         if not isinstance(exc, MdloaderError) and dataset is not None:  # a bug: say where
-            exc.add_note(f"while computing the {kind} statistics of {dataset.meta.address}")
+            add_note(exc, f"while computing the {kind} statistics of {dataset.meta.address}")
         error = exc
     store.report_failures()
     kinds = sorted({s.kind for s in passes})
