@@ -68,6 +68,11 @@ SETTINGS: dict[str, Setting] = {
         "How often the ranks of `mdloader train` and `mdloader dp` exchange a stop flag "
         "(SIGTERM, SIGUSR1): every this many steps; the checkpoint comes at most this many steps "
         "after the signal."),
+    "stall_report": Setting(
+        "MDLOADER_STALL_REPORT", lambda: 0, int, 0, "step",
+        "How often rank 0 of `mdloader train` and `mdloader dp` reports the data stalls of every "
+        "rank (one line, one JSON line in stalls.jsonl beside lcurve.out; one gather each): "
+        "every this many steps; 0: every disp_freq steps, with lcurve.out."),
     "task_draw": Setting(
         "MDLOADER_TASK_DRAW", lambda: "per-rank", str, None, "mode",
         "How `mdloader dp` picks the task of each multi-task step: each rank its own draw "

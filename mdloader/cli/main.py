@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 
 from mdloader import __version__
-from mdloader.cli import bench, cache, check, convert, dp, index, pack, stat, train
+from mdloader.cli import bench, cache, check, convert, dp, index, pack, report, stat, train
 from mdloader.errors import ConfigError, MdloaderError, RemoteError, StopRequested
 from mdloader.logs import LEVELS, setup_logging
 from mdloader.train.signals import EXIT_STOPPED
@@ -51,7 +51,7 @@ EXIT_CODES: dict[int, str] = {
 #: The sub-commands, in ``mdloader --help`` order.
 COMMANDS: dict[str, ModuleType] = {
     "check": check, "bench": bench, "train": train, "convert": convert, "pack": pack,
-    "index": index, "cache": cache, "stat": stat, "dp": dp}
+    "index": index, "cache": cache, "stat": stat, "dp": dp, "report": report}
 
 
 def common_options() -> argparse.ArgumentParser:

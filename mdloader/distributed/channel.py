@@ -28,7 +28,7 @@ from mdloader.distributed.group import (
     transport_device,
 )
 from mdloader.distributed.packets import MAGIC, PROTOCOL_VERSION, Kind, Packet, header_tensor
-from mdloader.distributed.torch_versions import broadcast_from
+from mdloader.distributed.torch_versions import broadcast_from, gather_to
 from mdloader.errors import AgreementError, CollectiveTimeoutError, DistributedError
 from mdloader.settings import SETTINGS, resolve
 
@@ -142,6 +142,16 @@ class Channel:
             self._wait(lambda work=work: work, f"packet body of group rank {r}")
         return [payload if r == self.rank else t.cpu().numpy().tobytes()
                 for r, t in enumerate(out)]
+
+    def gather_rows(self, row: np.ndarray) -> np.ndarray | None:
+        """Every member's float64 ``row`` (one length on every member) stacked on group rank 0
+        in group-rank order, ``None`` elsewhere: one gather, so a member other than rank 0
+        sends its row and receives nothing, whatever the group's size."""
+        mine = torch.as_tensor(np.asarray(row, dtype=np.float64), device=self.device)
+        rows = ([torch.empty_like(mine) for _ in range(self.size)] if self.is_source
+                else None)
+        self._wait(lambda: gather_to(mine, rows, self.group, 0), "row gather")
+        return None if rows is None else torch.stack(rows).cpu().numpy()
 
     def agree(self, payload_digest: bytes, problem: str | None) -> None:
         """Every member reports (ok?, digest); all raise :class:`AgreementError` together if any

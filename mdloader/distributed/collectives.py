@@ -72,6 +72,17 @@ def gather_to_main(obj: Any, *, timeout: float | None = None,
     return [open_packet(p, rank=world.rank) for p in received] if world.is_main else None
 
 
+def gather_rows_to_main(row: np.ndarray | list[float], *,
+                        activity: str) -> np.ndarray | None:
+    """Every rank's float vector (one length on every rank) as the rows of a matrix on rank 0,
+    ``None`` elsewhere: one gather on the CPU group, bounded by
+    ``$MDLOADER_COLLECTIVE_TIMEOUT``; ``activity`` is what the ranks are doing."""
+    world = current_world()
+    if not world.distributed:
+        return np.asarray(row, dtype=np.float64)[None, :]
+    return world_channel(activity=activity).gather_rows(np.asarray(row, dtype=np.float64))
+
+
 def gather_from_every_rank(part: Any, error: BaseException | None = None, *,
                            timeout: float | None = None,
                            context: str = "gathering from every rank") -> list[Any]:

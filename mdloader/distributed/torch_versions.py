@@ -30,3 +30,13 @@ def broadcast_from(tensor: torch.Tensor, group: Any, group_rank: int) -> Any:
         return dist.broadcast(tensor, group=group, group_src=group_rank, async_op=True)
     return dist.broadcast(tensor, src=dist.get_global_rank(group, group_rank), group=group,
                           async_op=True)
+
+
+def gather_to(tensor: torch.Tensor, gathered: list[torch.Tensor] | None, group: Any,
+              group_rank: int) -> Any:
+    """Launch an asynchronous gather of every member's ``tensor`` into ``gathered`` (given on
+    ``group_rank`` only) of ``group``; the work."""
+    if _takes_group_src():  # the same release added group_dst=
+        return dist.gather(tensor, gathered, group=group, group_dst=group_rank, async_op=True)
+    return dist.gather(tensor, gathered, dst=dist.get_global_rank(group, group_rank),
+                       group=group, async_op=True)

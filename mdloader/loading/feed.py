@@ -12,7 +12,9 @@ never changes what is trained). A :class:`Feed` holds them all, with what they s
 * **one pool** of DataLoader workers reading every stream ahead in the trainer's own order
   (:class:`~mdloader.loading.pool.WorkerPool`, :func:`mdloader.sampling.loop.requests`);
 * **one state**, every stream's consumed position and the seed, in one document
-  (:mod:`mdloader.loading.feed_state`) that both trainers save and restore.
+  (:mod:`mdloader.loading.feed_state`) that both trainers save and restore;
+* **one account of data stalls** (:mod:`mdloader.loading.stalls`): what the trainer waits for
+  its batches on every rank, reported by rank 0 every few steps.
 
 :meth:`Feed.start` puts it in motion, in this order and nowhere else: the saved state is
 restored, the task schedule set at the step the run continues at, and the pool started.
@@ -38,12 +40,14 @@ from mdloader.loading.loader import (
     get_validation_sampler,
 )
 from mdloader.loading.pool import WorkerPool
+from mdloader.loading.stalls import StallMeter
 from mdloader.sampling.elastic import merge_rank_states
 from mdloader.sampling.loop import TrainingLoop, requests
 from mdloader.sampling.order import SEED_MOD, AgreedSeed
 from mdloader.sampling.samplers import WeightedSystemSampler
 from mdloader.sampling.spec import SamplingSpec
 from mdloader.sampling.tasks import TaskCursor, TaskSchedule, display_stream_seed
+from mdloader.settings import resolve
 from mdloader.state import check_same
 from mdloader.world import World
 
@@ -77,6 +81,7 @@ class Stream:
         self.dataset, self.sampler = dataset, sampler
         self.consumed = sampler.position
         self.check: BatchCheck | None = None
+        self.meter: StallMeter | None = None
         self._pool: WorkerPool | None = None
         self._index = -1
 
@@ -91,9 +96,12 @@ class Stream:
         if self._pool is None:
             raise MdloaderError(f"the stream {self.name} is read once its feed has started "
                                 "(Feed.start)")
+        started = self.meter.start_wait() if self.meter is not None else None
         batch = self._pool.next_batch(self._index)
         if self.check is not None:
             self.check(self, batch)
+        if started is not None:
+            self.meter.end_wait(started, batch)  # type: ignore[union-attr]
         self.consumed += 1
         return batch
 
@@ -205,6 +213,7 @@ class Feed:
         self.pools: list[WorkerPool] = []
         self.start_step = self.step = 0
         self.in_step = False
+        self.stalls: StallMeter | None = None
         self._passes: dict[str | None, tuple[PassKeys, Any]] = {}
 
     # -- building ------------------------------------------------------------------------------
@@ -252,12 +261,14 @@ class Feed:
                                                      display)
 
     # -- in motion -----------------------------------------------------------------------------
-    def start(self, step: int, loop: TrainingLoop,
-              state: Mapping[str, Any] | None = None) -> None:
+    def start(self, step: int, loop: TrainingLoop, state: Mapping[str, Any] | None = None, *,
+              stall_dir: str | None = None) -> None:
         """Continue at ``step`` (the steps done): restore ``state`` (a document of
         :mod:`~mdloader.loading.feed_state`), set the task schedule at ``step``, start the
         pool reading ahead in ``loop``'s order. Resume, schedule, pool: in this order only (the
-        pool draws keys from restored streams, in the order of the restored schedule)."""
+        pool draws keys from restored streams, in the order of the restored schedule). The
+        stall report goes to ``stall_dir`` (rank 0 writes there) every
+        ``$MDLOADER_STALL_REPORT`` steps, else every ``loop.disp_freq``."""
         if state is not None:
             self._restore(state, step)
         self.start_step = self.step = int(step)
@@ -269,6 +280,11 @@ class Feed:
                                     same_task_across_ranks=loop.same_task_across_ranks)
             self.schedule = TaskCursor(schedule, rank=self.world.rank, step=self.step)
         self._start_pool(loop)
+        every = int(resolve("stall_report")) or loop.disp_freq
+        self.stalls = StallMeter(every, stall_dir, is_main=self.world.is_main,
+                                 workers=[pool.io for pool in self.pools])
+        for stream in self.streams.values():
+            stream.meter = self.stalls
 
     def _restore(self, state: Mapping[str, Any], step: int) -> None:
         """Every stream, and the seed, as ``state`` saved them (its step, its streams and its
@@ -354,6 +370,8 @@ class Feed:
     def training_step(self) -> Iterator[int]:
         """Within, the trainer draws the training batch of step :attr:`step` (its training
         streams serve it: :class:`TrainingDraws`); the step is done when the block is."""
+        if self.stalls is not None:
+            self.stalls.step(self.step)
         self.in_step = True
         try:
             yield self.step
@@ -410,8 +428,18 @@ class Feed:
         """Whether the feed is in motion (started, not closed)."""
         return bool(self.pools)
 
+    def finish(self) -> None:
+        """The run ended on every rank together (a collective): the last stall report and the
+        run's summary. A run that fails only closes (:meth:`close`)."""
+        if self.stalls is not None:
+            self.stalls.finish()
+
     def close(self) -> None:
-        """End the pools' workers (the feed can start again)."""
+        """End the pools' workers (the feed can start again); rank 0 logs the stall summary of
+        what was reported."""
+        if self.stalls is not None:
+            self.stalls.close()
+            self.stalls = None
         for pool in self.pools:
             pool.close()
             if self.world.is_main:
@@ -420,6 +448,7 @@ class Feed:
         self._passes = {}
         for stream in self.streams.values():
             stream.attach(None)
+            stream.meter = None
 
     def __enter__(self) -> Feed:
         return self

@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from mdloader.errors import ConfigError, MdloaderError, WorkerLostError
+from mdloader.loading.stalls import WorkerIO, io_snapshot
 from mdloader.loading.worker_lifetime import bind_to_rank
 from mdloader.transport import CarriedError, TransportBatch
 
@@ -54,8 +55,9 @@ class KeySource(Protocol):
 
 class TaggedSets(Dataset):
     """The datasets of the streams behind one DataLoader: ``(stream, key)`` reads ``key`` from
-    the stream's dataset and comes back tagged with ``stream``; an mdloader error comes back as
-    a :class:`~mdloader.transport.CarriedError` in place of the batch."""
+    the stream's dataset and comes back tagged with ``stream`` and the reading process's I/O
+    counters (:func:`~mdloader.loading.stalls.io_snapshot`); an mdloader error comes back as a
+    :class:`~mdloader.transport.CarriedError` in place of the batch."""
 
     def __init__(self, datasets: Sequence[Any]) -> None:
         self.datasets = list(datasets)
@@ -63,19 +65,20 @@ class TaggedSets(Dataset):
     def __len__(self) -> int:
         return sum(len(d) for d in self.datasets)
 
-    def __getitem__(self, tagged: tuple[int, Any]) -> tuple[int, Any]:
+    def __getitem__(self, tagged: tuple[int, Any]) -> tuple[int, Any, Any]:
         stream, key = tagged
         try:
-            return stream, self.datasets[stream][key]
+            batch = self.datasets[stream][key]
         except MdloaderError as exc:
-            return stream, CarriedError(exc)
+            batch = CarriedError(exc)
+        return stream, batch, io_snapshot()
 
 
-def _transport(item: tuple[int, Any]) -> tuple[int, Any]:
+def _transport(item: tuple[int, Any, Any]) -> tuple[int, Any, Any]:
     """The pool's collate function: a plain batch dict leaves a worker with its tensors as
     numpy arrays (:class:`~mdloader.transport.TransportBatch`)."""
-    stream, batch = item
-    return stream, TransportBatch(batch) if type(batch) is dict else batch
+    stream, batch, io = item
+    return stream, TransportBatch(batch) if type(batch) is dict else batch, io
 
 
 class PoolKeys(Sampler):
@@ -152,6 +155,7 @@ class WorkerPool:
         self.served = 0
         self.unforeseen = 0  # requests with nothing of their stream read ahead (with workers)
         self.most_held = 0  # the most batches held at once: 0 when the forecast was exact
+        self.io = WorkerIO()  # what the workers read, for the stall report
         self._batches: Iterator[tuple[int, Any]] | None = None
         self._workers: list[Any] = []
 
@@ -245,7 +249,7 @@ class WorkerPool:
         if self._batches is None:
             self._start()
         try:
-            return next(self._batches)
+            stream, batch, io = next(self._batches)
         except StopIteration:
             self.close()
             raise
@@ -258,6 +262,8 @@ class WorkerPool:
         except BaseException:
             self.close()
             raise
+        self.io.note(io)
+        return stream, batch
 
     def _note_held(self, stream: int) -> None:
         held = self.held[stream]

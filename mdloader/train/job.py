@@ -198,8 +198,10 @@ class _Trainer:
         self.activity.doing = f"opening the logs in {self.output}"
         self._open_logs(restart, step)
         try:
-            self.feed.start(step, self._loop_shape(), self.resumed)
-            return self._loop(step, stop_after)
+            self.feed.start(step, self._loop_shape(), self.resumed, stall_dir=self.output)
+            result = self._loop(step, stop_after)
+            self.feed.finish()
+            return result
         except RuntimeError as exc:  # torch notices a dead worker wherever the loop is
             lost = lost_worker_error()
             if lost is None:

@@ -17,6 +17,16 @@ from typing import Any, Generic, TypeVar
 
 H = TypeVar("H")
 
+_opened = [os.getpid(), 0]  # this process's pid, and the handles it opened through any cache
+
+
+def opened() -> int:
+    """How many handles this process opened through any cache (a forked worker counts from 0):
+    the files the data trees were opened for, which the stall report counts."""
+    if _opened[0] != os.getpid():
+        _opened[:] = [os.getpid(), 0]
+    return _opened[1]
+
 
 class HandleCache(Generic[H]):
     """Handles by key, at most ``limit()`` of them in this process.
@@ -49,6 +59,8 @@ class HandleCache(Generic[H]):
             self._handles.move_to_end(key)
             return handle
         handle = open_handle()
+        opened()  # resets the count in a new process
+        _opened[1] += 1
         self._handles.pop(key, None)  # an invalid handle is closed already; the new one is newest
         self._handles[key] = handle
         while len(self._handles) > max(1, self._limit()):

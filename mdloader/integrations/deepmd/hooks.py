@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import warnings
 import weakref
 from collections.abc import Callable
@@ -166,7 +167,8 @@ def trainer_run(original: Callable[[Any], None]) -> Callable[[Any], None]:
         feed = record.feed
         state = restart_state(self, record.restart)
         start = int(self.start_step) + (1 if state is not None else 0)
-        feed.start(start, trainer_loop(self, record.training), state)
+        feed.start(start, trainer_loop(self, record.training), state,
+                   stall_dir=os.path.dirname(os.path.abspath(self.disp_file)))
         if state is not None:
             _skip_the_saved_step(self, record.restart)
         tasks = list(self.model_keys) if self.multi_task else [None]
@@ -180,7 +182,8 @@ def trainer_run(original: Callable[[Any], None]) -> Callable[[Any], None]:
         self.nonfinite_grad_guard = GatheringGuard(self.nonfinite_grad_guard, record)
         SCHEDULED_TASKS.feed = feed
         try:
-            return original(self)
+            original(self)
+            feed.finish()
         except RuntimeError as exc:  # torch noticed a dead worker wherever the loop was
             lost = lost_worker_error()  # asked while the feed's pool is open
             if lost is None:

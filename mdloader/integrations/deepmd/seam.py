@@ -121,6 +121,9 @@ SEAM: tuple[SeamName, ...] = (
              "with `display_in_training` and `valid_numb_batch`: the steps at which the loop "
              "draws validation batches, forecast for the worker pool", False),
     SeamName(TRAINING, "Trainer.display_in_training", "read", "see `disp_freq`", False),
+    SeamName(TRAINING, "Trainer.disp_file", "read",
+             "`lcurve.out`: the data-stall report (`stalls.jsonl`) is written beside it",
+             False),
     SeamName(TRAINING, "Trainer.valid_numb_batch", "read", "see `disp_freq`", False),
     SeamName(TRAINING, "Trainer.model_prob", "read",
              "DeePMD-kit's resolved task probabilities, the schedule's", False),
