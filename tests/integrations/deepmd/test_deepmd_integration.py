@@ -247,6 +247,13 @@ def test_dp_train_single_rank(peer: str, tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_dp_train_torchrun_two_ranks(peer: str, tmp_path: Path) -> None:
     job = _job(tmp_path)
-    _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "spy.py",
-          "--pt", "train", "input.json", "--skip-neighbor-stat"], job, NUM_WORKERS="2")
+    out = _run([peer, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "spy.py", "--pt", "train", "input.json", "--skip-neighbor-stat"], job,
+               NUM_WORKERS="2")
     _check(job, 2)
+    # the data-stall report, every disp_freq steps beside lcurve.out, then the run's summary
+    stalls = [json.loads(line) for line in (job / "stalls.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r.get("last_step"), r["ranks"]) for r in stalls] == [
+        *(("window", step, 2) for step in range(2, STEPS + 1, 2)), ("summary", None, 2)]
+    assert f"data stalls, steps {STEPS - 1}-{STEPS} (2 ranks)" in out
+    assert f"data stalls over the run ({STEPS} steps, 2 ranks)" in out
