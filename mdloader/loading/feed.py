@@ -101,7 +101,7 @@ class Stream:
         if self.check is not None:
             self.check(self, batch)
         if started is not None:
-            self.meter.end_wait(started, batch)  # type: ignore[union-attr]
+            self.meter.end_wait(started)  # type: ignore[union-attr]
         self.consumed += 1
         return batch
 

@@ -71,7 +71,7 @@ class TaggedSets(Dataset):
             batch = self.datasets[stream][key]
         except MdloaderError as exc:
             batch = CarriedError(exc)
-        return stream, batch, io_snapshot()
+        return stream, batch, io_snapshot(batch)
 
 
 def _transport(item: tuple[int, Any, Any]) -> tuple[int, Any, Any]:

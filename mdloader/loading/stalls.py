@@ -67,34 +67,39 @@ _last_io: list[Any] = [None, 0.0, 0]  # pid, when, the bytes from storage then
 IO_REFRESH = 0.25  # seconds between two reads of /proc/self/io in a worker (one costs ~30 µs)
 
 
-def io_snapshot() -> tuple[int, int, int] | None:
-    """``(pid, files opened, bytes from storage)`` of this DataLoader worker: what it sends
-    with each batch (:class:`WorkerIO`), its bytes at most :data:`IO_REFRESH` old; ``None`` in
-    the main process, which counts its own."""
+def io_snapshot(batch: Any) -> tuple[int, int | None, int, int]:
+    """``(bytes of the batch's arrays, pid, files opened, bytes from storage)``, what the
+    process that read ``batch`` sends with it (:class:`WorkerIO`): a DataLoader worker its own
+    counters, its bytes at most :data:`IO_REFRESH` old; the main process, which counts its
+    own, no pid."""
     if get_worker_info() is None:
-        return None
+        return payload_bytes(batch), None, 0, 0
     now = time.monotonic()
     if _last_io[0] != os.getpid() or now - _last_io[1] > IO_REFRESH:
         _last_io[:] = [os.getpid(), now, storage_bytes()]
-    return os.getpid(), opened(), _last_io[2]
+    return payload_bytes(batch), os.getpid(), opened(), _last_io[2]
 
 
 class WorkerIO:
-    """The latest counters each worker process sent with a batch; their sum is what the pool's
-    workers read so far (a worker that ends keeps its last counters)."""
+    """What a pool's batches came with (:func:`io_snapshot`): the bytes of their arrays, and the
+    latest counters of each worker process, whose sum is what the workers read so far (a worker
+    that ends keeps its last counters)."""
 
     def __init__(self) -> None:
+        self.payload = 0
         self.latest: dict[int, tuple[int, int]] = {}
 
-    def note(self, snapshot: tuple[int, int, int] | None) -> None:
-        if snapshot is not None:  # None: read in this process, which counts its own
-            pid, opens, storage = snapshot
+    def note(self, snapshot: tuple[int, int | None, int, int]) -> None:
+        payload, pid, opens, storage = snapshot
+        self.payload += payload
+        if pid is not None:  # None: read in this process, which counts its own
             self.latest[pid] = (opens, storage)
 
-    def totals(self) -> tuple[int, int]:
-        """``(files opened, bytes from storage)`` of every worker so far."""
+    def totals(self) -> tuple[int, int, int]:
+        """``(files opened, bytes from storage, bytes of arrays)`` of the pool so far: the
+        workers' files and storage bytes, every batch's arrays."""
         rows = list(self.latest.values())
-        return sum(r[0] for r in rows), sum(r[1] for r in rows)
+        return sum(r[0] for r in rows), sum(r[1] for r in rows), self.payload
 
 
 @dataclass
@@ -239,13 +244,12 @@ class StallMeter:
         """The trainer starts waiting for a batch: the clocks, for :meth:`end_wait`."""
         return time.perf_counter(), time.thread_time()
 
-    def end_wait(self, started: tuple[float, float], batch: Any) -> None:
-        """The batch came: the wait's wall and main-thread CPU seconds, and its bytes."""
+    def end_wait(self, started: tuple[float, float]) -> None:
+        """The batch came: the wait's wall and main-thread CPU seconds."""
         spent = time.perf_counter() - started[0]
         self.totals["wait_seconds"] += spent
         self.totals["main_seconds"] += time.thread_time() - started[1]
         self.totals["batches"] += 1
-        self.totals["payload_bytes"] += payload_bytes(batch)
         if self.steps < self.every and self.step_started is not None:
             self.waits[self.steps] += spent
 
@@ -268,8 +272,8 @@ class StallMeter:
             return
         self.totals["steps"] = self.steps
         io = self._io()
-        self.totals["opens"], self.totals["bytes_from_storage"] = (
-            io[0] - self.io_mark[0], io[1] - self.io_mark[1])
+        for i, name in enumerate(("opens", "bytes_from_storage", "payload_bytes")):
+            self.totals[name] = io[i] - self.io_mark[i]
         row = np.concatenate([self.waits, [self.totals[n] for n in TOTALS]])
         matrix = gather_rows_to_main(row, activity="gathering the data-stall figures")
         if matrix is not None and self.is_main:
@@ -303,13 +307,13 @@ class StallMeter:
         self._write(record)
         self.summary = RunSummary()
 
-    def _io(self) -> tuple[int, int]:
-        """``(files opened, bytes from storage)`` of this rank's processes so far."""
-        opens, storage = opened(), storage_bytes()
-        for workers in self.workers:
-            w_opens, w_storage = workers.totals()
-            opens, storage = opens + w_opens, storage + w_storage
-        return opens, storage
+    def _io(self) -> tuple[int, int, int]:
+        """``(files opened, bytes from storage, bytes of arrays)`` of this rank so far."""
+        opens, storage, payload = opened(), storage_bytes(), 0
+        for pool in self.workers:
+            w_opens, w_storage, w_payload = pool.totals()
+            opens, storage, payload = opens + w_opens, storage + w_storage, payload + w_payload
+        return opens, storage, payload
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.directory is None:
