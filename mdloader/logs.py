@@ -97,8 +97,8 @@ def progress(total: int, desc: str, *, unit: str = "sys", enabled: bool = True,
 
     On a terminal (stderr) it is a bar, drawn once the work has lasted ``PROGRESS_DELAY``
     seconds, with the ``mdloader`` log lines printed above it; otherwise (a batch job's log) a
-    line on the ``mdloader.progress`` logger at most every ``PROGRESS_LOG_INTERVAL`` seconds,
-    and a last one at the end, so that a log shows progress without filling up. With
+    line on the ``mdloader.progress`` logger every ``PROGRESS_LOG_INTERVAL`` seconds, and one
+    at the end, for work that lasts longer, so that a log shows progress without filling up. With
     ``enabled`` false, or on another rank than ``main`` (default: rank 0 of the environment),
     nothing is shown: N copies of a bar help nobody.
     """
