@@ -78,6 +78,11 @@ def cli_page() -> str:
              "", f"`{parser.prog}`: {parser.description}", "",
              "Run a subcommand alone, or under `torchrun` (one process per rank). The same "
              "commands run as `python -m mdloader`. `mdloader --version` prints the version.",
+             "", "Long work (describing the systems of a first start, `stat`, `index build`, "
+             "`pack`, `convert`, `check --deep`) shows its progress on rank 0 only: a bar when "
+             "stderr is a terminal and the work lasts more than 2 s; otherwise (a batch job's "
+             "log) a plain `mdloader.progress` line every 10 s, and one at the end, for work "
+             "that lasts longer than that.",
              "", "## Exit codes", "", "`mdloader --help` lists them too.", "",
              "| code | meaning |", "|---:|---|"]
     lines += [f"| {code} | {meaning.replace('|', chr(92) + '|')} |"

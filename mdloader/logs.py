@@ -4,12 +4,20 @@ Under ``torchrun`` every rank runs the same command; N copies of every INFO line
 By default rank 0 logs at the requested level and the other ranks at WARNING and above (they
 still report their own failures). ``--log-all-ranks`` opens them all up, each line prefixed
 with its rank, and each rank writing its own ``--log-path`` file (``<path>.rank<N>``).
+
+Long work reports its progress through :func:`progress`, the same way in every command: a tqdm
+bar on a terminal, a plain log line now and then in a batch job's log, and nothing from the
+other ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 from mdloader.world import World
 
@@ -55,3 +63,61 @@ def setup_logging(level: str = "INFO", path: str | None = None, *, world: World 
         logger.addHandler(handler)
     logger.setLevel(numeric)
     logger.propagate = False
+
+
+#: Work shorter than this (seconds) shows no progress at all: tqdm's ``delay``.
+PROGRESS_DELAY = 2.0
+#: Least seconds between two progress lines in a log (stderr not a terminal).
+PROGRESS_LOG_INTERVAL = 10.0
+_LINE_FORMAT = ("{desc}: {n_fmt}/{total_fmt} {unit} ({percentage:.0f}%), {elapsed} elapsed, "
+                "{remaining} left")
+_progress_log = logging.getLogger("mdloader.progress")
+
+
+class _LogLines(io.TextIOBase):
+    """The file a log-line tqdm draws on: each line it draws becomes one INFO record (the
+    same line twice, as at the end of the work, once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = ""
+
+    def write(self, text: str) -> int:
+        line = text.strip("\r\n ")
+        if line and line != self.last:
+            _progress_log.info("%s", line)
+            self.last = line
+        return len(text)
+
+
+@contextlib.contextmanager
+def progress(total: int, desc: str, *, unit: str = "sys", enabled: bool = True,
+             main: bool | None = None) -> Iterator[Any]:
+    """A tqdm to ``update`` as work of ``total`` units gets done, shown only on ``main``.
+
+    On a terminal (stderr) it is a bar, drawn once the work has lasted ``PROGRESS_DELAY``
+    seconds, with the ``mdloader`` log lines printed above it; otherwise (a batch job's log) a
+    line on the ``mdloader.progress`` logger every ``PROGRESS_LOG_INTERVAL`` seconds, and one
+    at the end, for work that lasts longer, so that a log shows progress without filling up. With
+    ``enabled`` false, or on another rank than ``main`` (default: rank 0 of the environment),
+    nothing is shown: N copies of a bar help nobody.
+    """
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    main = World.from_env().is_main if main is None else main
+    if not (enabled and main):
+        with tqdm(total=total, disable=True) as bar:
+            yield bar
+    elif sys.stderr.isatty():
+        logger = logging.getLogger("mdloader")  # only a logger that prints on the terminal
+        redirect = [logger] if any(getattr(h, "stream", None) is sys.stderr
+                                   for h in logger.handlers) else []
+        with logging_redirect_tqdm(redirect), \
+                tqdm(total=total, desc=f"mdloader: {desc}", unit=unit, file=sys.stderr,
+                     dynamic_ncols=True, delay=PROGRESS_DELAY) as bar:
+            yield bar
+    else:
+        with tqdm(total=total, desc=desc, unit=unit, file=_LogLines(), bar_format=_LINE_FORMAT,
+                  mininterval=PROGRESS_LOG_INTERVAL, delay=PROGRESS_DELAY) as bar:
+            yield bar

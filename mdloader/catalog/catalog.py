@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from mdloader import logs
 from mdloader.catalog import index
 from mdloader.catalog.describe import describe_systems
 from mdloader.catalog.discover import Discovery, KnownTree, discover
@@ -89,7 +89,8 @@ def catalog_for(systems: object, type_map: Sequence[str] | None,
     type_map
         The model's type map.
     workers, progress
-        Most threads for walking, describing and checking; whether to show a progress bar.
+        Most threads for walking, describing and checking; whether to report the progress of
+        describing (:func:`mdloader.logs.progress`: a bar on a terminal, else log lines).
     index_file, mode
         The index file (default: one in ``$MDLOADER_CACHE_DIR``) and the index mode.
     key
@@ -183,11 +184,7 @@ def _saved(builder: TableBuilder, since: int, found: Discovery) -> SavedIndex:
 
 def _described(addresses: list[str], found: Discovery, type_map: Sequence[str] | None,
                workers: int, progress: bool) -> Iterator[SystemMeta]:
-    items = describe_systems(addresses, type_map, workers, found.listings)
-    if not progress:
-        yield from items
-        return
-    from tqdm import tqdm
-
-    yield from tqdm(items, total=len(addresses), desc="mdloader: building systems", unit="sys",
-                    file=sys.stderr, dynamic_ncols=True)
+    with logs.progress(len(addresses), "describing systems", enabled=progress) as bar:
+        for meta in describe_systems(addresses, type_map, workers, found.listings):
+            bar.update()
+            yield meta

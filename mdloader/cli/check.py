@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
+from mdloader import logs
 from mdloader.catalog.describe import SystemFailed, fan_out
 from mdloader.catalog.discover import discover_systems
 from mdloader.config.input_json import Config, DataConfig, parse_config
@@ -221,9 +222,21 @@ def check_input(config: Config, *, deep: bool = False, threads: int = 4,
             statistics = statistics_status(metas, descriptor, config.type_map,
                                            path=descriptor_path)
         if deep:
-            for meta in dict.fromkeys(metas):
-                problems.extend(Problem(name, msg, meta.address) for msg in deep_check(meta))
+            problems.extend(_deep_problems(name, metas))
     return CheckReport(sections, problems, deep, statistics)
+
+
+def _deep_problems(section: str, metas: list[SystemMeta]) -> list[Problem]:
+    """What reading every frame of each system finds, its progress reported (the longest part
+    of a check)."""
+    unique = list(dict.fromkeys(metas))
+    problems = []
+    with logs.progress(sum(m.nframes for m in unique), f"reading {section}",
+                       unit="frame") as bar:
+        for meta in unique:
+            problems.extend(Problem(section, msg, meta.address) for msg in deep_check(meta))
+            bar.update(meta.nframes)
+    return problems
 
 
 def statistics_status(metas: list[SystemMeta], descriptor: Mapping[str, Any],

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from mdloader import logs
 from mdloader.errors import ConfigError, DataError, MissingDataError
 
 log = logging.getLogger(__name__)
@@ -131,8 +132,12 @@ def _load_deepmd(src: str, fmt: str, type_map: list[str] | None) -> Any:
 
     from mdloader.catalog.discover import discover_systems
 
-    systems = [_first_readable(address, fmt, _single_kinds(fmt), type_map)
-               for address in discover_systems(src)]
+    addresses = discover_systems(src)
+    systems = []
+    with logs.progress(len(addresses), "reading systems") as bar:
+        for address in addresses:
+            systems.append(_first_readable(address, fmt, _single_kinds(fmt), type_map))
+            bar.update()
     if len(systems) == 1:
         return systems[0]
     return dpdata.MultiSystems(*systems, type_map=type_map)
@@ -208,11 +213,10 @@ def _write(data: Any, systems: list[Any], *, src: str, dest: str, fmt: str, to: 
     import dpdata
 
     multi = isinstance(data, dpdata.MultiSystems)
+    _write_each(data, to, dest, set_size)
     if to == "deepmd/npy":
-        data.to("deepmd/npy", dest, set_size=set_size)
         addresses = [os.path.join(dest, s.formula) if multi else dest for s in systems]
     else:
-        data.to("deepmd/hdf5", dest, set_size=set_size)
         addresses = [f"{dest}#/{s.formula}" if multi else f"{dest}#/" for s in systems]
     labeled = all(isinstance(s, dpdata.LabeledSystem) for s in systems)
     if not labeled:
@@ -224,6 +228,26 @@ def _write(data: Any, systems: list[Any], *, src: str, dest: str, fmt: str, to: 
         natoms=tuple(s.get_natoms() for s in systems), labeled=labeled)
     log.info("wrote %d system(s), %d frame(s) to %s", len(addresses), sum(report.nframes), dest)
     return report
+
+
+def _write_each(data: Any, to: str, dest: str, set_size: int) -> None:
+    """``data.to(to, dest)``, one system at a time as dpdata's ``MultiSystems.to`` writes them
+    (each at the place the format gives it), so that the progress can be reported."""
+    import dpdata
+    from dpdata.format import Format
+
+    if not isinstance(data, dpdata.MultiSystems):
+        with logs.progress(1, "writing systems") as bar:
+            data.to(to, dest, set_size=set_size)
+            bar.update()
+        return
+    target = Format.get_formats()[to]()
+    systems = list(data.systems.values())
+    with logs.progress(len(systems), "writing systems") as bar:
+        places = target.to_multi_systems([s.short_name for s in systems], dest)
+        for place, system in zip(places, systems):
+            system.to_fmt_obj(target, place, set_size=set_size)
+            bar.update()
 
 
 # -- the sub-command ----------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -56,16 +55,16 @@ def run_index(action: str, target: str, *, as_json: bool) -> int:
         rows = inspect_target(target)
         print(format_summaries(rows, as_json))
         return 0 if all(r["state"] == "unchanged" for r in rows) else 1
-    summaries = build_indexes(load_job(target), refresh=action == "refresh",
-                              progress=sys.stderr.isatty())
+    summaries = build_indexes(load_job(target), refresh=action == "refresh")
     print(format_summaries(summaries, as_json))
     return 0
 
 
 def build_indexes(config: Config | JobConfig, *, refresh: bool = False,
-                  progress: bool = False) -> list[IndexSummary]:
+                  progress: bool = True) -> list[IndexSummary]:
     """Describe the systems of every data section and save their indexes (rank 0's job); for
-    a multi-task input, those of :func:`job_index_sections`."""
+    a multi-task input, those of :func:`job_index_sections`. ``progress``: report how far
+    describing is (:func:`mdloader.logs.progress`)."""
     out = []
     for data, type_map in _sections(config):
         start = time.monotonic()

@@ -6,19 +6,20 @@ with ``fmt``, a file dpdata reads (as ``mdloader convert``). Every source system
 system id, in that order, so the database keeps the user's systems apart where dpdata's
 ``MultiSystems`` writer would merge those of equal formula. Every source is described (headers
 only) before the first frame is written, so a broken system fails the command at once; frames
-then stream through :class:`~mdloader.data.formats.lmdb.writer.LmdbWriter` in bounded chunks, with a
-progress bar on stderr, and the database appears at ``dest`` only when complete.
+then stream through :class:`~mdloader.data.formats.lmdb.writer.LmdbWriter` in bounded chunks, with
+their progress reported (:func:`mdloader.logs.progress`), and the database appears at ``dest``
+only when complete.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mdloader import logs
 from mdloader.catalog.describe import SystemFailed, describe_systems
 from mdloader.catalog.discover import discover_systems
 from mdloader.data.formats import parse_address
@@ -45,7 +46,7 @@ class PackReport:
 
 def pack(sources: str | Sequence[str], dest: str, *, fmt: str | None = None,
          type_map: Sequence[str] | None = None, overwrite: bool = False,
-         progress: bool | None = None, workers: int = 8) -> PackReport:
+         progress: bool = True, workers: int = 8) -> PackReport:
     """Write the systems of ``sources`` into the LMDB database ``dest``.
 
     Parameters
@@ -61,18 +62,19 @@ def pack(sources: str | Sequence[str], dest: str, *, fmt: str | None = None,
     overwrite
         Replace an existing ``dest`` once the new database is complete.
     progress
-        Show a progress bar on stderr; default: when stderr is a terminal.
+        Report the progress of describing and of writing (:func:`mdloader.logs.progress`: a
+        bar on a terminal, else log lines).
     """
     entries = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
     if not dest.rstrip("/"):
         raise ConfigError("the destination is empty", path="dest")
     systems = (_dpdata_sources(entries, fmt, type_map) if fmt
-               else _mdloader_sources(entries, type_map, workers))
-    show = sys.stderr.isatty() if progress is None else progress
+               else _mdloader_sources(entries, type_map, workers, progress))
     elements = list(type_map) if type_map else _union(names for _, _, names, _ in systems)
     rows: list[int] = []
     with LmdbWriter(dest, elements, overwrite=overwrite) as writer, \
-            _bar(sum(n for _, n, _, _ in systems), show) as bar:
+            logs.progress(sum(n for _, n, _, _ in systems), "packing", unit="frame",
+                          enabled=progress) as bar:
         for _, _, _, chunks in systems:
             sid, written = writer.new_system(), 0
             for chunk in chunks():
@@ -92,8 +94,8 @@ def _union(name_lists: Iterator[Sequence[str]]) -> list[str]:
     return list(found)
 
 
-def _mdloader_sources(entries: list[str], type_map: Sequence[str] | None,
-                   workers: int) -> list[tuple[str, int, tuple[str, ...], Any]]:
+def _mdloader_sources(entries: list[str], type_map: Sequence[str] | None, workers: int,
+                      progress: bool) -> list[tuple[str, int, tuple[str, ...], Any]]:
     """(address, frames, element names, chunks) per discovered system, described up front."""
     addresses = discover_systems(entries)
     lmdb = [a for a in addresses if parse_address(a).backend == "lmdb"]
@@ -101,8 +103,12 @@ def _mdloader_sources(entries: list[str], type_map: Sequence[str] | None,
         raise ConfigError(f"{lmdb[0].partition('#')[0]} is already an LMDB database; pack "
                           "reads npy and HDF5 systems (or a dpdata format with --from)",
                           path="sources")
+    metas = []
     try:
-        metas = list(describe_systems(addresses, None, workers))
+        with logs.progress(len(addresses), "describing systems", enabled=progress) as bar:
+            for meta in describe_systems(addresses, None, workers):
+                metas.append(meta)
+                bar.update()
     except SystemFailed as failed:
         raise failed.original() from None
     systems = []
@@ -153,26 +159,6 @@ def _dpdata_chunks(system: Any) -> Iterator[SourceChunk]:
     names = data.get("real_atom_names", data["atom_names"])
     types = data.get("real_atom_types", data["atom_types"])
     return array_chunks(names, types, arrays, axes, not data.get("nopbc", False))
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        """Nothing to show."""
-
-    def __enter__(self) -> _NoBar:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-def _bar(total: int, show: bool) -> Any:
-    if not show:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="mdloader: packing", unit="frame", file=sys.stderr,
-                dynamic_ncols=True)
 
 
 # -- the sub-command ----------------------------------------------------------------------------

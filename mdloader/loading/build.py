@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -164,7 +163,7 @@ class JobSystems:
 
 
 def build_job(sections: Sequence[Section], *, num_workers: int | None = None,
-              timeout: float | None = None, progress: bool | None = None,
+              timeout: float | None = None, progress: bool = True,
               index_mode: str | None = None) -> JobSystems:
     """Obtain every section's systems with one rank-0 build and one broadcast.
 
@@ -178,7 +177,8 @@ def build_job(sections: Sequence[Section], *, num_workers: int | None = None,
     timeout
         Seconds the other ranks wait for rank 0 (``$MDLOADER_BUILD_TIMEOUT``, default 1800).
     progress
-        Show a progress bar on rank 0; default: when stderr is a terminal.
+        Report the progress of describing on rank 0 (:func:`mdloader.logs.progress`: a bar
+        on a terminal, else log lines).
     index_mode
         What to do with each section's system index (its ``index_file``, else one in
         ``$MDLOADER_CACHE_DIR`` named after the request): ``check``, ``refresh``, ``trust`` or
@@ -200,8 +200,7 @@ def build_job(sections: Sequence[Section], *, num_workers: int | None = None,
             requests.append(section)
     world = current_world()
     workers = resolve_workers(num_workers)
-    options = {"workers": workers, "mode": index_mode,
-               "progress": sys.stderr.isatty() if progress is None else progress}
+    options = {"workers": workers, "mode": index_mode, "progress": progress}
     catalogs: tuple[Catalog, ...] = ()
     if not world.distributed:
         try:
@@ -240,7 +239,7 @@ def build_job(sections: Sequence[Section], *, num_workers: int | None = None,
 
 def build_systems(systems: str | Sequence[str], type_map: Sequence[str] | None = None, *,
                   rglob_patterns: Sequence[str] | None = None, num_workers: int | None = None,
-                  timeout: float | None = None, progress: bool | None = None,
+                  timeout: float | None = None, progress: bool = True,
                   index_file: str | os.PathLike[str] | None = None,
                   index_mode: str | None = None, key: str = "systems") -> SystemDatasets:
     """One dataset per system, the same list on every rank (:func:`build_systems_with_report`)."""
@@ -253,7 +252,7 @@ def build_systems(systems: str | Sequence[str], type_map: Sequence[str] | None =
 def build_systems_with_report(
     systems: str | Sequence[str], type_map: Sequence[str] | None = None, *,
     rglob_patterns: Sequence[str] | None = None, num_workers: int | None = None,
-    timeout: float | None = None, progress: bool | None = None,
+    timeout: float | None = None, progress: bool = True,
     index_file: str | os.PathLike[str] | None = None, index_mode: str | None = None,
     key: str = "systems",
 ) -> tuple[SystemDatasets, BuildReport]:

@@ -19,13 +19,13 @@ import dataclasses
 import functools
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from mdloader import logs
 from mdloader.distributed.collectives import gather_from_every_rank
 from mdloader.distributed.group import current_world
 from mdloader.errors import CorruptFileError, MdloaderError, add_note
@@ -57,17 +57,6 @@ def stats_store(mode: str | None = None, folder: str | None = None) -> tuple[Sta
 def layout_of(meta: Any) -> tuple[bool, tuple[str, ...]]:
     """The catalog layout of a system (may have ``type_map.raw``; its set names)."""
     return True, tuple(s.name for s in meta.sets)
-
-
-def _progress(items: Sequence[int], desc: str, show: bool | None) -> Any:
-    if show is None:
-        show = current_world().is_main and sys.stderr.isatty() and log.isEnabledFor(logging.INFO)
-    if not show:
-        return items
-    from tqdm import tqdm
-
-    return tqdm(items, desc=f"mdloader: {desc}", unit="sys", file=sys.stderr,
-                dynamic_ncols=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,14 +99,15 @@ class JointReport:
 
 
 def joint_pass(passes: Sequence[StatPass], *, mode: str | None = None,
-               folder: str | None = None, progress: bool | None = None,
+               folder: str | None = None, progress: bool = True,
                ) -> tuple[list[list[Any]], JointReport]:
     """Every pass's partial results (system order), on every rank, from ONE all-gather.
 
     A part is one statistic of one system; parts equal in system, kind, settings, type map and
     frames (two tasks on the same systems) are computed once. Each rank takes a disjoint share
     of the distinct systems, balanced by work (frames x atoms x parts), and does all of their
-    parts, each reused from the per-system cache when it holds it.
+    parts, each reused from the per-system cache when it holds it. With ``progress``, rank 0
+    reports how far its share is (:func:`mdloader.logs.progress`).
     """
     world = current_world()
     start = time.monotonic()
@@ -153,30 +143,34 @@ def joint_pass(passes: Sequence[StatPass], *, mode: str | None = None,
     stamps: dict[int, Any] = {}
     error, dataset, kind = None, None, ""
     try:
-        for u in _progress(todo, "statistics", progress):
-            p, position, chosen = unit_rows[u]
-            spec = passes[p]
-            dataset, kind = spec.datasets[position], spec.kind
-            key = stamp = None
-            if store.folder is not None and spec.cached:
-                system = unit_system[u]
-                if system not in stamps:
-                    stamps[system] = system_stamp(dataset.meta.address, layout_of(dataset.meta))
-                stamp = stamps[system]
-                key = cache.cache_key(stamp, spec.kind, spec.settings, spec.type_map, chosen)
-            payload = (store.get(stamp, key) if stamp is not None and key is not None
-                       and mode == "check" else None)
-            if payload is not None and not _readable(payload, store.path(stamp, key)):
-                payload = None
-            if payload is not None:
-                cached.append(u)
-            else:
-                result = (spec.compute(dataset) if chosen is None
-                          else spec.compute(dataset, chosen))
-                payload = cache.dumps(result) if spec.cached else result
-                if stamp is not None and key is not None:
-                    store.put(stamp, key, payload)
-            parts.append((u, payload))
+        with logs.progress(len(todo), "statistics", enabled=progress) as bar:
+            for u in todo:
+                p, position, chosen = unit_rows[u]
+                spec = passes[p]
+                dataset, kind = spec.datasets[position], spec.kind
+                key = stamp = None
+                if store.folder is not None and spec.cached:
+                    system = unit_system[u]
+                    if system not in stamps:
+                        stamps[system] = system_stamp(dataset.meta.address,
+                                                      layout_of(dataset.meta))
+                    stamp = stamps[system]
+                    key = cache.cache_key(stamp, spec.kind, spec.settings, spec.type_map,
+                                          chosen)
+                payload = (store.get(stamp, key) if stamp is not None and key is not None
+                           and mode == "check" else None)
+                if payload is not None and not _readable(payload, store.path(stamp, key)):
+                    payload = None
+                if payload is not None:
+                    cached.append(u)
+                else:
+                    result = (spec.compute(dataset) if chosen is None
+                              else spec.compute(dataset, chosen))
+                    payload = cache.dumps(result) if spec.cached else result
+                    if stamp is not None and key is not None:
+                        store.put(stamp, key, payload)
+                parts.append((u, payload))
+                bar.update()
     except Exception as exc:  # noqa: BLE001 - every failure must reach every rank
         if not isinstance(exc, MdloaderError) and dataset is not None:  # a bug: say where
             add_note(exc, f"while computing the {kind} statistics of {dataset.meta.address}")
@@ -208,7 +202,7 @@ def joint_pass(passes: Sequence[StatPass], *, mode: str | None = None,
 def sharded_pass(datasets: Sequence[Any], kind: str, settings: Mapping[str, Any],
                  type_map: Sequence[str] | None, compute: Callable[[Any], Any], *,
                  mode: str | None = None, folder: str | None = None,
-                 progress: bool | None = None,
+                 progress: bool = True,
                  frames: Callable[[int], Sequence[int] | None] | None = None,
                  ) -> tuple[list[Any], dict[str, float]]:
     """Every system's partial ``kind`` statistics, in system order, on every rank.
@@ -245,7 +239,7 @@ def report_line(kind: str, report: Mapping[str, float]) -> str:
 def neighbour_statistics(datasets: Sequence[Any], rcut: float, *,
                          type_map: Sequence[str] | None, mixed_type: bool,
                          ntypes: int | None = None, mode: str | None = None,
-                         folder: str | None = None, progress: bool | None = None,
+                         folder: str | None = None, progress: bool = True,
                          ) -> NeighbourStats:
     """DeePMD-kit's neighbour statistics of all ``datasets``, sharded over the ranks.
 
@@ -307,7 +301,7 @@ def _samples(dataset: Any, chosen: Sequence[int] | None = None, *, key: str) -> 
 
 
 def job_input_statistics(requests: Sequence[InputRequest], *, mode: str | None = None,
-                         folder: str | None = None, progress: bool | None = None,
+                         folder: str | None = None, progress: bool = True,
                          ) -> list[tuple[list[EnvMatSums], list[OutputSamples]]]:
     """The input statistics of every request (every task of a job) from one joint pass.
 
@@ -344,7 +338,7 @@ def placed_samples(parts: Sequence[OutputSamples]) -> list[OutputSamples]:
 def input_statistics(datasets: Sequence[Any], blocks: Sequence[EnvMatSettings], *,
                      type_map: Sequence[str] | None, key: str = "energy",
                      mode: str | None = None, folder: str | None = None,
-                     progress: bool | None = None,
+                     progress: bool = True,
                      frames: Callable[[int], Sequence[int] | None] | None = None,
                      ) -> tuple[list[EnvMatSums], list[OutputSamples]]:
     """The input statistics of the frames of ``datasets``, sharded over the ranks: the one

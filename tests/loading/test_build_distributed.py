@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 from support.distributed_utils import RankError, errors, run_ranks, values
 from support.fs_audit import count_data_touches
+from support.terminal import drawn_bar, stderr
 
 from mdloader import fs_calls as overlap
+from mdloader import logs
 from mdloader.catalog import describe
 from mdloader.catalog.discover import discover_systems
 from mdloader.data.system import build_system_meta
@@ -77,12 +79,17 @@ def test_single_process_names_the_system_of_a_foreign_error(
     assert info.value.__notes__ == [f"while building the system {bad}"]
 
 
-def test_progress_bar_goes_to_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_first_start_shows_describing_on_a_terminal(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     make_system(tmp_path, "a")
-    build.build_systems(str(tmp_path), progress=True)
-    assert "mdloader: building systems" in capsys.readouterr().err
-    build.build_systems(str(tmp_path))  # stderr is not a terminal under pytest
-    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(logs, "PROGRESS_DELAY", 0.0)
+    err = stderr(monkeypatch, tty=True)
+    build.build_systems(str(tmp_path), index_mode="off")
+    assert drawn_bar(err.getvalue()) and "mdloader: describing systems: 100%" in err.getvalue()
+    err.seek(0)
+    err.truncate()
+    build.build_systems(str(tmp_path), index_mode="off", progress=False)
+    assert err.getvalue() == ""
 
 
 def test_resolve_workers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,6 @@
 """``mdloader pack`` and the LMDB writer: one system id per source system in mdloader's order,
-npy/HDF5/dpdata sources, bounded chunks, a progress bar, and an atomic finish."""
+npy/HDF5/dpdata sources, bounded chunks, and an atomic finish (its progress:
+``tests/cli/test_progress.py``)."""
 
 from __future__ import annotations
 
@@ -130,19 +131,17 @@ def test_a_crash_leaves_nothing_that_looks_complete(tmp_path: Path,
     stale.mkdir()
     (stale / "data.mdb").write_bytes(b"")
     monkeypatch.setattr(lmdb_writer.LmdbWriter, "write", original)
-    pack([str(tmp_path / "src")], str(dest), progress=True)
+    pack([str(tmp_path / "src")], str(dest))
     assert sorted(os.listdir(tmp_path)) == ["out.lmdb", "src"]
     assert _metadata(str(dest))["nframes"] == 10
 
 
-def test_overwrite_replaces_only_when_complete(tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_overwrite_replaces_only_when_complete(tmp_path: Path) -> None:
     make_system(tmp_path / "src", "a", nframes=3)
     dest = str(tmp_path / "out.lmdb")
     pack([str(tmp_path / "src")], dest)
     make_system(tmp_path / "src", "b", nframes=4)
-    pack([str(tmp_path / "src")], dest, overwrite=True, progress=True)
-    assert "mdloader: packing" in capsys.readouterr().err
+    pack([str(tmp_path / "src")], dest, overwrite=True)
     assert _metadata(dest)["nframes"] == 7
     assert sorted(os.listdir(tmp_path)) == ["out.lmdb", "src"]
 
