@@ -13,6 +13,7 @@ other ranks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import sys
@@ -90,6 +91,25 @@ class _LogLines(io.TextIOBase):
         return len(text)
 
 
+@functools.cache
+def _bar_class() -> type:
+    from tqdm import tqdm
+
+    class Bar(tqdm):  # type: ignore[misc]
+        """tqdm without its monitor thread. A bar starts that thread, even disabled; a thread
+        starting while a DataLoader forks its workers can deadlock the child on Python 3.10
+        (its after-fork code takes a lock of the interpreter that thread may hold)."""
+
+        monitor_interval = 0
+
+    return Bar
+
+
+def bar(**kwargs: Any) -> Any:
+    """A tqdm bar (``tqdm(**kwargs)``) that starts no thread: every bar mdloader draws."""
+    return _bar_class()(**kwargs)
+
+
 @contextlib.contextmanager
 def progress(total: int, desc: str, *, unit: str = "sys", enabled: bool = True,
              main: bool | None = None) -> Iterator[Any]:
@@ -102,9 +122,9 @@ def progress(total: int, desc: str, *, unit: str = "sys", enabled: bool = True,
     ``enabled`` false, or on another rank than ``main`` (default: rank 0 of the environment),
     nothing is shown: N copies of a bar help nobody.
     """
-    from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    tqdm = _bar_class()
     main = World.from_env().is_main if main is None else main
     if not (enabled and main):
         with tqdm(total=total, disable=True) as bar:

@@ -49,8 +49,10 @@ run_end() {
     versions="$("$venv/bin/python" -c 'import sys, torch, numpy
 print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, numpy {numpy.__version__}")')"
     local job="failed"
-    if (cd "$REPO" && "$venv/bin/python" -m torch.distributed.run --standalone --nproc_per_node=2 -m mdloader train \
-            examples/water/input.json --numb-steps 20 --output "$ROOT/$end-run") >> "$log" 2>&1
+    # a hang guard: the job takes under a minute
+    if (cd "$REPO" && timeout 600 "$venv/bin/python" -m torch.distributed.run --standalone \
+            --nproc_per_node=2 -m mdloader train examples/water/input.json --numb-steps 20 \
+            --output "$ROOT/$end-run") >> "$log" 2>&1
     then job="passed"; fi
     local tests
     tests="$(cd "$REPO" && MDLOADER_TESTS_WITHOUT_DEEPMD=1 "$venv/bin/python" -m pytest -q \

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
+from pathlib import Path
 
 import pytest
 from support.terminal import drawn_bar, stderr
@@ -86,3 +88,28 @@ def test_log_lines_go_above_the_bar(monkeypatch: pytest.MonkeyPatch) -> None:
     pieces = [p for p in re.split(r"[\r\n]", text) if "a line while" in p]
     assert len(pieces) == 1  # its own line, with its timestamp, not onto the bar
     assert re.match(r"\d{4}-\d\d-\d\d ", pieces[0]) and "mdloader: work" not in pieces[0]
+
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mdloader"
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_no_bar_starts_a_thread(monkeypatch: pytest.MonkeyPatch, tty: bool) -> None:
+    """tqdm's monitor thread, started by any bar, even a disabled one, deadlocked a DataLoader
+    worker forked while it started (Python 3.10: ``mdloader train``'s rank 1 hung at step 1)."""
+    stderr(monkeypatch, tty=tty)
+    before = threading.active_count()
+    with logs.progress(3, "work") as bar, logs.progress(3, "elsewhere", main=False):
+        bar.update()
+        quiet = logs.bar(total=3, disable=True)
+        assert threading.active_count() == before
+    quiet.close()
+
+
+def test_every_bar_is_made_in_logs() -> None:
+    """A ``tqdm`` made elsewhere would start the monitor thread again."""
+    imports = [str(path.relative_to(PACKAGE.parent)) for path in sorted(PACKAGE.rglob("*.py"))
+               if path.name != "logs.py"
+               and re.search(r"^\s*from tqdm import tqdm\b|^\s*import tqdm\b",
+                             path.read_text(encoding="utf-8"), re.M)]
+    assert imports == []

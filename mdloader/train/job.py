@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from mdloader import logs
 from mdloader.config.input_json import Config
 from mdloader.data.formats import release_handles
 from mdloader.data.schema import DataRequirementItem
@@ -253,7 +253,7 @@ class _Trainer:
     def _loop(self, start: int, stop_after: int | None) -> TrainResult:
         result = TrainResult(step=start)
         end = self.numb_steps if stop_after is None else min(self.numb_steps, stop_after)
-        bar = tqdm(total=self.numb_steps, initial=start, disable=True if not self.world.is_main
+        bar = logs.bar(total=self.numb_steps, initial=start, disable=True if not self.world.is_main
                    else None, desc="train", unit="step", dynamic_ncols=True)
         self.started = time.monotonic(), start
         # in a terminal, log lines go above the bar instead of onto its line
@@ -335,7 +335,7 @@ class _Trainer:
         return True
 
     def _display(self, done: int, lr: float, mse: dict[str, float], result: TrainResult,
-                 bar: tqdm) -> None:
+                 bar: Any) -> None:
         trn = all_reduce_mean([mse["mse"], mse["mse_e"], mse["mse_f"]], device=self.device)
         result.last_train = rmse_columns(dict(zip(("mse", "mse_e", "mse_f"), trn)))
         if self.valid is not None:
