@@ -19,7 +19,7 @@ REPO="$(dirname "$HERE")"
 
 declare -A PYTHON=([lowest]=python3.10 [newest]=python3.13)
 declare -A TORCH=([lowest]=2.3.1 [newest]=2.15.0)
-declare -A NUMPY=([lowest]=1.24.4 [newest]=2.4.6)
+declare -A NUMPY=([lowest]=1.24.4 [newest]=2.5.5)
 
 ENDS=("$@")
 [[ ${#ENDS[@]} -eq 0 ]] && ENDS=(lowest newest)

@@ -7,6 +7,9 @@ its own copy of the pages it writes. :class:`WorkerPool` reads all of them throu
 DataLoader: its keys are ``(stream, key)`` pairs, drawn in the order a *forecast* of the
 consumer's requests says (:class:`PoolKeys`), so the workers read ahead exactly what will be
 asked next.
+With workers, one DataLoader item carries up to :data:`GROUP` consecutive keys of one stream:
+the DataLoader's cost in the main process (putting an index, waiting for and unpickling a
+result) is paid once per item, not once per batch.
 
 A request the forecast did not foresee is still served in its stream's order: a batch of
 another stream that arrives first is held for that stream, and a stream with nothing on its way
@@ -45,6 +48,8 @@ log = logging.getLogger(__name__)
 
 #: The pools of this process whose workers may be running (a lost worker is looked for there).
 _OPEN: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+#: Most keys of one stream in one DataLoader item (with workers; one without).
+GROUP = 4
 
 
 class KeySource(Protocol):
@@ -54,10 +59,10 @@ class KeySource(Protocol):
 
 
 class TaggedSets(Dataset):
-    """The datasets of the streams behind one DataLoader: ``(stream, key)`` reads ``key`` from
-    the stream's dataset and comes back tagged with ``stream`` and the reading process's I/O
-    counters (:func:`~mdloader.loading.stalls.io_snapshot`); an mdloader error comes back as a
-    :class:`~mdloader.transport.CarriedError` in place of the batch."""
+    """The datasets of the streams behind one DataLoader: ``(stream, keys)`` reads each key
+    from the stream's dataset and the batches come back tagged with ``stream`` and the reading
+    process's I/O counters (:func:`~mdloader.loading.stalls.io_snapshot`); an mdloader error
+    comes back as a :class:`~mdloader.transport.CarriedError` in place of its batch."""
 
     def __init__(self, datasets: Sequence[Any]) -> None:
         self.datasets = list(datasets)
@@ -65,51 +70,82 @@ class TaggedSets(Dataset):
     def __len__(self) -> int:
         return sum(len(d) for d in self.datasets)
 
-    def __getitem__(self, tagged: tuple[int, Any]) -> tuple[int, Any, Any]:
-        stream, key = tagged
-        try:
-            batch = self.datasets[stream][key]
-        except MdloaderError as exc:
-            batch = CarriedError(exc)
-        return stream, batch, io_snapshot(batch)
+    def __getitem__(self, tagged: tuple[int, list[Any]]) -> tuple[int, list[Any], Any]:
+        stream, keys = tagged
+        batches = []
+        for key in keys:
+            try:
+                batches.append(self.datasets[stream][key])
+            except MdloaderError as exc:
+                batches.append(CarriedError(exc))
+        return stream, batches, io_snapshot(batches)
 
 
-def _transport(item: tuple[int, Any, Any]) -> tuple[int, Any, Any]:
+def _transport(item: tuple[int, list[Any], Any]) -> tuple[int, list[Any], Any]:
     """The pool's collate function: a plain batch dict leaves a worker with its tensors as
     numpy arrays (:class:`~mdloader.transport.TransportBatch`)."""
-    stream, batch, io = item
-    return stream, TransportBatch(batch) if type(batch) is dict else batch, io
+    stream, batches, io = item
+    return stream, [TransportBatch(b) if type(b) is dict else b for b in batches], io
 
 
 class PoolKeys(Sampler):
-    """The pool's keys: first the streams asked for, then the forecast's (until it ends).
+    """The pool's keys: first the streams asked for, then the forecast's (until it ends), as
+    ``(stream, keys)`` items of up to ``group`` consecutive keys of one stream.
 
     ``pending[s]`` counts the keys of stream ``s`` asked for or drawn whose batches have not
     come back yet; the pool uses it to tell a foreseen request from an unforeseen one.
     """
 
-    def __init__(self, sources: Sequence[KeySource], forecast: Iterator[int]) -> None:
+    def __init__(self, sources: Sequence[KeySource], forecast: Iterator[int],
+                 group: int = 1) -> None:
         self.sources = list(sources)
         self.forecast = forecast
+        self.group = max(1, int(group))
         self.asked: collections.deque[int] = collections.deque()
         self.on_demand: set[int] = set()
         self.pending = [0] * len(self.sources)
+        self._ahead: collections.deque[int] = collections.deque()  # forecast seen, not drawn
 
-    def _next_stream(self) -> int | None:
-        if self.asked:
-            return self.asked.popleft()
-        for stream in self.forecast:
-            if stream not in self.on_demand:
-                self.pending[stream] += 1
-                return stream
-        return None
-
-    def __iter__(self) -> Iterator[tuple[int, Any]]:
+    def _forecast_next(self, only: int | None = None) -> int | None:
+        """The forecast's next stream to read (``only``: the next entry if it is ``only``)."""
         while True:
-            stream = self._next_stream()
-            if stream is None:
+            if not self._ahead:
+                stream = next(self.forecast, None)
+                if stream is None:
+                    return None
+                self._ahead.append(stream)
+            if self._ahead[0] in self.on_demand:
+                self._ahead.popleft()
+                continue
+            if only is not None and self._ahead[0] != only:
+                return None
+            stream = self._ahead.popleft()
+            self.pending[stream] += 1
+            return stream
+
+    def _next_item(self) -> tuple[int, int] | None:
+        """``(stream, count)`` of the next item, or ``None`` when the forecast has ended."""
+        if self.asked:
+            stream, count = self.asked.popleft(), 1
+            while count < self.group and self.asked and self.asked[0] == stream:
+                self.asked.popleft()
+                count += 1
+            return stream, count
+        stream = self._forecast_next()
+        if stream is None:
+            return None
+        count = 1
+        while count < self.group and self._forecast_next(only=stream) is not None:
+            count += 1
+        return stream, count
+
+    def __iter__(self) -> Iterator[tuple[int, list[Any]]]:
+        while True:
+            item = self._next_item()
+            if item is None:
                 return
-            yield stream, self.sources[stream].next_key()
+            stream, count = item
+            yield stream, [self.sources[stream].next_key() for _ in range(count)]
 
 
 class WorkerPool:
@@ -142,13 +178,17 @@ class WorkerPool:
                               f"stream, got {len(datasets)}, {len(sources)} and {len(names)}")
         self.names = list(names)
         self.num_workers = int(num_workers)
-        self.keys = PoolKeys(sources, iter(()) if forecast is None else forecast)
+        group = GROUP if self.num_workers else 1
+        self.keys = PoolKeys(sources, iter(()) if forecast is None else forecast, group)
+        if group > 1:  # a worker's item is several batches: one ahead is as deep as two were
+            loader_options.setdefault("prefetch_factor", 1)
         self.loader = DataLoader(TaggedSets(datasets), sampler=self.keys, batch_size=None,
                                  num_workers=self.num_workers, collate_fn=_transport,
                                  pin_memory=pin_memory,
                                  worker_init_fn=_BoundWorker(worker_init_fn),
                                  **loader_options)
-        self.prefetched = self.loader.prefetch_factor * self.num_workers if num_workers else 0
+        self.prefetched = (self.loader.prefetch_factor * self.num_workers * group
+                           if num_workers else 0)
         self.max_held = int(max_held) if max_held is not None else 4 * self.prefetched + 16
         self.held: list[collections.deque[Any]] = [collections.deque() for _ in names]
         self.dropping = [0] * len(self.names)  # batches of a cut pass still on their way
@@ -179,14 +219,15 @@ class WorkerPool:
             self.unforeseen += bool(self.num_workers)  # not foreseen (nothing read ahead)
             self.ask(stream)
         while not held:
-            tag, batch = self._receive()
-            self.keys.pending[tag] -= 1
-            if self.dropping[tag]:  # a stream delivers in order: a cut pass's come first
-                self.dropping[tag] -= 1
-                continue
-            self.held[tag].append(batch)
-            if tag != stream:
-                self._note_held(tag)
+            tag, batches = self._receive()
+            self.keys.pending[tag] -= len(batches)
+            for batch in batches:
+                if self.dropping[tag]:  # a stream delivers in order: a cut pass's come first
+                    self.dropping[tag] -= 1
+                    continue
+                self.held[tag].append(batch)
+                if tag != stream:
+                    self._note_held(tag)
         batch = held.popleft()
         if isinstance(batch, CarriedError):
             raise batch.error
@@ -244,12 +285,13 @@ class WorkerPool:
         self._workers = [p for p in multiprocessing.active_children() if p not in before]
         _OPEN.add(self)
 
-    def _receive(self) -> tuple[int, Any]:
-        """The next batch the DataLoader delivers (its workers started on first use)."""
+    def _receive(self) -> tuple[int, list[Any]]:
+        """The next item the DataLoader delivers: a stream and batches of it, in its order (the
+        workers start on first use)."""
         if self._batches is None:
             self._start()
         try:
-            stream, batch, io = next(self._batches)
+            stream, batches, io = next(self._batches)
         except StopIteration:
             self.close()
             raise
@@ -263,7 +305,7 @@ class WorkerPool:
             self.close()
             raise
         self.io.note(io)
-        return stream, batch
+        return stream, batches
 
     def _note_held(self, stream: int) -> None:
         held = self.held[stream]

@@ -56,28 +56,27 @@ def storage_bytes() -> int:
     return 0
 
 
-def payload_bytes(batch: Any) -> int:
-    """The bytes of a batch's arrays (numpy or torch)."""
-    if not isinstance(batch, Mapping):
-        return 0
-    return sum(int(getattr(value, "nbytes", 0)) for value in batch.values())
+def payload_bytes(batches: Sequence[Any]) -> int:
+    """The bytes of the batches' arrays (numpy or torch)."""
+    return sum(int(getattr(value, "nbytes", 0)) for batch in batches
+               if isinstance(batch, Mapping) for value in batch.values())
 
 
 _last_io: list[Any] = [None, 0.0, 0]  # pid, when, the bytes from storage then
 IO_REFRESH = 0.25  # seconds between two reads of /proc/self/io in a worker (one costs ~30 µs)
 
 
-def io_snapshot(batch: Any) -> tuple[int, int | None, int, int]:
-    """``(bytes of the batch's arrays, pid, files opened, bytes from storage)``, what the
-    process that read ``batch`` sends with it (:class:`WorkerIO`): a DataLoader worker its own
+def io_snapshot(batches: Sequence[Any]) -> tuple[int, int | None, int, int]:
+    """``(bytes of the batches' arrays, pid, files opened, bytes from storage)``, what the
+    process that read ``batches`` sends with them (:class:`WorkerIO`): a DataLoader worker its own
     counters, its bytes at most :data:`IO_REFRESH` old; the main process, which counts its
     own, no pid."""
     if get_worker_info() is None:
-        return payload_bytes(batch), None, 0, 0
+        return payload_bytes(batches), None, 0, 0
     now = time.monotonic()
     if _last_io[0] != os.getpid() or now - _last_io[1] > IO_REFRESH:
         _last_io[:] = [os.getpid(), now, storage_bytes()]
-    return payload_bytes(batch), os.getpid(), opened(), _last_io[2]
+    return payload_bytes(batches), os.getpid(), opened(), _last_io[2]
 
 
 class WorkerIO:

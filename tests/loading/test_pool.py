@@ -13,7 +13,7 @@ import random
 import pytest
 
 from mdloader.errors import DataError
-from mdloader.loading.pool import WorkerPool
+from mdloader.loading.pool import GROUP, PoolKeys, WorkerPool
 
 
 class CountingKeys:
@@ -77,8 +77,8 @@ def test_a_foreseen_order_serves_each_stream_its_keys_in_order(workers: int) -> 
         assert pool.unforeseen == 0, "a forecast order needed no request out of turn"
         assert pool.most_held == 0
         assert os.getpid() not in READERS and len(READERS) == workers
-        # the workers read ahead by the prefetch depth, never more
-        assert sum(s.drawn for s in sources) == len(requests) + pool.prefetched
+        # the workers read ahead, by the prefetch depth at most (items of up to GROUP keys)
+        assert len(requests) < sum(s.drawn for s in sources) <= len(requests) + pool.prefetched
     else:
         assert sum(s.drawn for s in sources) == len(requests)
     assert not any(pool.held), "nothing is left held when the forecast is right"
@@ -88,7 +88,7 @@ def test_a_foreseen_order_serves_each_stream_its_keys_in_order(workers: int) -> 
 def test_any_order_serves_each_stream_its_keys_in_order(
         caplog: pytest.LogCaptureFixture) -> None:
     rng = random.Random(5)
-    pool, sources = make_pool(["a", "b", "c", "d"], [0, 1, 2, 3], 2)
+    pool, sources = make_pool(["a", "b", "c", "d"], [0, 1, 2, 3], 2, max_held=24)
     requests = [rng.choice([0, 0, 0, 1, 2, 3]) for _ in range(200)]
     with caplog.at_level(logging.WARNING, logger="mdloader"):
         got = take(pool, requests)
@@ -198,4 +198,30 @@ def test_a_finite_forecast_reads_nothing_after_it() -> None:
     pool = WorkerPool([Echo("a")], [CountingKeys()], ["a"], iter([0, 0, 0]), num_workers=2)
     assert take(pool, [0, 0, 0]) == {0: [0, 1, 2]}
     assert pool.keys.sources[0].drawn == 3
+    pool.close()
+
+
+def test_an_item_carries_up_to_group_consecutive_keys_of_one_stream() -> None:
+    """One DataLoader item per run of one stream's keys (up to the group size): the main
+    process pays the DataLoader's per-item cost once for them."""
+    keys = PoolKeys([CountingKeys(), CountingKeys()], iter([0, 0, 0, 0, 0, 1, 1, 0]), group=4)
+    assert list(keys) == [(0, [0, 1, 2, 3]), (0, [4]), (1, [0, 1]), (0, [5])]
+    assert keys.pending == [6, 2]
+    asked = PoolKeys([CountingKeys(), CountingKeys()], iter([0, 1]), group=3)
+    asked.asked.extend([1, 1, 1, 1, 0])
+    asked.on_demand.add(1)  # read only when asked: the forecast's 1 is skipped
+    assert list(asked) == [(1, [0, 1, 2]), (1, [3]), (0, [0]), (0, [1])]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_grouped_items_keep_every_streams_order_and_errors(workers: int) -> None:
+    error = DataError("cannot be read", system="/data/b", file="coord.npy")
+    pool = WorkerPool([Echo("a"), FailsAt("b", 5, error)], [CountingKeys(), CountingKeys()],
+                      ["a", "b"], itertools.cycle([0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1]),
+                      num_workers=workers)
+    assert pool.keys.group == (GROUP if workers else 1)
+    assert take(pool, [0] * 5 + [1] * 5) == {0: [0, 1, 2, 3, 4], 1: [0, 1, 2, 3, 4]}
+    with pytest.raises(DataError, match="^cannot be read"):  # in its turn, not its item's
+        pool.next_batch(1)
+    assert take(pool, [1, 0]) == {1: [6], 0: [5]}
     pool.close()

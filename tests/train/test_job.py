@@ -122,7 +122,8 @@ def test_a_failed_checkpoint_write_names_the_file_and_keeps_the_last(tmp_path: P
                                f"checkpoint of step 12 was written; {out}/model.ckpt-8.pt is "
                                "still the latest checkpoint")
     assert sorted(os.listdir(out)) == ["checkpoint", "lcurve.out", "model.ckpt-4.pt",
-                                       "model.ckpt-8.pt", "model.ckpt.pt"]  # no .tmp
+                                       "model.ckpt-8.pt", "model.ckpt.pt",
+                                       "stalls.jsonl"]  # no .tmp
     assert load_checkpoint(str(out / "model.ckpt.pt"))["step"] == 8
 
 

@@ -193,7 +193,7 @@ def test_restart_continues_exactly(tmp_path: Path) -> None:
     assert len(full_curve.splitlines()) == 1 + 5  # header, steps 1, 2, 4, 6, 8
     names = sorted(os.listdir(tmp_path / "full"))
     assert names == ["checkpoint", "lcurve.out", "model.ckpt-4.pt", "model.ckpt-8.pt",
-                     "model.ckpt.pt"]
+                     "model.ckpt.pt", "stalls.jsonl"]
     assert os.readlink(tmp_path / "full" / "model.ckpt.pt") == "model.ckpt-8.pt"
 
 
