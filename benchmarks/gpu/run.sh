@@ -14,9 +14,10 @@
 # The set-up, and why: a GPU machine that reaches no package index has a python3 with torch,
 # numpy, h5py, scipy and e3nn, but not what benchmarks/gpu/wheels.txt lists. When that python
 # cannot find those packages, the wheels in .whl/ ($MDLOADER_GPU_WHEELS) are installed with
-# --prefix into a temporary folder put on PYTHONPATH (--prefix, not --target: mpich's library sits
-# beside site-packages, where DeePMD-kit looks for it), and DeePMD-kit's compiled op library is
-# moved aside as scripts/deepmd-env.sh does (built for one torch release; training never uses it).
+# --prefix into a temporary folder put on PYTHONPATH (--prefix, not --target: mpich installs its
+# library outside site-packages, where DeePMD-kit loads it from at import, and --target drops it),
+# and DeePMD-kit's compiled op library is moved aside as scripts/deepmd-env.sh does (built for
+# one torch release; training never uses it).
 # A piece still missing then ends the run at once with one line, before any GPU time is spent.
 #
 # Environment: MDLOADER_GPU_PYTHON (default python3), MDLOADER_DEEPMD_PYTHON (the interpreter
