@@ -21,13 +21,14 @@ from mdloader.distributed.packets import Kind, data_packet, error_packet, open_p
 from mdloader.world import World
 
 
-def all_reduce_mean(values: np.ndarray | list[float],
-                    device: torch.device | None = None) -> np.ndarray:
-    """Mean over ranks of a small float vector (identity in a single process)."""
+def all_reduce_mean(values: np.ndarray | list[float]) -> np.ndarray:
+    """Mean over ranks of a small float vector (identity in a single process); on the device
+    the default group's backend takes (:func:`~mdloader.distributed.group.transport_device`)."""
     arr = np.asarray(values, dtype=np.float64)
-    if not current_world().distributed:
+    world = current_world()
+    if not world.distributed:
         return arr
-    tensor = torch.as_tensor(arr, device=device or torch.device("cpu"))
+    tensor = torch.as_tensor(arr, device=transport_device(dist.get_backend(), world.local_rank))
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor.cpu().numpy() / dist.get_world_size()
 

@@ -28,7 +28,7 @@ from mdloader.distributed.failure import (
     published_failure,
     settle,
 )
-from mdloader.errors import StopRequested
+from mdloader.errors import ConfigError, StopRequested
 from mdloader.settings import resolve
 from mdloader.world import World
 
@@ -169,7 +169,7 @@ def init_from_env() -> World:
     if world.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(world.local_rank)
+            use_device(world)
         with stop_while_joining(world.rank):
             dist.init_process_group(backend=backend,
                                     timeout=timedelta(seconds=resolve("group_timeout")))
@@ -177,9 +177,43 @@ def init_from_env() -> World:
 
 
 def device_of(world: World) -> torch.device:
-    """``cuda:<local_rank>`` when CUDA is available, else the CPU."""
-    return torch.device("cuda", world.local_rank) if torch.cuda.is_available() else \
-        torch.device("cpu")
+    """``cuda:<local_rank>`` when CUDA is available, else the CPU (:func:`rank_device`)."""
+    return rank_device(world.local_rank,
+                       torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def rank_device(local_rank: int, cuda_devices: int) -> torch.device:
+    """The device of the rank ``local_rank`` of a node where ``cuda_devices`` GPUs are visible:
+    ``cuda:<local_rank>``, or the CPU on a node without one.
+
+    Raises
+    ------
+    ConfigError
+        More ranks on the node than GPUs it shows them: torch would fail later with "invalid
+        device ordinal", naming neither the rank nor the remedy.
+    """
+    if cuda_devices <= 0:
+        return torch.device("cpu")
+    if local_rank >= cuda_devices:
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} but this process sees {cuda_devices} CUDA device(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start "
+            "at most one rank per visible GPU on a node (torchrun --nproc_per_node=<GPUs>), and "
+            "let every rank of a node see all of its GPUs")
+    return torch.device("cuda", local_rank)
+
+
+def use_device(world: World) -> torch.device:
+    """The device of this rank (:func:`device_of`), made torch's current CUDA device if a GPU.
+
+    What torch puts on "the" CUDA device without naming one -- the DataLoader's pinning thread,
+    NCCL's communicators, ``torch.device("cuda")`` -- then lands on this rank's GPU, not on
+    ``cuda:0`` of every rank.
+    """
+    device = device_of(world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 @contextmanager

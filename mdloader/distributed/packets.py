@@ -65,11 +65,23 @@ def data_packet(obj: Any, *, rank: int, count: int = 0, context: str = "serializ
 
 
 class _Pickler(pickle.Pickler):
-    """Pickle CPU tensors as numpy arrays (:func:`mdloader.transport.tensor_as_numpy`)."""
+    """Pickle CPU tensors as numpy arrays (:func:`mdloader.transport.tensor_as_numpy`), and a
+    tensor on a GPU as its host copy: torch's own pickling would rebuild it on the sender's
+    device index (``cuda:0`` of rank 0) on every receiving rank; a receiver moves what it got to
+    its own device."""
 
     def reducer_override(self, obj: Any) -> Any:
-        array = tensor_as_numpy(obj)
+        array = tensor_as_numpy(on_host(obj))
         return NotImplemented if array is None else (torch.from_numpy, (array,))
+
+
+def on_host(value: Any) -> Any:
+    """A plain tensor on an accelerator (no autograd history) copied to the CPU; anything else
+    as it is."""
+    if (type(value) is torch.Tensor and value.device.type not in ("cpu", "meta")
+            and not value.requires_grad):
+        return value.detach().cpu()
+    return value
 
 
 def dumps(obj: Any) -> bytes:

@@ -45,7 +45,7 @@ from mdloader.distributed.collectives import (
     fail_together,
 )
 from mdloader.distributed.failure import Activity
-from mdloader.distributed.group import device_of, process_group
+from mdloader.distributed.group import process_group, use_device
 from mdloader.errors import ConfigError, StateDictError, WriteError
 from mdloader.loading import feed_state
 from mdloader.loading.feed import Feed, StreamSpec
@@ -148,7 +148,7 @@ class _Trainer:
         self.full_validation, self.activity = full_validation, activity
         self.started = (time.monotonic(), 0)  # when the loop started, and from which step
         self.start, self.validation_due = 0, False  # a restart's step; a validation it owes
-        self.device = device_of(world)
+        self.device = use_device(world)  # before the feed: its pinning thread uses it too
         workers = default_num_workers(num_workers, "--num-workers")
         set_torch_threads(workers, world=world)
         self.feed = Feed.build(_stream_specs(config), seed=config.seed, world=world,
@@ -336,7 +336,7 @@ class _Trainer:
 
     def _display(self, done: int, lr: float, mse: dict[str, float], result: TrainResult,
                  bar: Any) -> None:
-        trn = all_reduce_mean([mse["mse"], mse["mse_e"], mse["mse_f"]], device=self.device)
+        trn = all_reduce_mean([mse["mse"], mse["mse_e"], mse["mse_f"]])
         result.last_train = rmse_columns(dict(zip(("mse", "mse_e", "mse_f"), trn)))
         if self.valid is not None:
             self.activity.doing = f"the validation at step {done}"

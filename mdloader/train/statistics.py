@@ -36,6 +36,7 @@ from mdloader.stats.moments import FeatureMoments
 from mdloader.stats.output import OutputSamples, output_bias, system_samples
 from mdloader.train.guards import nonfinite_data, small_box_in_batch
 from mdloader.train.model import RadialPotential
+from mdloader.transport import to_device
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,12 @@ def system_features(model: RadialPotential, dataset: Any, fids: Sequence[int], *
         if bad is not None:
             raise bad
         box = batch["box"]
-        atype = batch["atype"].long().to(device)
+        atype = to_device(batch["atype"], device, torch.long)
         try:
             with torch.no_grad():
-                feats = model.features(batch["coord"].to(device, torch.float64), atype,
-                                       None if box is None else box.to(device, torch.float64))
+                feats = model.features(to_device(batch["coord"], device, torch.float64), atype,
+                                       None if box is None else to_device(box, device,
+                                                                          torch.float64))
         except DataError as exc:  # a box too small for the cutoff (boxes read with the frames)
             if exc.system is not None or box is None:
                 raise

@@ -11,6 +11,9 @@ the next gradient all-reduce.
   Gradients that overflow from finite losses are caught the same way.
 * **A stop signal** (:mod:`mdloader.train.signals`) is exchanged every ``check_every`` steps in
   one all-reduce of a flag; ``docs/benchmarks.md`` has what that costs per step.
+
+A batch reaches the rank's device by :func:`~mdloader.transport.to_device`: on a GPU from the
+pinned memory the feed's workers deliver into, without blocking the host.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from mdloader.distributed.collectives import any_rank, fail_together
 from mdloader.errors import ConfigError, DataError, NonFiniteError
 from mdloader.settings import resolve
 from mdloader.train.guards import nonfinite_loss, small_box_in_batch
+from mdloader.transport import to_device
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +78,17 @@ class Stepper:
                 ) -> dict[str, torch.Tensor]:
         box = batch["box"]
         try:
-            return model(batch["coord"].to(self.device), batch["atype"].to(self.device),
-                         None if box is None else box.to(self.device), create_graph=create_graph)
+            return model(to_device(batch["coord"], self.device),
+                         to_device(batch["atype"], self.device),
+                         None if box is None else to_device(box, self.device),
+                         create_graph=create_graph)
         except DataError as exc:  # a box too small for the cutoff (boxes read with the frames)
             if exc.system is not None or box is None:
                 raise
             raise small_box_in_batch(exc, batch, self.systems[int(batch["sid"])]) from exc
 
     def labels(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {k: batch[k].to(self.device, torch.float64) for k in ("energy", "force")}
+        return {k: to_device(batch[k], self.device, torch.float64) for k in ("energy", "force")}
 
     def predict(self, batch: dict[str, Any]) -> tuple[dict[str, torch.Tensor],
                                                         dict[str, torch.Tensor]]:

@@ -100,7 +100,7 @@ def trainer_feed(trainer: Any, training: dict[str, Any]) -> Feed:
             else agree_seed(training.get("seed"), world))  # a trainer made by DeePMD-kit's API
     module = seam.deepmd_module(seam.TRAINING)
     feed = Feed(streams, seed=seed, world=world, num_workers=int(module.NUM_WORKERS),
-                pin_memory=str(module.DEVICE) != "cpu",
+                pin_memory=str(module.DEVICE).startswith("cuda"),  # pinning is for CUDA
                 separate_pools=settings.resolve("dp_workers") == "per-loader")
     if trainer.multi_task and not trainer.disp_avg:
         feed.add_display_streams()
