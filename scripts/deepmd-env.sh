@@ -6,7 +6,7 @@
 #   VENV_DIR defaults to $MDLOADER_DEEPMD_ENV, else .venv-deepmd in the repository (git-ignored).
 #
 # Why each step:
-#  * --system-site-packages (and, when this Python is itself a venv, a .pth line naming its
+#  * --system-site-packages (and, when this Python is itself a venv, a .pth line adding its
 #    site-packages): reuse this Python's torch, numpy and mdloader instead of downloading them
 #    again (install torch and mdloader first);
 #  * deepmd-constraints.txt pins torch to the installed release, else DeePMD-kit's wheel would
@@ -32,7 +32,9 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     PARENT="$("$PYTHON" -c 'import site, sys; print(site.getsitepackages()[0] if sys.prefix != sys.base_prefix else "")')"
     if [[ -n "$PARENT" ]]; then
         OWN="$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')"
-        echo "$PARENT" > "$OWN/_mdloader_parent_env.pth"
+        # addsitedir, not a bare path: the parent's own .pth files (an editable install's)
+        # are read too
+        echo "import site; site.addsitedir('$PARENT')" > "$OWN/_mdloader_parent_env.pth"
     fi
 fi
 TORCH="$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"

@@ -1,6 +1,6 @@
 """``mdloader pack`` and the LMDB writer: one system id per source system in mdloader's order,
 npy/HDF5/dpdata sources, bounded chunks, and an atomic finish (its progress:
-``tests/cli/test_progress.py``)."""
+``tests/cli/test_command_progress.py``)."""
 
 from __future__ import annotations
 
