@@ -183,14 +183,15 @@ class RunSummary:
         self.steps = 0
 
     def add(self, matrix: np.ndarray) -> None:
+        """Count a window's gathered matrix (rows as :func:`window_figures` takes them)."""
         totals = matrix[:, -len(TOTALS):]
-        steps = int(totals[:, 0].min())
+        steps = int(totals[:, TOTALS.index("steps")].min())
         waits = np.clip(matrix[:, :steps].ravel(), EDGES[0], EDGES[-1])
         self.counts += np.histogram(waits, bins=EDGES)[0]
         if self.wait.shape != (matrix.shape[0],):
             self.wait, self.step = np.zeros(matrix.shape[0]), np.zeros(matrix.shape[0])
-        self.wait = self.wait + totals[:, 2]
-        self.step = self.step + totals[:, 1]
+        self.wait = self.wait + totals[:, TOTALS.index("wait_seconds")]
+        self.step = self.step + totals[:, TOTALS.index("step_seconds")]
         self.steps += steps
 
     def record(self) -> dict[str, Any]:
