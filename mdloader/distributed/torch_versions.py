@@ -40,3 +40,13 @@ def gather_to(tensor: torch.Tensor, gathered: list[torch.Tensor] | None, group: 
         return dist.gather(tensor, gathered, group=group, group_dst=group_rank, async_op=True)
     return dist.gather(tensor, gathered, dst=dist.get_global_rank(group, group_rank),
                        group=group, async_op=True)
+
+
+def launcher_keeps_the_store() -> bool:
+    """Whether ``torchrun``'s agent hosts the job's store for ``--standalone`` and c10d
+    rendezvous (newer torch; not 2.3), so that it outlives every rank; otherwise rank 0's
+    process hosts it and a failure rank 0 published is gone with rank 0 (the others then report
+    their broken connection: :mod:`mdloader.distributed.failure`)."""
+    from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+    return hasattr(RendezvousHandler, "use_agent_store")

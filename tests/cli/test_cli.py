@@ -18,6 +18,7 @@ import torch
 from support.inputs import write_input
 
 from mdloader.cli.main import main
+from mdloader.distributed.torch_versions import launcher_keeps_the_store
 from mdloader.logs import setup_logging
 from mdloader.testing import make_system
 from mdloader.world import World
@@ -332,7 +333,9 @@ def test_torchrun_train_fails_together(tmp_path: Path) -> None:
                 tmp_path, 150)
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("mdloader: error:")]
-    assert len(errors) == 2 and errors[0] == errors[1], done.stderr
+    assert len(errors) == 2, done.stderr
+    if launcher_keeps_the_store():  # else each rank may report its own, gone with rank 0's store
+        assert errors[0] == errors[1], done.stderr
     assert re.match(r"mdloader: error: rank [01] failed \(building the loader\): "
                     r"MissingDataError: a required key is missing: force; system: ", errors[0])
     assert errors[0].endswith("train0/set.000/force.npy")
