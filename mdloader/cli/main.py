@@ -31,6 +31,7 @@ from types import ModuleType
 
 from mdloader import __version__
 from mdloader.cli import bench, cache, check, convert, dp, index, pack, report, stat, train
+from mdloader.cli.arguments import untangle
 from mdloader.errors import ConfigError, MdloaderError, RemoteError, StopRequested
 from mdloader.logs import LEVELS, setup_logging
 from mdloader.train.signals import EXIT_STOPPED
@@ -99,6 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Everything after the command belongs to it (DeePMD-kit's ``--pt`` included).
         args = argparse.Namespace(command=argv[0], **{dest: argv[1:]})
         return leave(guarded(lambda: unparsed.run(args), debug="--debug" in argv))
+    if unparsed is not None:
+        try:
+            argv = untangle(argv)
+        except ConfigError as exc:  # a list option written ambiguously: how to write it
+            tell(f"mdloader: error: {exc}")
+            return 2
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version (0) and usage errors (2)
