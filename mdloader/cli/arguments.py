@@ -53,10 +53,10 @@ def positive_number(text: str) -> float:
 # -- options that take a list ------------------------------------------------------------------
 
 #: How a list of names is written, said once for every command's help and the reference page.
-LIST_RULE = ("O,H or repeated (--type-map O --type-map H); written O H, the names end at the "
-             "next option, at --, or before the first path: a value with / . * ? [ ~ or #, or "
-             "one naming an existing file or folder (one that also looks like an element, a "
-             "folder H, is refused: write O,H)")
+LIST_RULE = ("O,H (the whole list) or repeated (--type-map O --type-map H); written O H, the "
+             "names end at the next option, at --, or before the first path: a value with "
+             "/ . * ? [ ~ or #, or one naming an existing file or folder (one that also looks "
+             "like an element, a folder H, is refused: write O,H)")
 
 
 def is_path_like(value: str) -> bool:
@@ -130,8 +130,9 @@ def untangle(argv: Sequence[str]) -> list[str]:
     command's arguments into the list (``pack --type-map O H SRC DEST``) nor loses some of them
     between two options. Nothing after ``--`` is touched.
 
-    A run of values ends at the next option or ``--``, or before the first value that its
-    :class:`ListOption` ``ends`` (:data:`LIST_RULE`); values of ``--flag=v`` stay as they are.
+    A run of values ends at the next option or ``--``, after a value with a comma where the
+    option splits (``O,H`` is the whole list), or before the first value that its
+    :class:`ListOption` ``ends`` (:data:`LIST_RULE`); ``--flag=v`` stays as it is.
 
     Raises
     ------
@@ -157,6 +158,8 @@ def untangle(argv: Sequence[str]) -> list[str]:
         j = i + 1
         while j < len(rest) and not rest[j].startswith("-") and not option.ends(rest[j]):
             j += 1
+            if option.split and "," in rest[j - 1]:  # O,H is the whole list
+                break
         values = rest[i + 1:j]
         if option.split and j < len(rest) and is_element_shaped(rest[j]):
             names = ",".join(values + [rest[j]])
