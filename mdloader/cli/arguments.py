@@ -52,11 +52,13 @@ def positive_number(text: str) -> float:
 
 # -- options that take a list ------------------------------------------------------------------
 
-#: How a list of names is written, said once for every command's help and the reference page.
-LIST_RULE = ("O,H (the whole list) or repeated (--type-map O --type-map H); written O H, the "
-             "names end at the next option, at --, or before the first path: a value with "
-             "/ . * ? [ ~ or #, or one naming an existing file or folder (one that also looks "
-             "like an element, a folder H, is refused: write O,H)")
+#: How a list of names is written, said once (``mdloader --help`` and the reference page).
+LIST_RULE = ("--type-map takes its names as O,H (the whole list), --type-map=O,H, or repeated "
+             "(--type-map O --type-map H), before, between or after the command's arguments. "
+             "Written O H, the names end at the next option, at --, or before the first path: "
+             "a value with / . * ? [ ~ or #, or one that names an existing file or folder. A "
+             "value that names an existing file or folder and also looks like an element (a "
+             "folder H beside --type-map O H) is refused in one line: write O,H.")
 
 
 def is_path_like(value: str) -> bool:
@@ -119,7 +121,8 @@ def add_list_option(parser: argparse.ArgumentParser, flag: str, *, help: str,
     every command line, lets its values and the command's arguments come in any order."""
     option = LIST_OPTIONS[flag]
     parser.add_argument(flag, action=ListValues, split=option.split, default=None,
-                        metavar=metavar, help=f"{help}: {LIST_RULE}" if option.split else
+                        metavar=metavar, help=f"{help}: O,H, repeated, or O H up to the first "
+                        "path (`mdloader --help` gives the rule)" if option.split else
                         f"{help}; repeated, or space-separated up to the first value that "
                         "names no existing file")
 

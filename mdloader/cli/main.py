@@ -31,7 +31,7 @@ from types import ModuleType
 
 from mdloader import __version__
 from mdloader.cli import bench, cache, check, convert, dp, index, pack, report, stat, train
-from mdloader.cli.arguments import untangle
+from mdloader.cli.arguments import LIST_RULE, untangle
 from mdloader.errors import ConfigError, MdloaderError, RemoteError, StopRequested
 from mdloader.logs import LEVELS, setup_logging
 from mdloader.train.signals import EXIT_STOPPED
@@ -85,10 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def exit_codes_text() -> str:
-    """The exit codes as ``mdloader --help`` ends with them."""
+    """The exit codes and the rule of list options, as ``mdloader --help`` ends with them."""
     return "exit codes:\n" + "\n".join(
         textwrap.fill(meaning, 90, initial_indent=f"  {code:<5}", subsequent_indent=" " * 7)
-        for code, meaning in EXIT_CODES.items())
+        for code, meaning in EXIT_CODES.items()) + "\n\noptions that take a list:\n" + \
+        textwrap.fill(LIST_RULE, 90, initial_indent="  ", subsequent_indent="  ",
+                      break_on_hyphens=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
