@@ -85,12 +85,14 @@ class ListOption:
 
     split: bool
     ends: Callable[[str], bool]
+    first_always: bool = False  # the first value is the option's whatever it is (a file
+    #                             that does not exist is then named by the command)
 
 
 #: Every list option of mdloader's commands.
 LIST_OPTIONS: dict[str, ListOption] = {
     "--type-map": ListOption(split=True, ends=is_path_like),
-    "--unmatched": ListOption(split=False, ends=not_a_file),
+    "--unmatched": ListOption(split=False, ends=not_a_file, first_always=True),
 }
 
 
@@ -159,6 +161,8 @@ def untangle(argv: Sequence[str]) -> list[str]:
             i += 1
             continue
         j = i + 1
+        if option.first_always and j < len(rest) and not rest[j].startswith("-"):
+            j += 1
         while j < len(rest) and not rest[j].startswith("-") and not option.ends(rest[j]):
             j += 1
             if option.split and "," in rest[j - 1]:  # O,H is the whole list

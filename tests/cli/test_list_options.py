@@ -85,6 +85,8 @@ def test_cache_unmatched_ends_at_a_value_that_is_no_file(here: Path) -> None:
     assert (args.action, args.unmatched, args.dry_run) == ("prune", ["a.json", "b.json"], True)
     args = _parse(["cache", "prune", "--unmatched", "a.json", "--unmatched", "b.json"])
     assert args.unmatched == ["a.json", "b.json"]
+    args = _parse(["cache", "prune", "--unmatched", "gone.json"])  # cache says it is missing
+    assert args.unmatched == ["gone.json"]
 
 
 @pytest.mark.parametrize("argv, message", [
