@@ -68,6 +68,7 @@ def _table(actions: list[argparse.Action]) -> list[str]:
 
 
 def cli_page() -> str:
+    from mdloader.cli.arguments import LIST_RULE
     from mdloader.cli.main import EXIT_CODES, build_parser, common_options
 
     parser = build_parser()
@@ -87,7 +88,8 @@ def cli_page() -> str:
              "| code | meaning |", "|---:|---|"]
     lines += [f"| {code} | {meaning.replace('|', chr(92) + '|')} |"
               for code, meaning in EXIT_CODES.items()]
-    lines += ["", "## Options of every subcommand", ""]
+    lines += ["", "## Options that take a list", "", "```text", LIST_RULE, "```", ""]
+    lines += ["## Options of every subcommand", ""]
     lines += _table([a for a in common_options()._actions])
     for name, subparser in sub.choices.items():
         lines += ["", f"## `mdloader {name}`", "", subparser.description or "", ""]

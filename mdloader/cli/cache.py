@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from mdloader.cli.arguments import add_list_option
 from mdloader.errors import ConfigError
 from mdloader.persist import is_temporary, remove_entry, usage
 from mdloader.settings import CACHE_KINDS, cache_folder
@@ -191,9 +192,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                    "by age or by the data sets still in use")
     p.add_argument("--older-than", type=float, default=None, metavar="DAYS",
                    help="prune: remove entries not used for this many days")
-    p.add_argument("--unmatched", nargs="+", default=None, metavar="INPUT_JSON",
-                   help="prune: remove entries that no data set of these input.json files "
-                   "uses any more (their systems are found and stamped)")
+    add_list_option(p, "--unmatched", metavar="INPUT_JSON",
+                    help="prune: remove entries that no data set of these input.json files "
+                    "uses any more (their systems are found and stamped)")
     p.add_argument("--dry-run", action="store_true",
                    help="prune: say what would be removed, remove nothing")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

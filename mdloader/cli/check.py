@@ -22,12 +22,15 @@ from typing import Any
 from mdloader import logs
 from mdloader.catalog.describe import SystemFailed, fan_out
 from mdloader.catalog.discover import discover_systems
+from mdloader.cli.arguments import add_list_option
 from mdloader.config.input_json import Config, DataConfig, parse_config
 from mdloader.config.multitask import JobConfig, weights_rule
+from mdloader.config.unsupported import refuse_under_deepmd
 from mdloader.data.formats import backend_of, diagnostics
 from mdloader.data.formats.base import SystemMeta
 from mdloader.data.system import inspect_system
 from mdloader.errors import ConfigError, MdloaderError
+from mdloader.sampling.batching import parse_rule
 from mdloader.sampling.plan import LoaderPlan
 
 
@@ -102,6 +105,9 @@ class CheckReport:
             "problems": [asdict(p) for p in self.problems],
             "statistics": self.statistics}, indent=2)
 
+
+#: The commands ``check --for`` gives the verdict of.
+TARGETS = ("train", "dp")
 
 #: Rows of a section's table shown by default; ``--all`` (or ``--json``) lists every system.
 TABLE_ROWS = 20
@@ -410,10 +416,16 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("input", nargs="+", metavar="INPUT",
                    help="a DeePMD-kit input.json, or system directories, folders searched "
                    "recursively, globs and HDF5 files")
-    p.add_argument("--type-map", nargs="+", default=None, metavar="ELEM",
-                   help="model type map for system paths (an input.json has its own)")
+    add_list_option(p, "--type-map", metavar="ELEM",
+                    help="model type map for system paths (an input.json has its own)")
     p.add_argument("--batch-size", default="auto", metavar="RULE",
                    help="batch size or rule for system paths (default: auto)")
+    p.add_argument("--for", dest="target", choices=TARGETS, default=None,
+                   help="the command that will run the input.json, whose verdict check gives: "
+                   "`dp` refuses first, in the same line and exit code, what `mdloader dp` "
+                   "refuses before any set-up; `train` what `mdloader train` refuses "
+                   "(default: dp for a multi-task input, which only `mdloader dp` trains; "
+                   "train for a single-task one)")
     p.add_argument("--deep", action="store_true",
                    help="also read every array: NaN/inf frames, frame counts that disagree")
     p.add_argument("--all", action="store_true",
@@ -450,18 +462,42 @@ def _descriptor(args: argparse.Namespace) -> Mapping[str, Any] | None:
 
 
 def _check_config(args: argparse.Namespace) -> Config | JobConfig:
-    """One ``*.json`` file is an input.json (single- or multi-task); anything else is a list
-    of system paths."""
-    from mdloader.config.multitask import load_job
-
+    """One ``*.json`` file is an input.json (single- or multi-task), read as the command of
+    ``--for`` reads it; anything else is a list of system paths."""
     inputs = list(args.input)
     if len(inputs) == 1 and inputs[0].endswith(".json") and not os.path.isdir(inputs[0]):
         if args.type_map is not None or args.batch_size != "auto":
             raise ConfigError("--type-map and --batch-size apply to system paths; an "
                               "input.json gives model.type_map and its batch_size",
                               path="--type-map" if args.type_map is not None else "--batch-size")
-        return load_job(inputs[0])
+        return load_for(inputs[0], args.target)
     if any(i.endswith(".json") and os.path.isfile(i) for i in inputs):
         raise ConfigError("give either one input.json or system paths, not both", path="INPUT")
+    if args.target is not None:
+        raise ConfigError("--for applies to an input.json; system paths are checked as every "
+                          "command reads them", path="--for")
     batch: int | str = int(args.batch_size) if args.batch_size.isdigit() else args.batch_size
+    if isinstance(batch, str):
+        parse_rule(batch, key="--batch-size")
+    elif batch < 1:
+        raise ConfigError(f"a batch size must be a positive integer, got {batch}",
+                          path="--batch-size")
     return config_for_paths(inputs, type_map=args.type_map, batch_size=batch)
+
+
+def load_for(path: str, target: str | None = None) -> Config | JobConfig:
+    """The input.json at ``path`` as ``mdloader <target>`` reads it, refused in the line that
+    command gives: ``dp`` through :func:`~mdloader.config.unsupported.refuse_under_deepmd`
+    (what ``mdloader dp`` refuses before any set-up), ``train`` through
+    :func:`~mdloader.config.input_json.load_config` (one task). ``None``: ``dp`` for a
+    multi-task input, the only command that trains one, else ``train``."""
+    from mdloader.config.input_json import load_config, read_input_json
+    from mdloader.config.multitask import is_multitask, load_job
+
+    data = read_input_json(path)
+    if target is None:
+        target = "dp" if is_multitask(data) else "train"
+    if target == "dp":
+        refuse_under_deepmd(data)
+        return load_job(path)
+    return load_config(path)

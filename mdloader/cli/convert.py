@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mdloader import logs
+from mdloader.cli.arguments import add_list_option
 from mdloader.errors import ConfigError, DataError, MissingDataError
 
 log = logging.getLogger(__name__)
@@ -262,8 +263,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                    help="dpdata format of SRC, e.g. vasp/outcar, lammps/dump, extxyz")
     p.add_argument("--to", default="deepmd/npy", choices=["deepmd/npy", "deepmd/hdf5"],
                    help="output layout (default: deepmd/npy)")
-    p.add_argument("--type-map", nargs="+", default=None, metavar="ELEM",
-                   help="element order of the written type_map.raw")
+    add_list_option(p, "--type-map", metavar="ELEM",
+                    help="element order of the written type_map.raw")
     p.add_argument("--set-size", type=int, default=5000, help="frames per set.* (default 5000)")
 
 

@@ -31,6 +31,7 @@ from types import ModuleType
 
 from mdloader import __version__
 from mdloader.cli import bench, cache, check, convert, dp, index, pack, report, stat, train
+from mdloader.cli.arguments import LIST_RULE, untangle
 from mdloader.errors import ConfigError, MdloaderError, RemoteError, StopRequested
 from mdloader.logs import LEVELS, setup_logging
 from mdloader.train.signals import EXIT_STOPPED
@@ -84,10 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def exit_codes_text() -> str:
-    """The exit codes as ``mdloader --help`` ends with them."""
+    """The exit codes and the rule of list options, as ``mdloader --help`` ends with them."""
     return "exit codes:\n" + "\n".join(
         textwrap.fill(meaning, 90, initial_indent=f"  {code:<5}", subsequent_indent=" " * 7)
-        for code, meaning in EXIT_CODES.items())
+        for code, meaning in EXIT_CODES.items()) + "\n\noptions that take a list:\n" + \
+        textwrap.fill(LIST_RULE, 90, initial_indent="  ", subsequent_indent="  ",
+                      break_on_hyphens=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,6 +102,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Everything after the command belongs to it (DeePMD-kit's ``--pt`` included).
         args = argparse.Namespace(command=argv[0], **{dest: argv[1:]})
         return leave(guarded(lambda: unparsed.run(args), debug="--debug" in argv))
+    if unparsed is not None:
+        try:
+            argv = untangle(argv)
+        except ConfigError as exc:  # a list option written ambiguously: how to write it
+            tell(f"mdloader: error: {exc}")
+            return 2
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version (0) and usage errors (2)

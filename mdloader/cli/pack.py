@@ -22,6 +22,7 @@ from typing import Any
 from mdloader import logs
 from mdloader.catalog.describe import SystemFailed, describe_systems
 from mdloader.catalog.discover import discover_systems
+from mdloader.cli.arguments import add_list_option
 from mdloader.data.formats import parse_address
 from mdloader.data.formats.lmdb.sources import array_chunks, element_names, system_chunks
 from mdloader.data.formats.lmdb.writer import LmdbWriter, SourceChunk
@@ -68,6 +69,9 @@ def pack(sources: str | Sequence[str], dest: str, *, fmt: str | None = None,
     entries = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
     if not dest.rstrip("/"):
         raise ConfigError("the destination is empty", path="dest")
+    if os.path.abspath(dest) in {os.path.abspath(os.fspath(e)) for e in entries}:
+        raise ConfigError(f"{dest} is also a source: give the database a path of its own",
+                          path="dest")
     systems = (_dpdata_sources(entries, fmt, type_map) if fmt
                else _mdloader_sources(entries, type_map, workers, progress))
     elements = list(type_map) if type_map else _union(names for _, _, names, _ in systems)
@@ -168,14 +172,15 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p = sub.add_parser("pack", parents=[common], help="write systems into one LMDB database",
                        description="Write every system of SRC (npy, HDF5, or a dpdata format "
                        "with --from) into the LMDB database DEST, one system id per source "
-                       "system in mdloader's order; DeePMD-kit 3.2.0 reads it as is.")
+                       "system in mdloader's order; DeePMD-kit 3.2.0 reads it as is. "
+                       "Options may come before, between or after SRC and DEST.")
     p.add_argument("src", nargs="+", help="systems, roots, globs or HDF5 files (one input with "
                    "--from)")
     p.add_argument("dest", help="the database to create, e.g. train.lmdb")
     p.add_argument("--from", dest="fmt", default=None, metavar="FMT",
                    help="read SRC with dpdata in this format (e.g. vasp/outcar, extxyz)")
-    p.add_argument("--type-map", nargs="+", default=None, metavar="ELEM",
-                   help="element order of the stored type ids (default: order of appearance)")
+    add_list_option(p, "--type-map", metavar="ELEM",
+                    help="element order of the stored type ids (default: order of appearance)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace DEST once the new database is complete")
 

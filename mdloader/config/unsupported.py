@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from mdloader.errors import ConfigError
+from mdloader.sampling.batching import parse_rule
 
 #: Keys of ``model.spin`` that only DeePMD-kit's TensorFlow spin model reads.
 TF_SPIN_KEYS = ("spin_norm", "virtual_len")
@@ -41,12 +42,15 @@ def refuse_unsupported(data: dict) -> None:
                           "supported by mdloader, which reads spin.npy as DeePMD-kit's PyTorch "
                           "backend does", path=f"model.spin.{tf_keys[0]}")
     for name in ("training_data", "validation_data"):
-        section = _section(training, name)
-        batch = section.get("batch_size")
-        if isinstance(batch, str) and batch.strip().startswith("mixed"):
-            raise ConfigError(f"the batch-size rule {batch!r} is TensorFlow-only (DeePMD-kit's "
-                              "PyTorch backend refuses it too)",
-                              path=f"training.{name}.batch_size")
+        _refuse_tensorflow_rule(_section(training, name).get("batch_size"),
+                                f"training.{name}.batch_size")
+
+
+def _refuse_tensorflow_rule(batch: Any, path: str) -> None:
+    """The TensorFlow-only ``mixed:N`` batch rule at ``path``, refused in one line."""
+    if isinstance(batch, str) and batch.strip().startswith("mixed"):
+        raise ConfigError(f"the batch-size rule {batch!r} is TensorFlow-only (DeePMD-kit's "
+                          "PyTorch backend refuses it too)", path=path)
 
 
 #: Keys of a data section that mdloader reads in ``mdloader train`` and that DeePMD-kit's trainer
@@ -58,8 +62,13 @@ MDLOADER_DATA_KEYS = ("index_file", "balance_window", "balance_cost")
 def refuse_under_deepmd(data: dict) -> None:
     """Raise one ConfigError naming the first key of ``data`` that ``mdloader dp`` would not act
     on: DeePMD-kit's ``validating.full_validation`` (it reads every system whole on rank 0
-    through DeePMD-kit's own reader), or a key only ``mdloader train`` reads
-    (:data:`MDLOADER_DATA_KEYS`), in any data section of any task."""
+    through DeePMD-kit's own reader), a key only ``mdloader train`` reads
+    (:data:`MDLOADER_DATA_KEYS`), or a batch-size rule mdloader does not serve (``mix:N``, the
+    TensorFlow-only ``mixed:N``, an unknown or malformed rule), in any data section of any task.
+
+    The one place of these rules: ``mdloader dp`` calls it before any set-up, and
+    ``mdloader check --for dp`` calls it, so both give the same line.
+    """
     validating = _section(data, "validating")
     if validating.get("full_validation"):
         raise ConfigError("DeePMD-kit's full validation is not supported under mdloader dp (it "
@@ -67,19 +76,27 @@ def refuse_under_deepmd(data: dict) -> None:
                           "set it to false, or use mdloader train --full-validation: every "
                           "validation frame once, sharded over the ranks",
                           path="validating.full_validation")
+    for path, section in data_sections(data):
+        for key in MDLOADER_DATA_KEYS:
+            if key in section:
+                raise ConfigError(f"read by mdloader train only: mdloader dp runs "
+                                  f"DeePMD-kit's trainer, which does not know {key}; "
+                                  "remove it (docs/migrating.md)", path=f"{path}.{key}")
+        batch = section.get("batch_size")
+        if isinstance(batch, str):
+            _refuse_tensorflow_rule(batch, f"{path}.batch_size")
+            parse_rule(batch, key=f"{path}.batch_size")
+
+
+def data_sections(data: dict) -> list[tuple[str, dict]]:
+    """(JSON path, section) of every data section of ``data``: ``training.training_data`` and
+    ``training.validation_data``, or those of each task of ``training.data_dict``."""
     training = _section(data, "training")
     tasks = _section(training, "data_dict")
     holders = ([(f"training.data_dict.{t}", _section(tasks, t)) for t in tasks] if tasks
                else [("training", training)])
-    for prefix, holder in holders:
-        for name in ("training_data", "validation_data"):
-            section = _section(holder, name)
-            for key in MDLOADER_DATA_KEYS:
-                if key in section:
-                    raise ConfigError(f"read by mdloader train only: mdloader dp runs "
-                                      f"DeePMD-kit's trainer, which does not know {key}; "
-                                      "remove it (docs/migrating.md)",
-                                      path=f"{prefix}.{name}.{key}")
+    return [(f"{prefix}.{name}", _section(holder, name)) for prefix, holder in holders
+            for name in ("training_data", "validation_data") if name in holder]
 
 
 def _section(data: Any, key: str) -> dict:

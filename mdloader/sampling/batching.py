@@ -75,11 +75,22 @@ RULES: dict[str, Callable[[np.ndarray, int], BatchPlan]] = {
 }
 """String rule name -> function of (natoms array, N)."""
 
+#: Rules DeePMD-kit knows that mdloader does not implement, and what to write instead: each is
+#: refused by :func:`parse_rule` in one line (under ``mdloader dp`` before any set-up).
+NOT_IMPLEMENTED = {
+    "mix": "DeePMD-kit 3.2's LMDB rule for batches of mixed atom counts; mdloader does not "
+           "implement mix:N yet: use a fixed batch size or 'auto:N' (or 'max:N'), whose "
+           "batches keep one atom count",
+}
+
 
 def parse_rule(rule: str, key: str = "batch_size") -> tuple[str, int]:
     """Split ``"name:N"`` (or bare ``"auto"``) into the rule name and a positive N."""
     name, sep, value = rule.strip().partition(":")
     name = name.strip()
+    if name in NOT_IMPLEMENTED:
+        raise ConfigError(f"Unsupported batch size rule: {rule} ({NOT_IMPLEMENTED[name]})",
+                          path=key)
     if name not in RULES:
         raise ConfigError(f"Unsupported batch size rule: {rule}", path=key)
     if not sep:
@@ -178,6 +189,6 @@ def describe_rule(batch_size: int | Sequence[int] | str) -> str:
 
 
 __all__ = [
-    "BatchPlan", "RULES", "DEFAULT_AUTO_RULE", "resolve_batch_sizes", "parse_rule",
-    "rule_auto", "rule_max", "rule_filter", "batches_per_rank", "describe_rule",
+    "BatchPlan", "RULES", "NOT_IMPLEMENTED", "DEFAULT_AUTO_RULE", "resolve_batch_sizes",
+    "parse_rule", "rule_auto", "rule_max", "rule_filter", "batches_per_rank", "describe_rule",
 ]

@@ -114,3 +114,49 @@ def test_under_mdloader_dp_a_key_only_mdloader_train_reads_is_refused_by_its_pat
     with pytest.raises(ConfigError, match=rf"^{prefix}\.{section}\.{key}: read by mdloader "
                                           rf"train only: .*which does not know {key}; remove it"):
         refuse_under_deepmd(data)
+
+
+MIX_LINE = (r"Unsupported batch size rule: mix:4 \(DeePMD-kit 3\.2's LMDB rule for batches of "
+            r"mixed atom counts; mdloader does not implement mix:N yet: use a fixed batch size or "
+            r"'auto:N'")
+
+
+@pytest.mark.parametrize("rule, message", [
+    ("mix:4", MIX_LINE),
+    ("mixed:4", r"the batch-size rule 'mixed:4' is TensorFlow-only"),
+    ("max", r"Unsupported batch size rule: max \('max' needs ':N'"),
+    ("often:2", r"Unsupported batch size rule: often:2$"),
+])
+@pytest.mark.parametrize("prefix", ["training", "training.data_dict.water"])
+@pytest.mark.parametrize("section", ["training_data", "validation_data"])
+def test_under_mdloader_dp_a_batch_rule_mdloader_does_not_serve_is_refused_by_its_path(
+        rule: str, message: str, prefix: str, section: str) -> None:
+    """``mdloader dp`` used to find these in its set-up, after the neighbour statistics; its
+    pre-flight now names the rule's full JSON path, in any data section of any task."""
+    data: dict = {"training": {}}
+    holder = data["training"]
+    if prefix != "training":
+        holder = holder.setdefault("data_dict", {}).setdefault("water", {})
+    holder["training_data"] = {"systems": ["sys"], "batch_size": "auto:8"}
+    holder.setdefault(section, {"systems": ["sys"]})["batch_size"] = rule
+    with pytest.raises(ConfigError, match=rf"^{prefix}\.{section}\.batch_size: {message}"):
+        refuse_under_deepmd(data)
+    holder[section]["batch_size"] = "filter:64"
+    refuse_under_deepmd(data)
+
+
+@pytest.mark.parametrize("multitask", [False, True])
+def test_mix_is_refused_by_its_full_path_when_the_input_is_read(multitask: bool) -> None:
+    """``mdloader train``, ``check``, ``bench``, ``stat`` and ``index`` read the input through
+    the same configuration: the same line, the task's path in a multi-task input."""
+    from mdloader.config.multitask import parse_multitask
+
+    data = _input()
+    data["training"]["training_data"]["batch_size"] = "mix:4"
+    prefix = "training"
+    if multitask:
+        data["model"] = {"model_dict": {"water": {"type_map": ["O", "H"]}}}
+        data["training"] = {"data_dict": {"water": data["training"]}}
+        prefix = "training.data_dict.water"
+    with pytest.raises(ConfigError, match=rf"^{prefix}\.training_data\.batch_size: {MIX_LINE}"):
+        (parse_multitask if multitask else parse_config)(data)

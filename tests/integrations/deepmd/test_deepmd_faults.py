@@ -337,24 +337,39 @@ def test_a_missing_systems_entry_is_rank_0s_build_error_on_every_rank(tmp_path: 
 
 
 @pytest.mark.timeout(300)
-def test_a_key_mdloader_dp_does_not_act_on_is_refused_before_any_set_up(tmp_path: Path) -> None:
+@pytest.mark.parametrize("section, key, value, message", [
+    ("validation_data", "balance_window", 4,
+     "read by mdloader train only: mdloader dp runs DeePMD-kit's trainer, which does not know "
+     "balance_window; remove it (docs/migrating.md)"),
+    ("training_data", "batch_size", "mix:4",
+     "Unsupported batch size rule: mix:4 (DeePMD-kit 3.2's LMDB rule for batches of mixed "
+     "atom counts; mdloader does not implement mix:N yet: use a fixed batch size or 'auto:N' "
+     "(or 'max:N'), whose batches keep one atom count)"),
+])
+def test_what_mdloader_dp_does_not_serve_is_refused_before_any_set_up(
+        tmp_path: Path, section: str, key: str, value: object, message: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """One line naming the key, before DeePMD-kit's set-up (no neighbour statistics, no
     model): DeePMD-kit's strict check used to stop the run with a traceback that named neither
-    mdloader nor what to do. Every such key in every section: tests/config/test_strict_keys.py."""
-    section, key = "validation_data", "balance_window"
+    mdloader nor what to do, and ``mix:N`` stopped it after the neighbour statistics. The
+    line and exit code are ``mdloader check --for dp``'s. Every such key in every section:
+    tests/config/test_strict_keys.py."""
+    from mdloader.cli.main import main
+
     _input(tmp_path)
     config = json.loads((tmp_path / "input.json").read_text())
-    config["training"][section] = dict(config["training"]["training_data"], **{key: 4})
+    config["training"][section] = dict(config["training"]["training_data"], **{key: value})
     (tmp_path / "input.json").write_text(json.dumps(config))
     job = Job(tmp_path, torchrun=False)
     job.fault = time.monotonic()
     out = job.end()
     errors = [line for line in out.splitlines() if line.startswith("mdloader: error:")]
-    assert errors == [f"mdloader: error: training.{section}.{key}: read by mdloader train only: "
-                      f"mdloader dp runs DeePMD-kit's trainer, which does not know {key}; "
-                      "remove it (docs/migrating.md)"], out[-4000:]
+    assert errors == [f"mdloader: error: training.{section}.{key}: {message}"], out[-4000:]
     assert job.proc.returncode == 2 and "Traceback" not in out, out[-4000:]
     assert "neighbor" not in out.lower() and "Model Params" not in out, out[-4000:]
+    capsys.readouterr()
+    assert main(["check", str(tmp_path / "input.json"), "--for", "dp"]) == 2
+    assert capsys.readouterr().err.splitlines() == errors
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,132 @@
+"""``mdloader check --for`` gives the verdict of the command that will run the input: under
+``--for dp`` the same line and exit code as ``mdloader dp``'s pre-flight
+(:func:`~mdloader.config.unsupported.refuse_under_deepmd`, one place for the rules), under
+``--for train`` ``mdloader train``'s. A launch of ``mdloader dp`` compares the lines
+(tests/integrations/deepmd/test_deepmd_faults.py)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+from support.inputs import write_input
+
+from mdloader.cli.main import main
+from mdloader.config.unsupported import refuse_under_deepmd
+from mdloader.errors import ConfigError
+from mdloader.testing import make_system
+
+
+def _single(tmp_path: Path) -> dict:
+    system = make_system(tmp_path / "data", "s0", natoms=4, nframes=4, keys=("energy", "force"))
+    return {"model": {"type_map": ["O", "H"]}, "training": {
+        "training_data": {"systems": [str(system)], "batch_size": 1}, "numb_steps": 2}}
+
+
+def _multitask(tmp_path: Path) -> dict:
+    single = _single(tmp_path)
+    return {"model": {"model_dict": {t: {"type_map": ["O", "H"]} for t in ("a", "b")}},
+            "training": {"data_dict": {t: copy.deepcopy(single["training"]) for t in ("a", "b")},
+                         "numb_steps": 2}}
+
+
+def _dp_line(data: dict) -> str:
+    """The line ``mdloader dp`` prints for ``data`` (its pre-flight, through ``main``'s one
+    line for a ConfigError)."""
+    with pytest.raises(ConfigError) as refused:
+        refuse_under_deepmd(data)
+    return f"mdloader: error: {refused.value}"
+
+
+def _check(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str]]:
+    capsys.readouterr()
+    code = main(["check", *argv])
+    return code, capsys.readouterr().err.splitlines()
+
+
+def _full_validation(data: dict) -> str:
+    data["validating"] = {"full_validation": True}
+    return "validating.full_validation: DeePMD-kit's full validation is not supported"
+
+
+def _mix(data: dict) -> str:
+    holder = data["training"].get("data_dict", {}).get("b", data["training"])
+    holder["training_data"]["batch_size"] = "mix:4"
+    path = "training.data_dict.b" if "data_dict" in data["training"] else "training"
+    return f"{path}.training_data.batch_size: Unsupported batch size rule: mix:4 (DeePMD-kit"
+
+
+def _train_only_key(data: dict) -> str:
+    holder = data["training"].get("data_dict", {}).get("b", data["training"])
+    holder["validation_data"] = dict(holder["training_data"], balance_window=4)
+    path = "training.data_dict.b" if "data_dict" in data["training"] else "training"
+    return f"{path}.validation_data.balance_window: read by mdloader train only"
+
+
+@pytest.mark.parametrize("make", [_single, _multitask])
+@pytest.mark.parametrize("spoil", [_full_validation, _mix, _train_only_key])
+def test_check_for_dp_refuses_in_the_line_and_code_of_mdloader_dp(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], make, spoil) -> None:
+    data = make(tmp_path)
+    start = spoil(data)
+    path = str(write_input(tmp_path, data))
+    code, err = _check(capsys, path, "--for", "dp")
+    assert (code, err) == (2, [_dp_line(data)])
+    assert err[0].startswith(f"mdloader: error: {start}"), err
+    if make is _multitask:  # the default for a multi-task input is dp: the only command
+        assert _check(capsys, path) == (2, err)
+
+
+def _balanced(data: dict) -> str:
+    data["training"]["training_data"].update(balance_window=4, balance_cost="atoms")
+    return "training.training_data.balance_window: read by mdloader train only"
+
+
+@pytest.mark.parametrize("spoil", [_full_validation, _balanced])
+def test_check_for_train_passes_what_mdloader_train_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], spoil) -> None:
+    """``mdloader train`` reads ``balance_window`` and leaves DeePMD-kit's ``validating`` to
+    ``dp``: its verdict, the default for a single-task input, is OK; ``--for dp`` refuses."""
+    data = _single(tmp_path)
+    start = spoil(data)
+    path = str(write_input(tmp_path, data))
+    assert _check(capsys, path, "--for", "train") == (0, [])
+    assert _check(capsys, path) == (0, [])
+    code, err = _check(capsys, path, "--for", "dp")
+    assert code == 2 and err == [_dp_line(data)] and start in err[0], err
+
+
+def test_check_for_train_refuses_a_multitask_input_as_mdloader_train_does(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(write_input(tmp_path, _multitask(tmp_path)))
+    code, err = _check(capsys, path, "--for", "train")
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("mdloader: error: model.model_dict: a multi-task input: mdloader "
+                             "train trains one task"), err
+    assert _check(capsys, path, "--for", "dp")[0] == 0
+
+
+def test_mix_is_refused_by_every_verdict(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """mdloader implements no ``mix:N``: refused under ``train`` too, in the same line."""
+    data = _single(tmp_path)
+    _mix(data)
+    path = str(write_input(tmp_path, data))
+    for extra in ((), ("--for", "train"), ("--for", "dp")):
+        assert _check(capsys, path, *extra) == (2, [_dp_line(data)]), extra
+
+
+def test_batch_size_of_system_paths_is_refused_by_its_option(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """For system paths the rule is ``--batch-size``'s, not a key of a file the user never
+    wrote; ``--for`` applies to an input.json only."""
+    system = make_system(tmp_path / "data", "s0", natoms=4, nframes=4)
+    code, err = _check(capsys, system, "--batch-size", "mix:4")
+    assert code == 2 and len(err) == 1 and err[0].startswith(
+        "mdloader: error: --batch-size: Unsupported batch size rule: mix:4 (DeePMD-kit"), err
+    assert _check(capsys, system, "--batch-size", "0") == (
+        2, ["mdloader: error: --batch-size: a batch size must be a positive integer, got 0"])
+    code, err = _check(capsys, system, "--for", "dp")
+    assert code == 2 and err[0].startswith("mdloader: error: --for: --for applies to an "
+                                           "input.json"), err
