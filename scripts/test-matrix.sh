@@ -13,11 +13,12 @@
 #   TORCH_INDEX   pip arguments for torch, e.g. "--index-url https://download.pytorch.org/whl/cpu"
 #                 (the default, PyPI, brings the CUDA build and its libraries: a few GB)
 #   MATRIX_DEEPMD 1 to add DeePMD-kit's trainer on mdloader
+#   PYTHON_LOWEST, PYTHON_NEWEST  the interpreters (default python3.10, python3.13 on PATH)
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$HERE")"
 
-declare -A PYTHON=([lowest]=python3.10 [newest]=python3.13)
+declare -A PYTHON=([lowest]="${PYTHON_LOWEST:-python3.10}" [newest]="${PYTHON_NEWEST:-python3.13}")
 declare -A TORCH=([lowest]=2.3.1 [newest]=2.15.0)
 declare -A NUMPY=([lowest]=1.24.4 [newest]=2.5.5)
 
@@ -37,7 +38,8 @@ run_end() {
     printf 'torch==%s\nnumpy==%s\n' "${TORCH[$end]}" "${NUMPY[$end]}" > "$pins"
     echo "== $end: ${PYTHON[$end]}, torch ${TORCH[$end]}, numpy ${NUMPY[$end]} (log: $log)"
     if [[ ! -x "$venv/bin/python" ]]; then
-        "${PYTHON[$end]}" -m venv "$venv" || { SUMMARY+=("$end: no ${PYTHON[$end]}"); return; }
+        "${PYTHON[$end]}" -m venv "$venv" \
+            || { SUMMARY+=("$end: no ${PYTHON[$end]} (set PYTHON_${end^^})"); return; }
     fi
     # shellcheck disable=SC2086
     if ! { "$venv/bin/python" -m pip install -q ${TORCH_INDEX:-} "torch==${TORCH[$end]}" \

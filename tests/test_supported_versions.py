@@ -21,8 +21,9 @@ def matrix_ends() -> dict[str, dict[str, str]]:
     ends = {}
     for name in ("PYTHON", "TORCH", "NUMPY"):
         line = re.search(rf"^declare -A {name}=\((.*)\)$", text, re.M).group(1)
-        ends[name.lower()] = {k: v.removeprefix("python")
-                              for k, v in re.findall(r"\[(\w+)\]=(\S+)", line)}
+        values = {k: re.sub(r'^"\$\{\w+:-(.*)\}"$', r"\1", v)  # "${VAR:-default}"
+                  for k, v in re.findall(r"\[(\w+)\]=(\S+)", line)}
+        ends[name.lower()] = {k: v.removeprefix("python") for k, v in values.items()}
     return ends
 
 
