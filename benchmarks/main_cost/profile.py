@@ -15,7 +15,7 @@ Two views of the trainer thread's CPU per batch, on npy data with 2 workers:
 * **Batches per DataLoader item** (:func:`grouped`): the stream's own dataset and sampler read
   through a bare DataLoader with 2 workers whose item is 1, 2 or 4 batches: what the per-item
   cost of the DataLoader becomes when a worker sends several batches at once (a sketch of a
-  change to the pool, measured outside it).
+  change to the pool, measured outside it; medians of 3 windows).
 
 Usage: ``python -m benchmarks.main_cost.profile --data NPY_ROOT`` prints one JSON object on its
 last line (:mod:`benchmarks.main_cost.run` records it).
@@ -28,6 +28,7 @@ import cProfile
 import json
 import multiprocessing
 import pickle
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -179,21 +180,25 @@ def alone(feed: Any, calls: int) -> list[dict[str, Any]]:
     for _ in range(100):
         next(floor)
     rows = [
-        ("a DataLoader with 2 workers, items of one integer (the floor)",
+        ("floor", "a DataLoader with 2 workers, items of one integer (the floor)",
          _per_call(lambda: next(floor), calls)),
-        ("`record_function` enter and exit", _per_call(record, calls)),
-        ("unpickling the batch as a worker sends it (`pickle.loads`)",
+        ("record_function", "`record_function` enter and exit", _per_call(record, calls)),
+        ("unpickle", "unpickling the batch as a worker sends it (`pickle.loads`, "
+         "`torch.from_numpy` included)",
          _per_call(lambda: pickle.loads(message), calls)),
-        (f"`torch.from_numpy` of its {len(arrays)} arrays",
+        ("from_numpy", f"`torch.from_numpy` of its {len(arrays)} arrays",
          _per_call(lambda: [torch.from_numpy(a) for a in arrays], calls)),
-        ("the next key (`sampler.next_key`)", _per_call(stream.sampler.next_key, calls)),
-        ("`Queue.put` of an index", _per_call(lambda: queue.put((0, (0, 0))), calls)),
-        ("`payload_bytes` (the stall meter)", _per_call(lambda: payload_bytes(batch), calls)),
-        ("`NonFiniteBatches` on the batch", _per_call(lambda: check(stream, batch), calls)),
+        ("next_key", "the next key (`sampler.next_key`)",
+         _per_call(stream.sampler.next_key, calls)),
+        ("queue_put", "`Queue.put` of an index", _per_call(lambda: queue.put((0, (0, 0))), calls)),
+        ("payload_bytes", "`payload_bytes` (the stall meter)",
+         _per_call(lambda: payload_bytes(batch), calls)),
+        ("nonfinite", "`NonFiniteBatches` on the batch",
+         _per_call(lambda: check(stream, batch), calls)),
     ]
     end_workers(floor)
     queue.close()
-    return [{"piece": name, "us": us} for name, us in rows]
+    return [{"id": ident, "piece": name, "us": us} for ident, name, us in rows]
 
 
 class _Grouped:
@@ -223,29 +228,34 @@ class _KeyGroups:
             yield [self.sampler.next_key() for _ in range(self.size)]
 
 
-def grouped(feed: Any, sizes: tuple[int, ...], seconds: float) -> list[dict[str, Any]]:
+def grouped(feed: Any, sizes: tuple[int, ...], seconds: float,
+            reps: int = 3) -> list[dict[str, Any]]:
     """Main-thread CPU per batch and batches per second through a bare DataLoader (2 workers)
-    whose item is ``size`` batches of the stream, for each size."""
+    whose item is ``size`` batches of the stream, for each size: medians of ``reps`` windows,
+    the sizes alternating."""
     from torch.utils.data import DataLoader
 
     from mdloader.transport import identity
 
     stream = feed.stream(None, "training")
-    rows = []
-    for size in sizes:
-        items = iter(DataLoader(_Grouped(stream.dataset), sampler=_KeyGroups(stream.sampler, size),
-                                batch_size=None, num_workers=2, collate_fn=identity))
-        held: list[Any] = []
+    runs: dict[int, list[dict[str, float]]] = {size: [] for size in sizes}
+    for _ in range(reps):
+        for size in sizes:
+            items = iter(DataLoader(_Grouped(stream.dataset),
+                                    sampler=_KeyGroups(stream.sampler, size), batch_size=None,
+                                    num_workers=2, collate_fn=identity))
+            held: list[Any] = []
 
-        def draw(items: Any = items, held: list[Any] = held) -> Any:
-            if not held:
-                held.extend(next(items))
-            return held.pop(0)
+            def draw(items: Any = items, held: list[Any] = held) -> Any:
+                if not held:
+                    held.extend(next(items))
+                return held.pop(0)
 
-        res = window(draw, warmup=40, seconds=seconds, max_batches=1 << 30)
-        rows.append({"batches_per_item": size, **res})
-        end_workers(items)
-    return rows
+            runs[size].append(window(draw, warmup=40, seconds=seconds, max_batches=1 << 30))
+            end_workers(items)
+    return [{"batches_per_item": size,
+             **{f: statistics.median(r[f] for r in rs)
+                for f in ("cpu_us_per_batch", "batches_per_s")}} for size, rs in runs.items()]
 
 
 def main(argv: list[str] | None = None) -> int:

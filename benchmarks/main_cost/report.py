@@ -154,44 +154,53 @@ def grouped_table(profile: dict[str, Any]) -> list[str]:
     return lines
 
 
-def findings(windows: list[dict[str, Any]], profile: dict[str, Any] | None) -> list[str]:
-    """The figures the prose quotes, from the results: the goal's rows, the check's and the
-    DataLoader's shares."""
+def verdicts(windows: list[dict[str, Any]]) -> list[str]:
+    """One line per mdloader path: its main-thread CPU with workers, and in how many rows it
+    meets the goal."""
     med = medians(windows)
     out = []
-    rows = [(k, v) for k, v in med.items() if k[2] and k[3] == "mdloader"]
     for path, name in (("train", "`mdloader train`"), ("dp", "`mdloader dp`")):
-        mine = [(k, v) for k, v in rows if k[4] == path]
+        mine = [(k, v) for k, v in med.items() if k[2] and k[3] == "mdloader" and k[4] == path]
         if not mine:
             continue
-        ok = [goal(v.get("cpu_us_per_batch"), v.get("batches_per_s"),
-                   med.get((k[0], "npy", 0, "numpy", "reference"), {}).get("batches_per_s"))
-              for k, v in mine]
+        refs = [med.get((k[0], "npy", 0, "numpy", "reference"), {}).get("batches_per_s")
+                for k, _ in mine]
+        ok = [goal(v.get("cpu_us_per_batch"), v.get("batches_per_s"), r)
+              for (_, v), r in zip(mine, refs)]
         cpus = sorted(v["cpu_us_per_batch"] for _, v in mine)
-        out.append(f"- {name} with workers: {cpus[0]:.0f}–{cpus[-1]:.0f} µs of the trainer "
-                   f"thread per batch; the goal is met in {sum(bool(o) for o in ok)} of "
-                   f"{len(ok)} rows.")
-    if profile is None:
-        return out
-    alone = {r["piece"]: r["us"] for r in profile["alone"]}
-    floor = next((us for piece, us in alone.items() if "(the floor)" in piece), None)
-    check = next((us for piece, us in alone.items() if "NonFiniteBatches" in piece), None)
+        cheap = sum(v["cpu_us_per_batch"] <= GOAL_US for _, v in mine)
+        fast = sum(r is not None and v["batches_per_s"] >= r for (_, v), r in zip(mine, refs))
+        out.append(f"- {name} with workers: {number(cpus[0])}–{number(cpus[-1])} µs of the "
+                   f"trainer thread per batch; at most {GOAL_US:.0f} µs in {cheap} of "
+                   f"{len(mine)} rows, at least the plain-numpy rate in {fast}, both (the goal) "
+                   f"in {sum(bool(o) for o in ok)}.")
+    return out
+
+
+def breakdown(profile: dict[str, Any]) -> list[str]:
+    """The trainer thread's time per batch in the profiling run (unprofiled), split by the
+    pieces timed alone; what they leave is the cost of the waits."""
+    alone = {row["id"]: row["us"] for row in profile["alone"]}
     train = profile["paths"]["train"]["unprofiled_us_per_batch"]
     dp = profile["paths"]["dp"]["unprofiled_us_per_batch"]
-    if floor is not None:
-        out.append(f"- The DataLoader alone, with 2 workers and items of one integer, costs the "
-                   f"main thread {floor:.0f} µs per item: {100 * floor / train:.0f} % of the "
-                   f"{train:.0f} µs `mdloader train` spent per batch in the profiling run.")
-    if check is not None:
-        out.append(f"- `NonFiniteBatches` alone: {check:.0f} µs per batch; `mdloader dp` "
-                   f"spent {dp - train:.0f} µs per batch more than `mdloader train` there.")
-    groups = {r["batches_per_item"]: r for r in profile.get("grouped") or []}
-    if 1 in groups and 4 in groups:
-        one, four = groups[1], groups[4]
-        out.append(f"- Four batches per DataLoader item: {four['cpu_us_per_batch']:.0f} µs per "
-                   f"batch against {one['cpu_us_per_batch']:.0f} µs with one, "
-                   f"{ratio(four['batches_per_s'], one['batches_per_s'], 2)} the batches/s.")
-    return out
+    rows = [
+        ("torch's DataLoader, per item, with nothing to read: the index put, the queue get, "
+         f"`record_function` ({number(alone['record_function'])} µs), its bookkeeping "
+         "(the floor)", alone["floor"]),
+        ("unpickling the batch (`pickle.loads`, its `torch.from_numpy` apart)",
+         alone["unpickle"] - alone["from_numpy"]),
+        ("mdloader's own pieces: the next key, `torch.from_numpy`, the stall meter's "
+         "`payload_bytes`", alone["next_key"] + alone["from_numpy"] + alone["payload_bytes"]),
+    ]
+    rest = train - sum(us for _, us in rows)
+    rows.append(("the rest: waiting for the workers (blocking in the queue's poll and waking "
+                 "up on busy cores, caches cold after each switch), the stream's and the "
+                 "pool's own lines", rest))
+    lines = [f"| `mdloader train`, {number(train)} µs per batch | µs | share |", "|---|---:|---:|"]
+    lines += [f"| {name} | {number(us)} | {100 * us / train:.0f} % |" for name, us in rows]
+    lines.append(f"| `mdloader dp` adds `NonFiniteBatches` ({number(alone['nonfinite'])} µs "
+                 f"alone) | {number(dp - train)} | +{100 * (dp - train) / train:.0f} % |")
+    return lines
 
 
 def section(path: str = DEFAULT) -> str:
@@ -214,14 +223,16 @@ def section(path: str = DEFAULT) -> str:
     if errors:
         head += " Failed launches: " + ", ".join(
             f"{e['impl']} {e['natoms']} atoms rep {e['rep']}" for e in errors) + "."
-    parts = [BEGIN, head, "", *table(windows), "", *findings(windows, profile), "",
+    parts = [BEGIN, head, "", *table(windows), "", *verdicts(windows), "",
              "The same windows, what the main process spends in all its threads (the queues' "
              "feeder threads pickle the indices sent to the workers) and what the trainer "
              "thread spends over the whole step (`Feed.training_step` included):", "",
              *process_table(windows)]
     if profile is not None:
         paths = profile["paths"]
-        parts += ["", f"**The profile** ({profile['natoms']} atoms, npy, {profile['workers']} "
+        parts += ["", "**Where the time goes** (the profiling run below; each piece timed alone, "
+                  "without the profiler):", "", *breakdown(profile),
+                  "", f"**The profile** ({profile['natoms']} atoms, npy, {profile['workers']} "
                   f"workers, {profile['batches']} batches per path under cProfile with the "
                   "thread's CPU clock; the profiler multiplies the cost of each Python call, so "
                   f"{number(paths['train']['unprofiled_us_per_batch'])} µs become "
@@ -229,7 +240,8 @@ def section(path: str = DEFAULT) -> str:
                   *profile_table(profile), "", *alone_table(profile)]
         if profile.get("grouped"):
             parts += ["", "The stream's dataset and sampler read through a bare DataLoader "
-                      "with 2 workers whose item is several batches (outside mdloader's pool):",
+                      "with 2 workers whose item is several batches (outside mdloader's pool; "
+                      "medians of 3 windows):",
                       "", *grouped_table(profile)]
     parts.append(END)
     return "\n".join(parts)

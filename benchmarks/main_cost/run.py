@@ -43,7 +43,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seconds", type=float, default=0.5, help="timed window")
     p.add_argument("--warmup", type=int, default=20, help="untimed batches before a window")
-    p.add_argument("--profile-batches", type=int, default=2000,
+    p.add_argument("--profile-batches", type=int, default=1000,
                    help="batches profiled per path (0: no profile)")
     p.add_argument("--profile-calls", type=int, default=2000,
                    help="calls per piece timed alone")
