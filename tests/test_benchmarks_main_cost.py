@@ -18,7 +18,7 @@ WINDOW_FIELDS = {"kind", "rep", "natoms", "impl", "path", "format", "workers", "
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("main_cost")
     out = tmp / "main_cost.jsonl"
-    assert main_cost.main(["--nsys", "2", "--cells", "1", "--formats", "npy,lmdb",
+    assert main_cost.main(["--nsys", "2", "--cells", "1", "--formats", "npy",
                            "--impls", "mdloader", "--reps", "1", "--seconds", "0.05",
                            "--warmup", "2", "--profile-batches", "10", "--profile-calls", "10",
                            "--data-base", str(tmp / "data"), "--out", str(out),
@@ -31,7 +31,7 @@ def test_every_window_has_its_figures(results: Path) -> None:
     assert errors == [] and meta["sizes"] == [192] and meta["reps"] == 1
     seen = {(w["impl"], w["path"], w["format"], w["workers"]) for w in windows}
     assert seen == {("mdloader", path, fmt, nw) for path in ("train", "dp")
-                    for fmt in ("npy", "lmdb") for nw in (0, 2)} | {
+                    for fmt in ("npy",) for nw in (0, 2)} | {
         ("numpy", "reference", "npy", 0)}
     for w in windows:
         assert WINDOW_FIELDS <= set(w), w
@@ -59,7 +59,7 @@ def test_the_section_shows_each_row_and_the_profile(results: Path) -> None:
     text = report.section(str(results))
     assert text.startswith(report.BEGIN) and text.endswith(report.END)
     rows = [line for line in text.splitlines() if line.startswith("| 192 |")]
-    assert len(rows) == 2 * 2 * 2  # (npy, LMDB) x (0, 2 workers), in the two tables
+    assert len(rows) == 2 * 2  # 0 and 2 workers, in the two tables
     assert "**The profile**" in text and "(the floor)" in text
     assert "DeePMD-kit" in text.splitlines()[3]  # its columns stay, empty without it
 

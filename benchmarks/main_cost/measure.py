@@ -18,8 +18,8 @@ Every window starts its loader afresh (workers forked, ``warmup`` batches drawn 
 repetitions see independent starts. The interpreter prints its records as one JSON object on its
 last output line (:func:`benchmarks.launch.last_json`).
 
-Usage: ``python -m benchmarks.main_cost.measure --impl mdloader --data npy=ROOT --data
-hdf5=FILE --workers 0,2``.
+Usage: ``python -m benchmarks.main_cost.measure --impl mdloader --data 192:npy=ROOT --data
+192:hdf5=FILE --workers 0,2`` (``ATOMS:FORMAT=ADDRESS``: the label the records carry).
 """
 
 from __future__ import annotations
@@ -97,21 +97,26 @@ def mdloader_source(feed: Any, path: str) -> Iterator[Callable[[], Any]]:
         feed.close()
 
 
-def mdloader_windows(data: dict[str, str], workers: list[int], **kw: Any) -> list[dict[str, Any]]:
-    """A window per format of ``data``, workers count and path (the two paths alternate), then
-    the plain-numpy reference on the frames the npy stream drew."""
+Data = dict[tuple[int, str], str]
+"""(atoms, format) -> the address of the data set."""
+
+
+def mdloader_windows(data: Data, workers: list[int], **kw: Any) -> list[dict[str, Any]]:
+    """A window per data set, workers count and path (the two paths alternate), and the
+    plain-numpy reference on the frames each npy stream drew."""
     records = []
-    for fmt, address in data.items():
+    for (natoms, fmt), address in data.items():
         for nw in workers:
             feed = mdloader_feed(address, nw)
             for path in PATHS:
                 with mdloader_source(feed, path) as draw:
                     res = window(draw, feed.training_step, **kw)
-                records.append({"impl": "mdloader", "path": path, "format": fmt, "workers": nw,
-                                **res})
-    if "npy" in data:
-        records.append({"impl": "numpy", "path": "reference", "format": "npy", "workers": 0,
-                        **numpy_reference(data["npy"], kw["seconds"])})
+                records.append({"impl": "mdloader", "path": path, "natoms": natoms,
+                                "format": fmt, "workers": nw, **res})
+        if fmt == "npy":
+            records.append({"impl": "numpy", "path": "reference", "natoms": natoms,
+                            "format": "npy", "workers": 0,
+                            **numpy_reference(address, kw["seconds"])})
     return records
 
 
@@ -166,18 +171,18 @@ def deepmd_batches(address: str, fmt: str, workers: int) -> Iterator[Any]:
         yield from it
 
 
-def deepmd_windows(data: dict[str, str], workers: list[int], **kw: Any) -> list[dict[str, Any]]:
-    """A window per format of ``data`` and workers count."""
+def deepmd_windows(data: Data, workers: list[int], **kw: Any) -> list[dict[str, Any]]:
+    """A window per data set and workers count."""
     records = []
-    for fmt, address in data.items():
+    for (natoms, fmt), address in data.items():
         for nw in workers:
             batches = deepmd_batches(address, fmt, nw)
             try:
                 res = window(lambda b=batches: next(b), **kw)
             finally:
                 batches.close()
-            records.append({"impl": "deepmd", "path": "deepmd", "format": fmt, "workers": nw,
-                            **res})
+            records.append({"impl": "deepmd", "path": "deepmd", "natoms": natoms,
+                            "format": fmt, "workers": nw, **res})
     return records
 
 
@@ -187,8 +192,8 @@ IMPLS = {"mdloader": mdloader_windows, "deepmd": deepmd_windows}
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--impl", required=True, choices=tuple(IMPLS))
-    p.add_argument("--data", action="append", required=True, metavar="FORMAT=ADDRESS",
-                   help="npy=ROOT, hdf5=FILE or lmdb=DATABASE (repeated)")
+    p.add_argument("--data", action="append", required=True, metavar="ATOMS:FORMAT=ADDRESS",
+                   help="192:npy=ROOT, 192:hdf5=FILE or 192:lmdb=DATABASE (repeated)")
     p.add_argument("--workers", default="0,2")
     p.add_argument("--seconds", type=float, default=0.5, help="timed window")
     p.add_argument("--warmup", type=int, default=20, help="untimed batches first")
@@ -201,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # the trainer's share of a 2-core machine (mdloader.threads)
-    data = dict(item.split("=", 1) for item in args.data)
+    data = {}
+    for item in args.data:
+        label, address = item.split("=", 1)
+        natoms, fmt = label.split(":", 1)
+        data[(int(natoms), fmt)] = address
     records = IMPLS[args.impl](data, [int(w) for w in args.workers.split(",") if w],
                                warmup=args.warmup, seconds=args.seconds,
                                max_batches=args.max_batches)

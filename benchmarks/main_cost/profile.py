@@ -15,7 +15,7 @@ Two views of the trainer thread's CPU per batch, on npy data with 2 workers:
 * **Batches per DataLoader item** (:func:`grouped`): the stream's own dataset and sampler read
   through a bare DataLoader with 2 workers whose item is 1, 2 or 4 batches: what the per-item
   cost of the DataLoader becomes when a worker sends several batches at once (a sketch of a
-  change to the pool, measured outside it; medians of 3 windows).
+  change to the pool, measured outside it; medians of 3 windows by default).
 
 Usage: ``python -m benchmarks.main_cost.profile --data NPY_ROOT`` prints one JSON object on its
 last line (:mod:`benchmarks.main_cost.run` records it).
@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=2000, help="profiled batches per path")
     p.add_argument("--calls", type=int, default=2000, help="calls per piece timed alone")
     p.add_argument("--seconds", type=float, default=1.0, help="window per group size")
+    p.add_argument("--reps", type=int, default=3, help="windows per group size (medians)")
     args = p.parse_args(argv)
     import torch
 
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"workers": 2, "format": "npy", "batches": args.batches,
            "paths": {path: profiled(feed, path, args.batches) for path in ("train", "dp")},
            "alone": alone(feed, args.calls),
-           "grouped": grouped(feed, (1, 2, 4), args.seconds)}
+           "grouped": grouped(feed, (1, 2, 4), args.seconds, args.reps)}
     print(json.dumps(out))
     return 0
 

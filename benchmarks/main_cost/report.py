@@ -222,7 +222,7 @@ def section(path: str = DEFAULT) -> str:
         head += f" Not installed, left out: {', '.join(meta['skipped'])}."
     if errors:
         head += " Failed launches: " + ", ".join(
-            f"{e['impl']} {e['natoms']} atoms rep {e['rep']}" for e in errors) + "."
+            f"{e['impl']} rep {e['rep']}" for e in errors) + "."
     parts = [BEGIN, head, "", *table(windows), "", *verdicts(windows), "",
              "The same windows, what the main process spends in all its threads (the queues' "
              "feeder threads pickle the indices sent to the workers) and what the trainer "
@@ -241,7 +241,7 @@ def section(path: str = DEFAULT) -> str:
         if profile.get("grouped"):
             parts += ["", "The stream's dataset and sampler read through a bare DataLoader "
                       "with 2 workers whose item is several batches (outside mdloader's pool; "
-                      "medians of 3 windows):",
+                      f"medians of {meta.get('reps')} windows):",
                       "", *grouped_table(profile)]
     parts.append(END)
     return "\n".join(parts)

@@ -8,8 +8,8 @@ One command::
 The data: water systems of the example's frames (:func:`benchmarks.data.ensure_water`; 192 atoms,
 and with ``--cells 1,2`` also a 2×2×2 supercell of 1536 atoms), each also as one HDF5 file and
 one LMDB database (:func:`benchmarks.data.ensure_formats`). Each repetition launches, per system
-size, one interpreter per loader (:mod:`benchmarks.main_cost.measure`; DeePMD-kit's in its own
-environment), the loaders' order flipping every repetition; each measures every format and
+one interpreter per loader (:mod:`benchmarks.main_cost.measure`; DeePMD-kit's in its own
+environment), the loaders' order flipping every repetition; each measures every size, format and
 workers count, ``batch_size: auto`` (one frame per batch at these sizes). Then one profile
 (:mod:`benchmarks.main_cost.profile`) of the 192-atom npy stream with 2 workers. The records go
 to a JSON-lines file; :mod:`benchmarks.main_cost.report` prints the table and writes the section
@@ -93,30 +93,28 @@ def main(argv: list[str] | None = None) -> int:
                "sizes": sorted(data), "formats": formats, "workers": args.workers,
                "impls": impls, "skipped": [i for i in pythons if i not in impls],
                "batch_size": "auto"})
+        sets = [f"--data={n}:{f}={p}" for n, paths in data.items() for f, p in paths.items()]
         for rep in range(args.reps):
-            for natoms, paths in data.items():
-                for impl in impls if rep % 2 == 0 else impls[::-1]:
-                    worker_args = ["--impl", impl, "--workers", args.workers, "--seconds",
-                                   str(args.seconds), "--warmup", str(args.warmup)]
-                    worker_args += [f"--data={f}={p}" for f, p in paths.items()]
-                    try:
-                        out = launch(pythons[impl], "benchmarks.main_cost.measure", worker_args,
-                                     args.timeout)
-                    except RuntimeError as exc:
-                        write({"kind": "error", "impl": impl, "natoms": natoms, "rep": rep,
-                               "error": str(exc)[-2000:]})
-                        print(f"  {impl:8s} {natoms} atoms rep={rep} FAILED", flush=True)
-                        continue
-                    for rec in out["records"]:
-                        write({"kind": "window", "rep": rep, "natoms": natoms, **rec})
-                    print(f"  {impl:8s} {natoms} atoms rep={rep} ok "
-                          f"({time.monotonic() - t_start:.0f} s)", flush=True)
+            for impl in impls if rep % 2 == 0 else impls[::-1]:
+                worker_args = ["--impl", impl, "--workers", args.workers, "--seconds",
+                               str(args.seconds), "--warmup", str(args.warmup), *sets]
+                try:
+                    out = launch(pythons[impl], "benchmarks.main_cost.measure", worker_args,
+                                 args.timeout)
+                except RuntimeError as exc:
+                    write({"kind": "error", "impl": impl, "rep": rep, "error": str(exc)[-2000:]})
+                    print(f"  {impl:8s} rep={rep} FAILED", flush=True)
+                    continue
+                for rec in out["records"]:
+                    write({"kind": "window", "rep": rep, **rec})
+                print(f"  {impl:8s} rep={rep} ok ({time.monotonic() - t_start:.0f} s)",
+                      flush=True)
         smallest = min(data)
         if args.profile_batches and "npy" in data[smallest] and "mdloader" in impls:
             out = launch(sys.executable, "benchmarks.main_cost.profile",
                          ["--data", data[smallest]["npy"], "--batches",
                           str(args.profile_batches), "--calls", str(args.profile_calls),
-                          "--seconds", str(args.seconds)],
+                          "--seconds", str(args.seconds), "--reps", str(args.reps)],
                          args.timeout)
             write({"kind": "profile", "natoms": smallest, **out})
             print(f"  profile ok ({time.monotonic() - t_start:.0f} s)", flush=True)
