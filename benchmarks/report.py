@@ -218,6 +218,7 @@ def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
             f"{e.get('impl')} nsys={e.get('nsys')} W={e.get('world')}" for e in errs)
     figs = "\n\n".join(f"![{os.path.basename(i)}](img/{os.path.basename(i)})" for i in images)
     from benchmarks.lmdb import report as lmdb_report
+    from benchmarks.main_cost import report as main_cost_report
     from benchmarks.scale import report as scale_report
 
     return text.format(run=run, startup=startup_section(rows or []),
@@ -225,6 +226,7 @@ def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
                        setup="\n".join(setup_table(med)), costs="\n".join(cost_table(med)),
                        throughput="\n".join(throughput_table(med)), figures=figs,
                        lmdb=lmdb_report.section(), first_step=first_step_section(),
+                       main_cost=main_cost_report.section(),
                        scale=scale_report.section())
 
 
