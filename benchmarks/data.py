@@ -11,7 +11,11 @@ Four kinds, one place:
   real frame moved rigidly (a random translation, wrapped into the cubic box, and one of the 48
   symmetries of the cube) plus a small jitter, so neighbour lists and statistics see physical
   distances (the smallest distance stays above 0.8 Å; checked). It lives in
-  ``<base>/water192_n<N>_seed<S>/``.
+  ``<base>/water192_n<N>_seed<S>/``. With ``cells=c`` each frame is tiled into a c×c×c
+  supercell (192·c³ atoms, ``water<natoms>_n<N>_seed<S>``): a larger system of the same water.
+* ``formats`` (:func:`ensure_formats`): an npy data set and the same systems as one HDF5 file
+  (one group per system, DeePMD-kit's HDF5 layout, the arrays copied as they are) and as one
+  LMDB database (``mdloader pack``), beside it.
 * ``lmdb`` (:func:`ensure_lmdb`): the npy data set packed with ``mdloader pack`` into ``….lmdb``,
   and a copy ``….no-nlocs.lmdb`` whose ``__metadata__`` lacks ``frame_nlocs``.
 * a synthetic system index (:func:`synthesize_index`) of many systems that exist only in the
@@ -146,8 +150,10 @@ def min_distance(coord: np.ndarray, box_length: float) -> float:
 
 
 def make_system(pool: dict[str, np.ndarray], rng: np.random.Generator,
-                mats: list[np.ndarray], nframes: int = WATER_NFRAMES) -> dict[str, np.ndarray]:
-    """The frames of one system: distinct real frames moved rigidly, with jitter."""
+                mats: list[np.ndarray], nframes: int = WATER_NFRAMES,
+                cells: int = 1) -> dict[str, np.ndarray]:
+    """The frames of one system: distinct real frames moved rigidly, with jitter, each tiled
+    into a ``cells``³ supercell (the checked minimum-image distances carry over to it)."""
     idx = rng.choice(len(pool["energy"]), nframes, replace=False)
     coords, forces = [], []
     for i in idx:
@@ -158,20 +164,24 @@ def make_system(pool: dict[str, np.ndarray], rng: np.random.Generator,
         c = np.mod(c, length)
         if min_distance(c, length) < MIN_DIST:
             raise RuntimeError("generated water frame has overlapping atoms")
-        coords.append(c.reshape(-1))
-        forces.append((pool["force"][i].reshape(NATOMS, 3).astype(np.float64) @ m.T).reshape(-1))
+        f = pool["force"][i].reshape(NATOMS, 3).astype(np.float64) @ m.T
+        shifts = length * np.array(list(itertools.product(range(cells), repeat=3)))
+        coords.append((c[None] + shifts[:, None]).reshape(-1))
+        forces.append(np.tile(f, (cells ** 3, 1)).reshape(-1))
     dtype = pool["coord"].dtype
     return {"coord": np.asarray(coords, dtype), "force": np.asarray(forces, dtype),
-            "box": pool["box"][idx], "energy": pool["energy"][idx]}
+            "box": pool["box"][idx] * cells, "energy": pool["energy"][idx] * cells ** 3}
 
 
-def water_path(base: str, nsys: int, seed: int, nframes: int = WATER_NFRAMES) -> str:
-    return _folder(base, f"water192_n{nsys}", seed, nframes, WATER_NFRAMES)
+def water_path(base: str, nsys: int, seed: int, nframes: int = WATER_NFRAMES,
+               cells: int = 1) -> str:
+    return _folder(base, f"water{NATOMS * cells ** 3}_n{nsys}", seed, nframes, WATER_NFRAMES)
 
 
 def ensure_water(nsys: int, *, base: str = DEFAULT_BASE, seed: int = 0,
-                 nframes: int = WATER_NFRAMES) -> str:
-    """The root of the water data set, generated first when its manifest is missing."""
+                 nframes: int = WATER_NFRAMES, cells: int = 1) -> str:
+    """The root of the water data set (frames tiled ``cells``³ times), generated first when its
+    manifest is missing."""
 
     def make(partial: str) -> dict[str, Any]:
         pool, mats = _pool(), _cube_symmetries()
@@ -180,15 +190,17 @@ def ensure_water(nsys: int, *, base: str = DEFAULT_BASE, seed: int = 0,
         for s in range(nsys):
             sys_dir = os.path.join(partial, f"sys.{s:0{width}d}")
             os.makedirs(os.path.join(sys_dir, "set.000"))
-            np.savetxt(os.path.join(sys_dir, "type.raw"), pool["type"], fmt="%d")
+            np.savetxt(os.path.join(sys_dir, "type.raw"), np.tile(pool["type"], cells ** 3),
+                       fmt="%d")
             with open(os.path.join(sys_dir, "type_map.raw"), "w") as fh:
                 fh.write("O\nH\n")
-            for key, arr in make_system(pool, rng, mats, nframes).items():
+            for key, arr in make_system(pool, rng, mats, nframes, cells).items():
                 np.save(os.path.join(sys_dir, "set.000", f"{key}.npy"), arr)
-        return {"nsys": nsys, "seed": seed, "natoms": NATOMS, "nframes": nframes,
-                "source": "examples/water/data", "jitter_A": JITTER, "min_dist_A": MIN_DIST}
+        return {"nsys": nsys, "seed": seed, "natoms": NATOMS * cells ** 3, "nframes": nframes,
+                "cells": cells, "source": "examples/water/data", "jitter_A": JITTER,
+                "min_dist_A": MIN_DIST}
 
-    return _published(water_path(base, nsys, seed, nframes), make)
+    return _published(water_path(base, nsys, seed, nframes, cells), make)
 
 
 def water_like(root: Path, nsys: int, nframes: int, seed: int = 0) -> list[str]:
@@ -218,6 +230,55 @@ def water_like(root: Path, nsys: int, nframes: int, seed: int = 0) -> list[str]:
         np.save(path / "set.000" / "energy.npy", rng.normal(size=nframes))
         paths.append(str(path))
     return paths
+
+
+# --- formats: the same systems as npy, HDF5 and LMDB -----------------------------------------
+
+H5_FILE = "data.h5"
+
+
+def ensure_formats(npy_root: str,
+                   formats: tuple[str, ...] = ("npy", "hdf5", "lmdb")) -> dict[str, str]:
+    """Format -> the address of the systems of the npy data set at ``npy_root`` in it: ``npy``
+    the data set itself, ``hdf5`` one HDF5 file (``<npy_root>.hdf5/data.h5``), ``lmdb`` one
+    database (``<npy_root>.lmdb``, packed with ``mdloader pack``); each written once."""
+
+    def packed(partial: str) -> dict[str, Any]:
+        from mdloader.cli.pack import pack
+
+        report = pack([npy_root], partial, overwrite=True, progress=False)
+        return {"source": os.path.basename(npy_root), "frames": report.total_frames}
+
+    makers = {"npy": lambda: npy_root,
+              "hdf5": lambda: os.path.join(_published(
+                  npy_root + ".hdf5", lambda partial: _copy_to_h5(npy_root, partial)), H5_FILE),
+              "lmdb": lambda: _published(npy_root + ".lmdb", packed)}
+    unknown = sorted(set(formats) - set(makers))
+    if unknown:
+        raise ValueError(f"unknown formats {unknown}: expected some of {sorted(makers)}")
+    return {f: makers[f]() for f in formats}
+
+
+def _copy_to_h5(npy_root: str, folder: str) -> dict[str, Any]:
+    """Every system folder under ``npy_root`` as a group of ``folder/data.h5``: the same
+    relative paths, ``type.raw`` as integers, ``type_map.raw`` as byte strings, every array as
+    it is (DeePMD-kit's HDF5 layout, as ``mdloader convert --to deepmd/hdf5`` writes it)."""
+    import h5py
+
+    os.makedirs(folder)
+    systems = sorted(d for d in os.listdir(npy_root)
+                     if os.path.isfile(os.path.join(npy_root, d, "type.raw")))
+    with h5py.File(os.path.join(folder, H5_FILE), "w") as fh:
+        for name in systems:
+            src, group = os.path.join(npy_root, name), fh.create_group(name)
+            group.create_dataset("type.raw", data=np.loadtxt(os.path.join(src, "type.raw"),
+                                                             dtype=np.int64, ndmin=1))
+            with open(os.path.join(src, "type_map.raw")) as tm:
+                group.create_dataset("type_map.raw", data=np.array(tm.read().split(), dtype="S"))
+            for set_dir in sorted(glob.glob(os.path.join(src, "set.*"))):
+                for array in sorted(glob.glob(os.path.join(set_dir, "*.npy"))):
+                    group.create_dataset(os.path.relpath(array, src), data=np.load(array))
+    return {"source": os.path.basename(npy_root), "systems": len(systems)}
 
 
 # --- lmdb: the npy data set packed, with and without frame_nlocs ----------------------------
