@@ -3,7 +3,7 @@
 Shared pieces live here (:mod:`benchmarks.launch`, :mod:`benchmarks.data`,
 :mod:`benchmarks.worker`, the probes, the aggregation and the report); each question family has
 its folder (``startup``, ``first_step``, ``statistics``, ``lmdb``, ``sampling``, ``throughput``,
-``training``, ``gpu``) whose harnesses run as
+``training``, ``gpu``, ``fs_traffic``) whose harnesses run as
 ``python -m benchmarks.<family>.<harness>`` (``gpu`` through ``benchmarks/gpu/run.sh``).
 """
 

@@ -75,7 +75,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--deepmd-python", default=os.environ.get("MDLOADER_DEEPMD_PYTHON") or
                    os.path.join(REPO, ".venv-deepmd", "bin", "python"),
                    help="an interpreter that imports DeePMD-kit 3.2.0")
-    p.add_argument("--data-base", default=DEFAULT_BASE)
+    p.add_argument("--data-base", default=os.path.join(DEFAULT_BASE, "fs_traffic"),
+                   help="a base of this benchmark's own: another job reading or mapping the "
+                   "same files would keep them in the page cache")
     p.add_argument("--timeout", type=float, default=300, help="per launch")
     p.add_argument("--no-strace", action="store_true", help="bytes from storage only")
     p.add_argument("--out", default=DEFAULT)
