@@ -2,8 +2,8 @@
 
 Shared pieces live here (:mod:`benchmarks.launch`, :mod:`benchmarks.data`,
 :mod:`benchmarks.worker`, the probes, the aggregation and the report); each question family has
-its folder (``startup``, ``first_step``, ``statistics``, ``lmdb``, ``main_cost``, ``sampling``,
-``throughput``, ``training``, ``gpu``) whose harnesses run as
+its folder (``startup``, ``first_step``, ``statistics``, ``lmdb``, ``main_cost``, ``fs_traffic``,
+``sampling``, ``throughput``, ``training``, ``gpu``) whose harnesses run as
 ``python -m benchmarks.<family>.<harness>`` (``gpu`` through ``benchmarks/gpu/run.sh``).
 """
 

@@ -217,6 +217,7 @@ def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
         run += f" **{len(errs)} failed run(s)**: " + "; ".join(
             f"{e.get('impl')} nsys={e.get('nsys')} W={e.get('world')}" for e in errs)
     figs = "\n\n".join(f"![{os.path.basename(i)}](img/{os.path.basename(i)})" for i in images)
+    from benchmarks.fs_traffic import report as fs_traffic_report
     from benchmarks.lmdb import report as lmdb_report
     from benchmarks.main_cost import report as main_cost_report
     from benchmarks.scale import report as scale_report
@@ -227,7 +228,7 @@ def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
                        throughput="\n".join(throughput_table(med)), figures=figs,
                        lmdb=lmdb_report.section(), first_step=first_step_section(),
                        main_cost=main_cost_report.section(),
-                       scale=scale_report.section())
+                       scale=scale_report.section(), fs_traffic=fs_traffic_report.section())
 
 
 if __name__ == "__main__":

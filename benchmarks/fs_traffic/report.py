@@ -1,0 +1,151 @@
+"""The "Shared file system during training" section of ``docs/benchmarks.md``, from a results
+file of :mod:`benchmarks.fs_traffic.run`.
+
+:mod:`benchmarks.report` calls :func:`section` when it rewrites the page;
+``python -m benchmarks.fs_traffic.report`` rewrites the page (plots kept) from every results
+file, this family's included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from typing import Any
+
+from benchmarks import REPO, RESULTS
+from benchmarks.aggregate import number, ratio
+
+DEFAULT = os.path.join(RESULTS, "fs_traffic", "fs_traffic.jsonl")
+MD, DP = "mdloader", "deepmd"
+WINDOWS = {"cold": "cold once", "per-pass": "cold every pass"}
+Key = tuple[str, str, int, str]  # (format, nofile asked, workers, window)
+
+
+def load(path: str) -> tuple[dict[str, Any], dict[tuple[str, Key], dict[str, Any]]]:
+    """The run's header and its records by (loader, key); failed launches in the header."""
+    meta: dict[str, Any] = {"failed": []}
+    recs = {}
+    with open(path) as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if rec.get("kind") == "meta":
+                meta.update(rec)
+            elif rec.get("kind") == "error":
+                meta["failed"].append(f"{rec['impl']} {rec['format']} ulimit -n "
+                                      f"{rec['nofile_asked']}")
+            elif rec.get("kind") == "fs_traffic":
+                key = (rec["format"], rec["nofile_asked"], rec["workers"], rec["window"])
+                recs[(rec["impl"], key)] = rec
+    return meta, recs
+
+
+def _keys(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[Key]:
+    fmts, wins = ["npy", "hdf5", "lmdb"], list(WINDOWS)
+    return sorted({k for _i, k in recs}, key=lambda k: (
+        fmts.index(k[0]) if k[0] in fmts else 9, k[1] != "1024", k[1], k[2],
+        wins.index(k[3]) if k[3] in wins else 9))
+
+
+def _nofile(rec: dict[str, Any]) -> str:
+    return f"{rec['nofile']:,}" if rec["nofile_asked"] != "high" else f"high ({rec['nofile']:,})"
+
+
+def _both(md: dict[str, Any] | None, dp: dict[str, Any] | None, name: str,
+          scale: float = 1.0) -> str:
+    def one(rec: dict[str, Any] | None) -> str:
+        value = None if rec is None else rec["per_batch"].get(name)
+        return number(None if value is None else value / scale)
+    return f"{one(md)} / {one(dp)}"
+
+
+def _over_payload(rec: dict[str, Any] | None) -> str:
+    if rec is None:
+        return "–"
+    return ratio(rec["per_batch"]["bytes_from_storage"], rec["payload_bytes_per_batch"])
+
+
+def _left(rec: dict[str, Any] | None) -> str:
+    if rec is None or rec.get("resident_after_evict_bytes") is None:
+        return "–"
+    return f"{100 * rec['resident_after_evict_bytes'] / max(rec['tree_bytes'], 1):.0f} %"
+
+
+def table(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[str]:
+    """Per batch, mdloader / DeePMD-kit: calls under the tree, bytes requested by reads, bytes
+    from storage and their ratio to the frames' bytes, and the tree left cached by an eviction."""
+    lines = ["| format | ulimit -n | workers | page cache | path lookups | opens | fstats | "
+             "read calls | KiB requested by reads | KiB from storage | storage ÷ payload | "
+             "tree left cached after eviction |",
+             "|---|---|---:|---|---|---|---|---|---|---|---|---|"]
+    for key in _keys(recs):
+        md, dp = recs.get((MD, key)), recs.get((DP, key))
+        any_rec = next(r for r in (md, dp) if r is not None)  # every key has a record
+        lines.append(
+            f"| {key[0]} | {_nofile(any_rec)} | {key[2]} | {WINDOWS.get(key[3], key[3])} | "
+            f"{_both(md, dp, 'lookups')} | {_both(md, dp, 'opens')} | "
+            f"{_both(md, dp, 'fstats')} | {_both(md, dp, 'reads')} | "
+            f"{_both(md, dp, 'bytes_requested', 1024)} | "
+            f"{_both(md, dp, 'bytes_from_storage', 1024)} | "
+            f"{_over_payload(md)} / {_over_payload(dp)} | {_left(md)} / {_left(dp)} |")
+    return lines
+
+
+def calls_table(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[str]:
+    """The calls per batch under the tree by name, in the cold-once window."""
+    lines = ["| format | ulimit -n | workers | mdloader: calls per batch | "
+             "DeePMD-kit: calls per batch |", "|---|---|---:|---|---|"]
+
+    def named(rec: dict[str, Any] | None) -> str:
+        if rec is None or rec.get("by_call") is None:
+            return "–"
+        n = rec["batches"]
+        parts = [f"{name} {number(c / n)}" for name, c in
+                 sorted(rec["by_call"].items(), key=lambda kv: -kv[1]) if c / n >= 0.005]
+        return ", ".join(parts) or "none"
+
+    for key in _keys(recs):
+        if key[3] != "cold":
+            continue
+        md, dp = recs.get((MD, key)), recs.get((DP, key))
+        any_rec = next(r for r in (md, dp) if r is not None)  # every key has a record
+        lines.append(f"| {key[0]} | {_nofile(any_rec)} | {key[2]} | {named(md)} | {named(dp)} |")
+    return lines
+
+
+def section(path: str = DEFAULT) -> str:
+    """The markdown of the section's results (a note when there are none yet)."""
+    if not os.path.isfile(path):
+        return "*No results yet: run `python -m benchmarks.fs_traffic.run`.*"
+    meta, recs = load(path)
+    loads = [r["loadavg_1min"] for r in recs.values() if "loadavg_1min" in r]
+    head = (f"Run started {meta.get('started')} on a shared machine of {meta.get('cpus')} CPUs "
+            f"(1-minute load {min(loads, default=0):.1f}–{max(loads, default=0):.1f}): "
+            f"{meta.get('nsys'):,} water systems of 192 atoms and {meta.get('nframes')} frames, "
+            f"one frame per batch, {meta.get('payload_bytes_per_frame', 0) / 1024:.1f} KiB of "
+            f"coord, box, energy and force per frame in storage; {meta.get('warmup')} batches of "
+            f"warm-up, then two windows of {meta.get('batches')} batches (every "
+            f"{meta.get('pass_batches')} batches a pass). Calls from `{meta.get('fs_tool')}`. "
+            f"Each cell: mdloader / DeePMD-kit. Raw results: `{os.path.relpath(path, REPO)}`.")
+    if meta.get("skipped"):
+        head += f" Not run (not importable): {', '.join(meta['skipped'])}."
+    if meta["failed"]:
+        head += f" **Failed**: {'; '.join(meta['failed'])}."
+    return "\n".join([head, "", *table(recs), "", "Calls per batch under the data tree by "
+                      "name (cold once):", "", *calls_table(recs)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.parse_args(argv)
+    from benchmarks import report
+
+    return report.main([*sorted(glob.glob(os.path.join(RESULTS, "*.jsonl"))), "--keep-plots"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
