@@ -45,6 +45,9 @@ def test_the_declared_ranges_are_the_tested_ends() -> None:
         assert wanted in pyproject, f"pyproject.toml should declare {wanted}"
     low, new = ends["python"]["lowest"], ends["python"]["newest"]
     assert f'requires-python = ">={low},<{next_minor(new)}"' in pyproject
+    floor = re.search(r"^DEEPMD_TORCH=(\S+)$", (ROOT / "scripts" / "test-matrix.sh").read_text(
+        encoding="utf-8"), re.M).group(1)
+    assert f'"torch>={floor}"' in pyproject, "the deepmd extra's torch floor is the matrix's"
     guide = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
     for package, label in (("python", "Python"), ("torch", "torch"), ("numpy", "numpy")):
         row = f"| {label} | {minor(ends[package]['lowest'])} | {minor(ends[package]['newest'])} |"
