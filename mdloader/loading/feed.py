@@ -266,9 +266,9 @@ class Feed:
         """Continue at ``step`` (the steps done): restore ``state`` (a document of
         :mod:`~mdloader.loading.feed_state`), set the task schedule at ``step``, start the
         pool reading ahead in ``loop``'s order. Resume, schedule, pool: in this order only (the
-        pool draws keys from restored streams, in the order of the restored schedule). The
-        stall report goes to ``stall_dir`` (rank 0 writes there) every
-        ``$MDLOADER_STALL_REPORT`` steps, else every ``loop.disp_freq``."""
+        pool draws keys from restored streams, in the order of the restored schedule). With a
+        ``stall_dir``, the ranks report their data stalls every ``$MDLOADER_STALL_REPORT``
+        steps, else every ``loop.disp_freq`` (a gather to rank 0, which writes there)."""
         if state is not None:
             self._restore(state, step)
         self.start_step = self.step = int(step)
@@ -280,9 +280,10 @@ class Feed:
                                     same_task_across_ranks=loop.same_task_across_ranks)
             self.schedule = TaskCursor(schedule, rank=self.world.rank, step=self.step)
         self._start_pool(loop)
-        every = int(resolve("stall_report")) or loop.disp_freq
-        self.stalls = StallMeter(every, stall_dir, is_main=self.world.is_main,
-                                 workers=[pool.io for pool in self.pools])
+        if stall_dir is not None:  # a trainer's run (a feed read by other code reports nothing)
+            every = int(resolve("stall_report")) or loop.disp_freq
+            self.stalls = StallMeter(every, stall_dir, is_main=self.world.is_main,
+                                     workers=[pool.io for pool in self.pools])
         for stream in self.streams.values():
             stream.meter = self.stalls
 

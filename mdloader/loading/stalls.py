@@ -220,7 +220,7 @@ class StallMeter:
     every
         Steps per report (one gather to rank 0 each).
     directory
-        Where rank 0 appends ``stalls.jsonl`` (``None``: log lines only).
+        Where rank 0 appends ``stalls.jsonl`` (``None``: log lines only, as in the tests).
     is_main
         Whether this rank logs and writes.
     workers
