@@ -11,9 +11,11 @@ rank 0 in one gather, none per step; rank 0 logs one line and appends a JSON lin
 summary: median and 99th-percentile wait per step, the share of the run spent waiting, the rank
 that waited most.
 
-The figures of a window are pure functions of the gathered matrix (:func:`window_figures`), and
-the run's percentiles come from a fixed log-spaced histogram, so rank 0 keeps O(ranks) numbers
-whatever the length of the run.
+The figures of a window are pure functions of the gathered matrix (:func:`window_figures`). A
+rank sends at most :data:`DETAIL` per-step columns (longer windows sum consecutive steps into
+buckets) and the run's percentiles come from a fixed log-spaced histogram, so rank 0 holds
+O(ranks) numbers whatever the report interval and the length of the run, and the other ranks
+send a few hundred bytes per report.
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ log = logging.getLogger(__name__)
 
 FILE_NAME = "stalls.jsonl"
 #: The totals each rank sends after its per-step waits, in this order.
-TOTALS = ("steps", "step_seconds", "wait_seconds", "main_seconds", "batches", "payload_bytes",
-          "bytes_from_storage", "opens")
+TOTALS = ("steps", "steps_per_bucket", "step_seconds", "wait_seconds", "main_seconds", "batches",
+          "payload_bytes", "bytes_from_storage", "opens")
+#: Most per-step columns a rank sends: a window of more steps sums consecutive steps into
+#: buckets, so a report's row, and rank 0's matrix, do not grow with the report interval.
+DETAIL = 64
 #: Histogram edges for the run's wait percentiles: 1 µs to 1000 s, 20 bins per decade (12 %).
 EDGES = np.logspace(-6, 3, 9 * 20 + 1)
 
@@ -135,14 +140,29 @@ class WindowFigures:
         return {"kind": "window", "time": time.time(), **self.__dict__}
 
 
+def step_waits(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The waits of a gathered ``matrix`` (a row per rank: waits summed per bucket of
+    ``steps_per_bucket`` steps, then :data:`TOTALS`) as ``(bucket sums, steps per bucket)``: the
+    buckets the window's steps filled (the last one may hold fewer steps)."""
+    totals = matrix[:, -len(TOTALS):]
+    steps = int(totals[:, TOTALS.index("steps")].min())
+    size = int(totals[0, TOTALS.index("steps_per_bucket")])
+    used = -(-steps // size)
+    counts = np.full(used, size, dtype=np.float64)
+    if used:
+        counts[-1] = steps - size * (used - 1)
+    return matrix[:, :used], counts
+
+
 def window_figures(matrix: np.ndarray, first_step: int) -> WindowFigures:
-    """The figures of one window from the gathered ``matrix``: a row per rank, its per-step
-    waits (seconds; ``steps`` of them count) then :data:`TOTALS`."""
+    """The figures of one window from the gathered ``matrix`` (rows as :func:`step_waits`
+    reads them): percentiles of the wait per step over the ranks and buckets (a bucket counts
+    as its steps' mean), and the slowest rank's cost against the mean per bucket."""
     ranks = matrix.shape[0]
     totals = matrix[:, -len(TOTALS):]
     col = {name: totals[:, i] for i, name in enumerate(TOTALS)}
     steps = int(col["steps"].min())
-    waits = matrix[:, :steps]
+    waits, counts = step_waits(matrix)
     step_seconds = np.maximum(col["step_seconds"], 1e-12)
     rank_share = col["wait_seconds"] / step_seconds
     slowest = int(np.argmax(col["wait_seconds"]))
@@ -150,7 +170,7 @@ def window_figures(matrix: np.ndarray, first_step: int) -> WindowFigures:
     skew = float(per_step_max.sum() / per_step_mean.sum()) if per_step_mean.sum() > 0 else 1.0
     batches = max(float(col["batches"].sum()), 1.0)
     done = max(steps, 1) * ranks
-    p50, p99 = (np.percentile(waits, [50, 99]) * 1e3 if waits.size else (0.0, 0.0))
+    p50, p99 = (np.percentile(waits / counts, [50, 99]) * 1e3 if waits.size else (0.0, 0.0))
     return WindowFigures(
         first_step=first_step, last_step=first_step + steps - 1, ranks=ranks,
         wait_share=float(col["wait_seconds"].sum() / step_seconds.sum()),
@@ -186,8 +206,10 @@ class RunSummary:
         """Count a window's gathered matrix (rows as :func:`window_figures` takes them)."""
         totals = matrix[:, -len(TOTALS):]
         steps = int(totals[:, TOTALS.index("steps")].min())
-        waits = np.clip(matrix[:, :steps].ravel(), EDGES[0], EDGES[-1])
-        self.counts += np.histogram(waits, bins=EDGES)[0]
+        waits, counts = step_waits(matrix)
+        means = np.clip((waits / counts).ravel(), EDGES[0], EDGES[-1])
+        weights = np.broadcast_to(counts, waits.shape).ravel()
+        self.counts += np.histogram(means, bins=EDGES, weights=weights)[0].astype(np.int64)
         if self.wait.shape != (matrix.shape[0],):
             self.wait, self.step = np.zeros(matrix.shape[0]), np.zeros(matrix.shape[0])
         self.wait = self.wait + totals[:, TOTALS.index("wait_seconds")]
@@ -232,7 +254,8 @@ class StallMeter:
         self.every = max(1, int(every))
         self.directory, self.is_main = directory, bool(is_main)
         self.workers = list(workers)
-        self.waits = np.zeros(self.every)
+        self.bucket = -(-self.every // DETAIL)  # steps summed per column sent
+        self.waits = np.zeros(-(-self.every // self.bucket))
         self.steps = 0
         self.first_step: int | None = None
         self.step_started: float | None = None
@@ -251,7 +274,7 @@ class StallMeter:
         self.totals["main_seconds"] += time.thread_time() - started[1]
         self.totals["batches"] += 1
         if self.steps < self.every and self.step_started is not None:
-            self.waits[self.steps] += spent
+            self.waits[self.steps // self.bucket] += spent
 
     def step(self, step: int) -> None:
         """The training step ``step`` (0-based) starts: the previous one ends; a report every
@@ -271,6 +294,7 @@ class StallMeter:
         if self.first_step is None or self.steps == 0:
             return
         self.totals["steps"] = self.steps
+        self.totals["steps_per_bucket"] = self.bucket
         io = self._io()
         for i, name in enumerate(("opens", "bytes_from_storage", "payload_bytes")):
             self.totals[name] = io[i] - self.io_mark[i]

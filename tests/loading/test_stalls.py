@@ -23,7 +23,9 @@ from mdloader.loading.stalls import (
     EDGES,
     TOTALS,
     RunSummary,
+    StallMeter,
     histogram_percentile,
+    step_waits,
     window_figures,
 )
 from mdloader.sampling.loop import TrainingLoop
@@ -39,7 +41,8 @@ def _matrix(waits: list[list[float]], step_seconds: list[float],
     """Rows as every rank sends them: per-step waits, then :data:`TOTALS`."""
     rows = []
     for rank, per_step in enumerate(waits):
-        values = {"steps": len(per_step), "step_seconds": step_seconds[rank],
+        values = {"steps": len(per_step), "steps_per_bucket": 1,
+                  "step_seconds": step_seconds[rank],
                   "wait_seconds": sum(per_step), "main_seconds": 0.0, "batches": len(per_step),
                   "payload_bytes": 0.0, "bytes_from_storage": 0.0, "opens": 0.0}
         values.update({name: column[rank] for name, column in totals.items()})
@@ -68,6 +71,28 @@ def test_a_window_names_the_slowest_rank_and_its_skew() -> None:
     assert figures.storage_bytes_per_step == pytest.approx(1000)
     assert figures.rank_wait_ms == pytest.approx([1.0, 1.5, 5.5])
     assert "slowest rank 2" in figures.line() and "steps 11-14 (3 ranks)" in figures.line()
+
+
+def test_a_long_window_sends_a_bounded_row_of_step_buckets() -> None:
+    """Rank 0 gathers at most DETAIL columns per rank whatever the report interval: 200 steps
+    are 50 buckets of 4, a bucket's wait counts as its steps' mean."""
+    meter = StallMeter(200, None, is_main=True)
+    assert (meter.bucket, meter.waits.shape) == (4, (50,))
+    bucketed = np.array([[0.004, 0.008, 0.002, *_totals_row(steps=10, size=4, wait=0.014)],
+                         [0.004, 0.004, 0.001, *_totals_row(steps=10, size=4, wait=0.009)]])
+    waits, counts = step_waits(bucketed)
+    assert counts.tolist() == [4, 4, 2] and waits.shape == (2, 3)
+    figures = window_figures(bucketed, first_step=1)
+    assert (figures.last_step, figures.slowest_rank) == (10, 0)
+    assert figures.wait_ms_p50 == pytest.approx(1.0)  # means 1, 2, 1 and 1, 1, 0.5 ms
+    assert figures.skew == pytest.approx((0.004 + 0.008 + 0.002) / (0.004 + 0.006 + 0.0015))
+
+
+def _totals_row(*, steps: int, size: int, wait: float) -> list[float]:
+    values = dict.fromkeys(TOTALS, 0.0) | {"steps": steps, "steps_per_bucket": size,
+                                           "step_seconds": 1.0, "wait_seconds": wait,
+                                           "batches": steps}
+    return [values[name] for name in TOTALS]
 
 
 def test_equal_ranks_have_no_skew() -> None:
