@@ -178,5 +178,5 @@ def leave(code: int) -> int:
     had started (only such a job imported the module that knows)."""
     failure = sys.modules.get("mdloader.distributed.failure")
     if failure is not None and failure.ended_a_group():
-        failure.exit_now(code)
+        failure.depart(code)
     return code

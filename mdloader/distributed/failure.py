@@ -4,7 +4,9 @@ once when one rank failed alone.
 * **Together** (the error has ``every_rank``: a framed error or a failed agreement reached every
   rank at the same point). The ranks meet at a barrier on the job's store, which every rank
   leaves after :data:`SETTLE_SECONDS` at most, then tear the group down: gloo aborts a process
-  that destroys its group while a peer is still inside a collective.
+  that destroys its group while a peer is still inside a collective. They meet once more before
+  leaving their processes (:func:`depart`), so that every rank has said the failure before the
+  launcher, seeing one rank exit, stops the others.
 * **Alone** (a read error, a lost DataLoader worker, any exception in one rank's step). The rank
   must not wait for the others: they may be inside a collective that waits for it. It publishes
   its failure in the store of the default group (the first failure of a job wins), raises it as
@@ -41,6 +43,7 @@ SETTLE_SECONDS = 10.0
 _POLL_SECONDS = 0.05
 _jobs = itertools.count()
 _ended = False  # a job of this process ended the group it started
+_parting: tuple[Any, int, int] | None = None  # (store, job, world size) of a shared failure
 
 
 @dataclass
@@ -63,17 +66,18 @@ def failed_together(exc: BaseException) -> bool:
     return isinstance(exc, KeyboardInterrupt) or bool(getattr(exc, "every_rank", False))
 
 
-def settle(job: int, world_size: int, seconds: float = SETTLE_SECONDS) -> bool:
-    """Wait until every rank arrived here, at most ``seconds``; False when one did not.
+def settle(job: int, world_size: int, seconds: float = SETTLE_SECONDS, *,
+           point: str = "settle", store: Any = None) -> bool:
+    """Wait until every rank arrived at ``point``, at most ``seconds``; False when one did not.
 
     A counter in the store rather than a collective: a collective's timeout binds one rank only
     (gloo's ``monitored_barrier``) or the whole group's timeout, and the store answers even when
     the group's connections are broken.
     """
-    store = _store()
+    store = _store() if store is None else store
     if store is None:
         return False
-    key = f"mdloader/job{job}/settle"
+    key = f"mdloader/job{job}/{point}"
     deadline = time.monotonic() + seconds
     try:
         arrived = store.add(key, 1)
@@ -125,6 +129,26 @@ def group_ended() -> None:
     """Remember that a job of this process ended its group, torn down or left as it was."""
     global _ended
     _ended = True
+
+
+def part_together(job: int, world_size: int) -> None:
+    """Remember that the ranks of ``job`` failed together, so that none leaves the process before
+    every rank has said the failure (:func:`depart`). Called before the group is torn down: the
+    store is kept for that last meeting."""
+    global _parting
+    _parting = (_store(), job, world_size)
+
+
+def depart(code: int) -> None:
+    """Leave the process with ``code`` (:func:`exit_now`); after a failure the ranks shared, once
+    every rank has said it, at most :data:`SETTLE_SECONDS` later. The launcher stops the other
+    ranks as soon as one exits: a rank still on its way to its own line (through DeePMD-kit's
+    ``@record`` wrapper, on a loaded machine) was killed without saying it."""
+    if _parting is not None:
+        store, job, world_size = _parting
+        if store is not None:
+            settle(job, world_size, point="depart", store=store)
+    exit_now(code)
 
 
 def ended_a_group() -> bool:

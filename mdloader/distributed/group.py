@@ -25,6 +25,7 @@ from mdloader.distributed.failure import (
     failed_together,
     group_ended,
     next_job,
+    part_together,
     published_failure,
     settle,
 )
@@ -252,6 +253,7 @@ def process_group(activity: Activity | None = None) -> Iterator[World]:
             group_ended()
             raise fail_alone(exc, job=job, activity=activity or Activity()) from exc
         settled = settle(job, world.world_size)
+        part_together(job, world.world_size)
         if started and dist.is_initialized():
             if settled:  # else the group is left as it is: a peer may still be inside it
                 dist.destroy_process_group()

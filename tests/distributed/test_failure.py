@@ -109,3 +109,34 @@ def test_a_rank_stopped_because_a_peer_failed_reports_the_failure() -> None:
     assert {e.message.splitlines()[0] for e in errs} == {
         "rank 1 failed (building the loader): MissingDataError: gone; system: /d/s; "
         "file: /d/s/set.001/force.npy"}
+
+
+def _depart_after_a_shared_failure(rank: int, world: int) -> tuple[float, float]:
+    from mdloader.errors import RemoteError
+
+    try:
+        with group.process_group(failure.Activity("building the systems")):
+            raise RemoteError(origin_rank=0, exc_type="ConfigError", exc_message="no systems",
+                              context="discovering and building the systems")
+    except RemoteError:
+        pass
+    if rank == 1:
+        time.sleep(1.5)  # a long road to its own line (DeePMD-kit's ``@record``, a loaded CPU)
+    said = time.time()
+    failure.exit_now = lambda code: None  # type: ignore[assignment]  # to report back
+    failure.depart(2)
+    return said, time.time()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_no_rank_leaves_a_shared_failure_before_every_rank_has_said_it() -> None:
+    """The launcher stops the other ranks as soon as one exits: the first rank to leave used to
+    end a peer still on its way to the failure line, so that only one rank said it."""
+    (said0, left0), (said1, left1) = values(run_ranks(_depart_after_a_shared_failure, 2,
+                                                      init_group=False))
+    print(f"rank 0 said it at +0 s and left at +{left0 - said0:.3f} s; rank 1 said it at "
+          f"+{said1 - said0:.3f} s")
+    assert left0 >= said1 and left1 >= said1
+    # rank 0 waits for rank 1 only, not SETTLE_SECONDS: measured 1.5 s; hang guard at 8 s
+    assert left0 - said0 < 8.0

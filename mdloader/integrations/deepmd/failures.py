@@ -22,6 +22,7 @@ from mdloader.distributed.failure import (
     failed_together,
     group_ended,
     next_job,
+    part_together,
     published_failure,
     settle,
 )
@@ -60,6 +61,7 @@ def ending_together(run: Callable[[], T]) -> T:
             raise said from exc
         if failed_together(said):  # every rank holds this very error: no rank to name
             settle(job, world.world_size)
+            part_together(job, world.world_size)
             group_ended()
             if said is exc:
                 raise
