@@ -221,6 +221,7 @@ def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
     from benchmarks.lmdb import report as lmdb_report
     from benchmarks.main_cost import report as main_cost_report
     from benchmarks.scale import report as scale_report
+    from benchmarks.staging_scale import report as staging_scale_report
 
     return text.format(run=run, startup=startup_section(rows or []),
                        targets="\n".join(targets(med)),
@@ -228,7 +229,8 @@ def render(meta: dict[str, Any], med: dict, errs: list[dict], images: list[str],
                        throughput="\n".join(throughput_table(med)), figures=figs,
                        lmdb=lmdb_report.section(), first_step=first_step_section(),
                        main_cost=main_cost_report.section(),
-                       scale=scale_report.section(), fs_traffic=fs_traffic_report.section())
+                       scale=scale_report.section(), fs_traffic=fs_traffic_report.section(),
+                       staging_scale=staging_scale_report.section())
 
 
 if __name__ == "__main__":
