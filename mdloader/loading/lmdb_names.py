@@ -8,9 +8,9 @@ Frames are decoded by :class:`~mdloader.data.formats.lmdb.reader.LmdbGroupReader
 are padded to their widest frame with ``atype = -1`` and zeros (rectangular, DeePMD-kit's
 default) or concatenated with ``n_node`` (ragged, :meth:`LmdbDataReader.use_ragged_batches`).
 Not carried over, each refused in one line: ``auto_prob`` block targets (reweighting the
-database's systems), which mdloader's trainers express as ``sys_probs``/``auto_prob_style``
-over the groups instead. The older names ``SameNlocBatchSampler`` and
-``DistributedSameNlocBatchSampler`` are the same classes.
+database's systems), which mdloader's trainers express as ``auto_prob`` over the groups.
+The older names ``SameNlocBatchSampler`` and ``DistributedSameNlocBatchSampler`` are the same
+classes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from mdloader.data.formats.base import Location
 from mdloader.data.formats.lmdb.address import group_address
@@ -47,7 +47,7 @@ _REQUIREMENT_FIELDS = ("ndof", "atomic", "must", "high_prec", "type_sel", "repea
 
 
 def _requirement(item: Any) -> DataRequirementItem:
-    """mdloader's :class:`DataRequirementItem` from one of DeePMD-kit's (or mdloader's)."""
+    """The :class:`DataRequirementItem` from one of DeePMD-kit's (or mdloader's)."""
     if isinstance(item, DataRequirementItem):
         return item
 
@@ -97,7 +97,7 @@ class LmdbDataReader:
         self._frame_system_ids = (None if sids is None
                                   else np.asarray(sids, np.int32)[self._retained_keys])
         self.nframes = int(len(self._retained_keys))
-        self._natoms = int(orig_nlocs[0]) if len(orig_nlocs) else 0
+        self._natoms = meta.system_natoms
         self._nloc_groups = {int(n): np.flatnonzero(self._frame_nlocs == n)
                              for n in np.unique(self._frame_nlocs).tolist()}
         self.batch_size = self._nominal_batch_size()
@@ -110,12 +110,18 @@ class LmdbDataReader:
         self._availability: np.ndarray | None = None
 
     def _nominal_batch_size(self) -> int:
-        """The one number DeePMD-kit reports (``batch_size``): the first frame's size."""
-        rule = self._rule
+        """The one number DeePMD-kit reports (``batch_size``), from ``system_info``'s atoms
+        (0 when absent: ``auto:N`` then reports N + 1, as DeePMD-kit does)."""
+        rule, natoms = self._rule, self._natoms
         if rule.name == "mix":
-            mean = float(self._frame_nlocs.mean()) if self.nframes else self._natoms
+            mean = float(self._frame_nlocs.mean()) if self.nframes else natoms
             return max(1, int(rule.value / max(mean, 1.0)))
-        return lb.batch_size_for_nloc(rule, self._natoms)
+        if rule.name == "auto":
+            size = rule.value // max(natoms, 1)
+            return max(size + (size * natoms < rule.value), 1)
+        if rule.name in ("max", "filter"):
+            return max(1, rule.value // max(natoms, 1))
+        return rule.value
 
     # -- frames ---------------------------------------------------------------------------------
     def _reader(self, group: int) -> LmdbGroupReader:
@@ -479,7 +485,7 @@ DistributedSameNlocBatchSampler = DistributedLmdbBatchSampler
 
 
 def _to_torch(batch: dict[str, Any]) -> dict[str, Any]:
-    """numpy arrays -> CPU tensors; flags, ``fid`` and ``None`` as they are."""
+    """Convert numpy arrays to CPU tensors; flags, ``fid`` and ``None`` as they are."""
     out: dict[str, Any] = {}
     for key, value in batch.items():
         if key.startswith("find_") or key in ("fid", "type") or value is None:
@@ -546,14 +552,9 @@ class LmdbDataset(Dataset):
                               "supported by mdloader's LmdbDataset: train it under mdloader "
                               "dp, which weighs the database's groups by "
                               "training.training_data.auto_prob", path="auto_prob_style")
-        self._batch_sampler = _TorchBatchSampler(LmdbBatchSampler(self._reader, shuffle=True))
-        self._inner_dataloader = DataLoader(self, batch_sampler=self._batch_sampler,
-                                            num_workers=0, collate_fn=self._collate)
-
-    def _collate(self, frames: list[dict[str, Any]]) -> dict[str, Any]:
-        reader = self._reader
-        return _to_torch(collate_frames(frames, reader.per_atom_keys(frames[0]),
-                                        ragged=reader.ragged_batches))
+        sampler = LmdbBatchSampler(self._reader, shuffle=True)
+        self._batch_sampler = _TorchBatchSampler(sampler)
+        self._inner_dataloader = LmdbBatchDataLoader(self, sampler, pin_memory=False)
 
     @property
     def reader(self) -> LmdbDataReader:
@@ -625,7 +626,7 @@ class LmdbDataset(Dataset):
         return [self]
 
     @property
-    def dataloaders(self) -> list[DataLoader]:
+    def dataloaders(self) -> list[LmdbBatchDataLoader]:
         return [self._inner_dataloader]
 
     @property
