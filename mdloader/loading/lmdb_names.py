@@ -252,6 +252,11 @@ class LmdbDataReader:
     def data_requirements(self) -> list[DataRequirementItem]:
         return list(self._requirements.values())
 
+    def worker_decode_config(self) -> tuple[DataRequirementItem, ...]:
+        """Freeze the requirements and return them, for a decoder in another process."""
+        self._frozen = True
+        return tuple(self._requirements.values())
+
     @property
     def data_requirements_revision(self) -> int:
         return self._revision
