@@ -47,6 +47,8 @@ _EXPORTS = {
     "LmdbDataset": "mdloader.loading.lmdb_names",
     "LmdbBatchDataLoader": "mdloader.loading.lmdb_names",
     "merge_lmdb": "mdloader.data.formats.lmdb.merge",
+    "compute_block_targets": "mdloader.loading.lmdb_names",
+    "is_lmdb": "mdloader.loading.lmdb_names",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

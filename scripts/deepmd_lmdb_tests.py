@@ -35,7 +35,7 @@ LMDB_MODULES = ("deepmd.dpmodel.utils.lmdb_data", "deepmd.pt.utils.lmdb_dataset"
 #: The names ``mdloader`` exports in place of DeePMD-kit's.
 SWAPPED = frozenset({"LmdbDataReader", "LmdbBatchSampler", "DistributedLmdbBatchSampler",
                      "SameNlocBatchSampler", "DistributedSameNlocBatchSampler", "LmdbDataset",
-                     "LmdbBatchDataLoader", "merge_lmdb"})
+                     "LmdbBatchDataLoader", "merge_lmdb", "compute_block_targets", "is_lmdb"})
 #: Private attributes of DeePMD-kit's objects that its tests reach and mdloader's objects have.
 PROVIDED_ATTRIBUTES = frozenset({"_reader", "_block_targets", "_batch_sampler"})
 #: Tests of behaviour mdloader changes on purpose, and why (``docs/migrating.md``).
@@ -43,6 +43,8 @@ DIFFERENCES = {
     "test_merge_rejects_incompatible_type_maps_before_creating_output":
         "mdloader's merge_lmdb remaps differing type maps by element name instead of "
         "refusing them",
+    "test_compute_block_targets_logs_dropped_block":
+        "asserts the name of DeePMD-kit's logger (mdloader logs the same line under its own)",
 }
 
 
@@ -58,6 +60,7 @@ def _get(name, fallback):
 LmdbDataReader = _d.LmdbDataReader
 merge_lmdb = _d.merge_lmdb
 LmdbDataset, LmdbBatchDataLoader = _p.LmdbDataset, _p.LmdbBatchDataLoader
+compute_block_targets, is_lmdb = _d.compute_block_targets, _d.is_lmdb
 LmdbBatchSampler = _get("LmdbBatchSampler", "SameNlocBatchSampler")
 SameNlocBatchSampler = _get("SameNlocBatchSampler", "LmdbBatchSampler")
 DistributedLmdbBatchSampler = _get("DistributedLmdbBatchSampler",

@@ -7,10 +7,9 @@ Frames are decoded by :class:`~mdloader.data.formats.lmdb.reader.LmdbGroupReader
 :mod:`mdloader.sampling.lmdb_batches` (DeePMD-kit's batches for the same seed). ``mix:N`` batches
 are padded to their widest frame with ``atype = -1`` and zeros (rectangular, DeePMD-kit's
 default) or concatenated with ``n_node`` (ragged, :meth:`LmdbDataReader.use_ragged_batches`).
-Not carried over, each refused in one line: ``auto_prob`` block targets (reweighting the
-database's systems), which mdloader's trainers express as ``auto_prob`` over the groups.
-The older names ``SameNlocBatchSampler`` and ``DistributedSameNlocBatchSampler`` are the same
-classes.
+``auto_prob`` block targets repeat a block's frames within a pass as DeePMD-kit does
+(:func:`~mdloader.sampling.lmdb_batches.block_targets`). The older names
+``SameNlocBatchSampler`` and ``DistributedSameNlocBatchSampler`` are the same classes.
 """
 
 from __future__ import annotations
@@ -382,14 +381,6 @@ def _pad(value: np.ndarray, nloc: int, widest: int, fill: int) -> np.ndarray:
     return np.concatenate([value, tail])
 
 
-def _no_blocks(block_targets: Any) -> None:
-    if block_targets:
-        raise ConfigError("auto_prob block targets are not supported by mdloader's LMDB "
-                          "samplers: give the probabilities as training.training_data."
-                          "auto_prob (sys_probs) under mdloader dp / mdloader train",
-                          path="block_targets")
-
-
 class LmdbBatchSampler:
     """DeePMD-kit 3.2's ``LmdbBatchSampler(reader, shuffle=True, seed=None)``: the batches
     of pass ``epoch`` drawn from ``seed + epoch``; iterating serves the pending pass and moves
@@ -397,8 +388,8 @@ class LmdbBatchSampler:
 
     def __init__(self, reader: LmdbDataReader, shuffle: bool = True, seed: int | None = None,
                  block_targets: list[tuple[list[int], int]] | None = None) -> None:
-        _no_blocks(block_targets)
         self._reader, self._shuffle, self._seed = reader, shuffle, seed
+        self._block_targets = block_targets
         self._epoch = 0
         self._batches: list[list[int]] | None = None
         self._revision = -1
@@ -411,7 +402,9 @@ class LmdbBatchSampler:
             self._batches = lb.pass_batches(reader.rule, reader.frame_nlocs,
                                             reader.batch_groups(), seed=self._seed,
                                             epoch=self._epoch, shuffle=self._shuffle,
-                                            ragged=reader.ragged_batches)
+                                            ragged=reader.ragged_batches,
+                                            blocks=self._block_targets,
+                                            sids=reader.frame_system_ids)
             self._revision = revision
         return self._batches
 
@@ -444,12 +437,12 @@ class DistributedLmdbBatchSampler:
     def __init__(self, reader: LmdbDataReader, rank: int, world_size: int,
                  shuffle: bool = True, seed: int | None = None,
                  block_targets: list[tuple[list[int], int]] | None = None) -> None:
-        _no_blocks(block_targets)
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside a world of {world_size} ranks",
                               path="rank")
         self._reader, self._rank, self._world_size = reader, rank, world_size
         self._shuffle, self._seed = shuffle, 0 if seed is None else seed
+        self._block_targets = block_targets
         self._epoch = 0
         self._global: LmdbBatchSampler | None = None
 
@@ -460,7 +453,8 @@ class DistributedLmdbBatchSampler:
     def _global_batches(self) -> list[list[int]]:
         if self._global is None:
             self._global = LmdbBatchSampler(self._reader, shuffle=self._shuffle,
-                                            seed=self._seed + self._epoch)
+                                            seed=self._seed + self._epoch,
+                                            block_targets=self._block_targets)
         return self._global.batches()
 
     def _partition_batches(self, all_batches: list[list[int]]) -> list[list[int]]:
@@ -487,6 +481,24 @@ class DistributedLmdbBatchSampler:
 
 SameNlocBatchSampler = LmdbBatchSampler
 DistributedSameNlocBatchSampler = DistributedLmdbBatchSampler
+
+
+def compute_block_targets(auto_prob_style: str, nsystems: int,
+                          system_nframes: list[int]) -> list[tuple[list[int], int]]:
+    """DeePMD-kit's per-block ``(system ids, frames wanted)`` of an ``auto_prob`` string
+    (:func:`~mdloader.sampling.lmdb_batches.block_targets`); ``nsystems`` is DeePMD-kit's
+    argument and is implied by ``system_nframes``."""
+    empty = [part for part in auto_prob_style.split(";")[1:]
+             if not sum(system_nframes[int(part.split(":")[0]):int(part.split(":")[1])])]
+    if empty:
+        log.info("compute_block_targets: dropping empty blocks (all systems have 0 frames, "
+                 "likely after filter:N): %s; the other weights are renormalised", empty)
+    return lb.block_targets(auto_prob_style, system_nframes[:nsystems])
+
+
+def is_lmdb(systems: str) -> bool:
+    """Whether ``systems`` names an LMDB database (``*.lmdb``, or a folder with data.mdb)."""
+    return systems.endswith(".lmdb") or Path(systems, "data.mdb").is_file()
 
 
 def _to_torch(batch: dict[str, Any]) -> dict[str, Any]:
@@ -552,14 +564,12 @@ class LmdbDataset(Dataset):
                  auto_prob_style: str | None = None) -> None:
         self._reader = LmdbDataReader(lmdb_path, type_map, batch_size)
         self._block_targets = None
-        if auto_prob_style is not None and self._reader.nsystems > 1:
-            raise ConfigError("auto_prob_style over the systems of one LMDB database is not "
-                              "supported by mdloader's LmdbDataset: train it under mdloader "
-                              "dp, which weighs the database's groups by "
-                              "training.training_data.auto_prob", path="auto_prob_style")
-        sampler = LmdbBatchSampler(self._reader, shuffle=True)
+        if auto_prob_style is not None and self._reader.frame_system_ids is not None:
+            self._block_targets = lb.block_targets(auto_prob_style,
+                                                   self._reader.system_nframes) or None
+        sampler = LmdbBatchSampler(self._reader, shuffle=True,
+                                   block_targets=self._block_targets)
         self._batch_sampler = _TorchBatchSampler(sampler)
-        self._inner_dataloader = LmdbBatchDataLoader(self, sampler, pin_memory=False)
 
     @property
     def reader(self) -> LmdbDataReader:
@@ -616,7 +626,7 @@ class LmdbDataset(Dataset):
 
     @property
     def index(self) -> list[int]:
-        return self._reader.index
+        return [self.total_batch]
 
     @property
     def total_batch(self) -> int:
@@ -628,11 +638,20 @@ class LmdbDataset(Dataset):
 
     @property
     def systems(self) -> list[LmdbDataset]:
-        return [self]
+        """One entry per statistics loader (:attr:`dataloaders`), as in DeePMD-kit."""
+        return [self] * len(self.dataloaders)
 
     @property
     def dataloaders(self) -> list[LmdbBatchDataLoader]:
-        return [self._inner_dataloader]
+        """The statistics loaders: one per group of one atom count and label availability,
+        in order, ``get_batch_size_for_nloc`` frames a batch."""
+        reader = self._reader
+        loaders = []
+        for nloc in sorted(reader.nloc_groups):
+            for group in reader.availability_groups(reader.nloc_groups[nloc]):
+                batches = lb.chop_same(group, reader.get_batch_size_for_nloc(nloc))
+                loaders.append(LmdbBatchDataLoader(self, batches, pin_memory=False))
+        return loaders
 
     @property
     def sampler_list(self) -> list[Sampler]:
@@ -642,5 +661,6 @@ class LmdbDataset(Dataset):
 __all__ = [
     "LmdbDataReader", "LmdbBatchSampler", "DistributedLmdbBatchSampler", "SameNlocBatchSampler",
     "DistributedSameNlocBatchSampler", "LmdbDataset", "LmdbBatchDataLoader", "collate_frames",
+    "compute_block_targets", "is_lmdb",
     "PHANTOM_ATOM_TYPE",
 ]

@@ -139,16 +139,113 @@ def batch_groups(rule: LmdbRule, nlocs: np.ndarray, kept: np.ndarray) -> list[np
     return [kept[atoms == nloc] for nloc in np.unique(atoms).tolist()]
 
 
+BlockTargets = Sequence[tuple[Sequence[int], int]]
+"""``auto_prob`` over a database's systems: per block, (its system ids, frames wanted)."""
+
+
+def block_targets(auto_prob_style: str, system_nframes: Sequence[int]) -> list[tuple[list[int],
+                                                                                     int]]:
+    """Frames each ``auto_prob`` block of systems should contribute to one pass.
+
+    A block ``stt:end:w`` of systems has the probability ``w / sum(w)`` (over the blocks that
+    hold frames); the pass grows to ``T = ceil(max(frames_b / p_b))`` frames and block b
+    contributes ``max(round(T * p_b), frames_b)``. Empty (no block, or every target equal to
+    the frames held) when nothing needs repeating.
+    """
+    parsed = []
+    for part in auto_prob_style.split(";")[1:]:
+        start, end, weight = part.split(":")
+        parsed.append((int(start), int(end), float(weight)))
+    frames = [int(sum(system_nframes[start:end])) for start, end, _ in parsed]
+    blocks = [(block, n) for block, n in zip(parsed, frames) if n > 0]
+    if not blocks:
+        return []
+    weights = np.asarray([w for (_, _, w), _ in blocks], dtype=np.float64)
+    block_probs = weights / np.sum(weights)
+    # a block's probability as the sum of its systems' (DeePMD-kit's prob_sys_size_ext), in
+    # system order: the same float rounding, so the same ceil and round below
+    probs = [sum((np.asarray(system_nframes[start:end], dtype=np.float64) / n) * p)
+             for ((start, end, _), n), p in zip(blocks, block_probs)]
+    ratios = [n / p if p > 0 else 0.0 for (_, n), p in zip(blocks, probs)]
+    total = int(np.ceil(max(ratios)))
+    targets = [(list(range(start, end)), max(round(total * p), n))
+               for ((start, end, _), n), p in zip(blocks, probs)]
+    return targets if any(t > n for (_, t), (_, n) in zip(targets, blocks)) else []
+
+
+def _block_of(indices: np.ndarray, sids: np.ndarray, blocks: BlockTargets) -> np.ndarray:
+    """The block of each frame (-1: in no block)."""
+    table = np.full(max((max(ids, default=-1) for ids, _ in blocks), default=-1) + 2, -1)
+    for b, (ids, _) in enumerate(blocks):
+        table[np.asarray(list(ids), dtype=np.int64)] = b
+    own = np.asarray(sids)[np.asarray(indices, dtype=np.int64)]
+    return table[np.minimum(own, len(table) - 1)]
+
+
+def allocate_block_targets(groups: Sequence[np.ndarray], sids: np.ndarray,
+                           blocks: BlockTargets) -> list[list[int]]:
+    """Each group's share of every block's target: its own frames, plus the block's extra
+    frames split in proportion to the group's frames (largest remainders first, ties to the
+    earlier group), so a block's total is exact."""
+    actual = [np.bincount(_block_of(g, sids, blocks) + 1, minlength=len(blocks) + 1)[1:]
+              for g in groups]
+    shares = [a.astype(np.int64).tolist() for a in actual]
+    for b, (_ids, target) in enumerate(blocks):
+        held = int(sum(int(a[b]) for a in actual))
+        if target < held or (held == 0 and target):
+            raise ValueError(f"auto_prob block {b} wants {target} frames but holds {held}")
+        extra = target - held
+        if not held or not extra:
+            continue
+        left = extra
+        order = []
+        for g, a in enumerate(actual):
+            whole, rest = divmod(extra * int(a[b]), held)
+            shares[g][b] += whole
+            left -= whole
+            if a[b]:
+                order.append((-rest, g))
+        for _rest, g in sorted(order)[:left]:
+            shares[g][b] += 1
+    return shares
+
+
+def expand_group(indices: np.ndarray, sids: np.ndarray, blocks: BlockTargets,
+                 shares: Sequence[int], rng: np.random.Generator) -> np.ndarray:
+    """A group's frames repeated to its block shares: frames in no block once, then per block
+    its frames as often as the share holds them whole, plus a sample without replacement."""
+    indices = np.asarray(indices, dtype=np.int64)
+    owner = _block_of(indices, sids, blocks)
+    parts = [indices[owner == -1]]
+    for b in range(len(blocks)):
+        mine = indices[owner == b]
+        if not len(mine):
+            continue
+        copies, rest = divmod(int(shares[b]), len(mine))
+        parts.append(np.tile(mine, copies))
+        if rest:
+            parts.append(rng.choice(mine, size=rest, replace=False))
+    return np.concatenate(parts)
+
+
 def build_batches(rule: LmdbRule, nlocs: np.ndarray, groups: Sequence[np.ndarray], *,
                   shuffle: bool, rng: np.random.Generator | None,
-                  ragged: bool = False) -> list[list[int]]:
-    """One pass's batches over ``groups`` (DeePMD-kit's ``_build_all_batches``, no blocks).
+                  ragged: bool = False, blocks: BlockTargets | None = None,
+                  sids: np.ndarray | None = None) -> list[list[int]]:
+    """One pass's batches over ``groups`` (DeePMD-kit's ``_build_all_batches``).
 
     ``rng`` must be ``numpy.random.default_rng(seed)`` for DeePMD-kit's draws; it is used in
-    DeePMD-kit's order: one permutation per group, then one shuffle of the interleaved list.
+    DeePMD-kit's order: per group the ``auto_prob`` block samples (with ``blocks`` and the
+    frames' system ids ``sids``) and one permutation, then one shuffle of the interleaved list.
     """
     per_group: list[list[list[int]]] = []
-    for indices in groups:
+    shares = (allocate_block_targets(groups, sids, blocks)
+              if blocks and sids is not None else None)
+    if shares is not None and rng is None:
+        rng = np.random.default_rng()
+    for g, indices in enumerate(groups):
+        if shares is not None and rng is not None:
+            indices = expand_group(indices, sids, blocks, shares[g], rng)  # type: ignore
         if shuffle and rng is not None:
             indices = rng.permutation(indices)
         if not len(indices):
@@ -174,12 +271,14 @@ def interleave(per_group: Sequence[Sequence[list[int]]]) -> list[list[int]]:
 
 
 def pass_batches(rule: LmdbRule, nlocs: np.ndarray, groups: Sequence[np.ndarray], *,
-                 seed: int | None, epoch: int, shuffle: bool = True,
-                 ragged: bool = False) -> list[list[int]]:
+                 seed: int | None, epoch: int, shuffle: bool = True, ragged: bool = False,
+                 blocks: BlockTargets | None = None,
+                 sids: np.ndarray | None = None) -> list[list[int]]:
     """The batches of pass ``epoch``: drawn from ``default_rng(seed + epoch)`` (an unseeded
     generator when ``seed`` is None, as DeePMD-kit does)."""
     rng = np.random.default_rng(None if seed is None else seed + epoch)
-    return build_batches(rule, nlocs, groups, shuffle=shuffle, rng=rng, ragged=ragged)
+    return build_batches(rule, nlocs, groups, shuffle=shuffle, rng=rng, ragged=ragged,
+                         blocks=blocks, sids=sids)
 
 
 def rank_batches(batches: Sequence[list[int]], rank: int, world_size: int) -> list[list[int]]:
@@ -209,5 +308,6 @@ def resume_batches(batches: Sequence[list[int]], consumed: int, rank: int,
 __all__ = [
     "LmdbRule", "parse_lmdb_rule", "batch_size_for_nloc", "kept_frames", "chop_same",
     "chop_mixed", "batch_groups", "build_batches", "interleave", "pass_batches",
-    "rank_batches", "resume_batches", "DEFAULT_AUTO",
+    "rank_batches", "resume_batches", "DEFAULT_AUTO", "block_targets",
+    "allocate_block_targets", "expand_group",
 ]
