@@ -23,7 +23,7 @@ from mdloader.testing import make_lmdb, make_system
 
 TYPE_MAP = ["O", "H"]
 NAMES = ["LmdbDataReader", "LmdbBatchSampler", "DistributedLmdbBatchSampler", "LmdbDataset",
-         "LmdbBatchDataLoader", "merge_lmdb"]
+         "LmdbBatchDataLoader", "merge_lmdb", "compute_block_targets", "is_lmdb"]
 RULES = [2, "auto:12", "max:14", "filter:6", "mix:14", "mix:40"]
 
 
@@ -175,9 +175,32 @@ def test_dataset_iterates_padded_tensors_on_the_cpu(database: str) -> None:
     assert dataset.total_batch == len(dataset.sampler_list[0]) and dataset.mixed_nloc
 
 
-def test_unsupported_auto_prob_and_late_requirements_are_refused(database: str) -> None:
-    with pytest.raises(ValueError, match="auto_prob_style over the systems"):
-        mdloader.LmdbDataset(database, TYPE_MAP, auto_prob_style="prob_sys_size")
+BLOCKS = """
+from deepmd.dpmodel.utils.lmdb_data import (LmdbDataReader, LmdbBatchSampler,
+                                            compute_block_targets)
+import json
+out = {}
+for rule in (2, "mix:14"):
+    reader = LmdbDataReader(PATH, ["O", "H"], rule)
+    blocks = compute_block_targets(STYLE, reader.nsystems, reader.system_nframes)
+    sampler = LmdbBatchSampler(reader, seed=4, block_targets=blocks)
+    out[str(rule)] = [blocks, [[int(i) for i in b] for b in sampler]]
+print(json.dumps(out))
+"""
+
+
+def test_auto_prob_blocks_repeat_frames_as_deepmd_does(database: str) -> None:
+    style = "prob_sys_size;0:2:0.7;2:6:0.3"
+    theirs = _deepmd(BLOCKS, PATH=database, STYLE=style)
+    for rule in (2, "mix:14"):
+        reader = mdloader.LmdbDataReader(database, TYPE_MAP, rule)
+        blocks = mdloader.compute_block_targets(style, reader.nsystems, reader.system_nframes)
+        batches = list(mdloader.LmdbBatchSampler(reader, seed=4, block_targets=blocks))
+        assert json.loads(json.dumps([blocks, batches])) == theirs[str(rule)]  # type: ignore
+        assert sum(map(len, batches)) > len(reader)  # the first block's frames repeat
+
+
+def test_late_requirements_and_closed_readers_are_refused(database: str) -> None:
     reader = mdloader.LmdbDataReader(database, TYPE_MAP)
     reader[0]
     with pytest.raises(RuntimeError, match="must be registered before reading any frame"):
