@@ -28,7 +28,7 @@ from mdloader.data.formats.lmdb.address import group_address
 from mdloader.data.formats.lmdb.groups import describe_group, read_groups
 from mdloader.data.formats.lmdb.reader import LmdbGroupReader
 from mdloader.data.schema import DataRequirementItem
-from mdloader.errors import ConfigError
+from mdloader.errors import ConfigError, StateDictError
 from mdloader.sampling import lmdb_batches as lb
 
 log = logging.getLogger(__name__)
@@ -432,7 +432,13 @@ class LmdbBatchSampler:
 class DistributedLmdbBatchSampler:
     """DeePMD-kit 3.2's ``DistributedLmdbBatchSampler(reader, rank, world_size, ...)``: every
     rank builds pass ``seed + epoch``'s batches and takes its padded strided share
-    (:func:`~mdloader.sampling.lmdb_batches.rank_batches`)."""
+    (:func:`~mdloader.sampling.lmdb_batches.rank_batches`).
+
+    mdloader adds a resume state (:meth:`state_dict`): the pass and the global batches the
+    ranks have read of it, so a job restored at any world size reads exactly the rest.
+    """
+
+    STATE_KEYS = ("epoch", "consumed", "seed")
 
     def __init__(self, reader: LmdbDataReader, rank: int, world_size: int,
                  shuffle: bool = True, seed: int | None = None,
@@ -445,10 +451,34 @@ class DistributedLmdbBatchSampler:
         self._block_targets = block_targets
         self._epoch = 0
         self._global: LmdbBatchSampler | None = None
+        self._start = 0  # global batches of the pass read before a restore
+        self._served = 0  # batches this rank yielded of the pass since then
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self._epoch:
             self._epoch, self._global = epoch, None
+            self._start = self._served = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """The pass and the global batches read of it (every rank reads one per step)."""
+        consumed = min(self._start + self._served * self._world_size,
+                       len(self._global_batches()))
+        return {"epoch": self._epoch, "consumed": consumed, "seed": self._seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue the saved pass: the next iteration yields this rank's share of the rest."""
+        if sorted(state) != sorted(self.STATE_KEYS):
+            raise StateDictError(f"an LMDB sampler state holds {sorted(state)}, expected "
+                                 f"{sorted(self.STATE_KEYS)}")
+        if state["seed"] != self._seed:
+            raise StateDictError(f"the saved LMDB sampler state is of seed {state['seed']}, "
+                                 f"this sampler's seed is {self._seed}")
+        self.set_epoch(int(state["epoch"]))
+        total = len(self._global_batches())
+        if not 0 <= int(state["consumed"]) <= total:
+            raise StateDictError(f"the saved position {state['consumed']} is outside the pass "
+                                 f"of {total} batches")
+        self._start, self._served = int(state["consumed"]), 0
 
     def _global_batches(self) -> list[list[int]]:
         if self._global is None:
@@ -461,10 +491,13 @@ class DistributedLmdbBatchSampler:
         return lb.rank_batches(all_batches, self._rank, self._world_size)
 
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self._partition_batches(self._global_batches())
+        start, self._served = self._start, 0
+        for batch in self._partition_batches(self._global_batches()[start:]):
+            self._served += 1
+            yield batch
 
     def __len__(self) -> int:
-        return -(-len(self._global_batches()) // self._world_size)
+        return -(-(len(self._global_batches()) - self._start) // self._world_size)
 
     @property
     def total_batches(self) -> int:

@@ -5,6 +5,7 @@ padding, and ``merge_lmdb`` remapping type maps without ever swapping species.""
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import subprocess
 import textwrap
@@ -248,3 +249,33 @@ def test_merge_remaps_type_maps_and_never_swaps_species(tmp_path: Path) -> None:
         mdloader.merge_lmdb([legacy, second], merged)
     assert "missing" in str(refused.value)
     assert _species(merged) == expected  # a failed merge leaves the destination as it was
+
+
+@pytest.mark.parametrize("old_world,new_world", [(2, 2), (2, 3), (3, 1)])
+def test_a_restored_sampler_reads_exactly_the_rest_of_the_pass(database: str, old_world: int,
+                                                              new_world: int) -> None:
+    reader = mdloader.LmdbDataReader(database, TYPE_MAP, "mix:14")
+    old = [mdloader.DistributedLmdbBatchSampler(reader, r, old_world, seed=3)
+           for r in range(old_world)]
+    for sampler in old:
+        sampler.set_epoch(2)
+    steps = 2
+    read = [b for sampler in old for b in itertools.islice(sampler, steps)]
+    state = old[0].state_dict()
+    assert state == {"epoch": 2, "consumed": steps * old_world, "seed": 3}
+    fresh = [mdloader.DistributedLmdbBatchSampler(reader, r, new_world, seed=3)
+             for r in range(new_world)]
+    for sampler in fresh:
+        sampler.load_state_dict(state)
+    rest = [b for sampler in fresh for b in sampler]
+    assert len(fresh[0]) == len(list(fresh[0]))
+    whole = mdloader.DistributedLmdbBatchSampler(reader, 0, 1, seed=3)
+    whole.set_epoch(2)
+    full = list(whole)
+    assert {tuple(b) for b in read + rest} == {tuple(b) for b in full}
+    assert sorted(map(tuple, read)) == sorted(map(tuple, full[:steps * old_world]))
+    assert 0 <= len(read + rest) - len(full) < new_world  # the last step's padding only
+    with pytest.raises(ValueError, match="expected"):
+        fresh[0].load_state_dict({"epoch": 2, "consumed": 1})
+    with pytest.raises(ValueError, match="seed 9"):
+        fresh[0].load_state_dict({"epoch": 2, "consumed": 1, "seed": 9})
