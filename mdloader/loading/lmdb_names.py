@@ -24,7 +24,9 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from mdloader.data.formats.base import Location
+from mdloader.data.formats.lmdb import codec
 from mdloader.data.formats.lmdb.address import group_address
+from mdloader.data.formats.lmdb.fields import canonical
 from mdloader.data.formats.lmdb.groups import describe_group, read_groups
 from mdloader.data.formats.lmdb.reader import LmdbGroupReader
 from mdloader.data.schema import DataRequirementItem
@@ -40,6 +42,8 @@ FRAME_LEVEL = frozenset({"box", "energy", "virial", "fparam", "charge_spin", "na
                          "real_natoms_vec", "fid", "sid"})
 PHANTOM_ATOM_TYPE = -1
 """The atom type of a padded slot in a ``mix:N`` batch."""
+PROBE_FRAMES = 256
+"""Frames, spread over the database, whose labels decide whether it needs a full scan."""
 
 _REQUIREMENT_FIELDS = ("ndof", "atomic", "must", "high_prec", "type_sel", "repeat", "default",
                        "dtype", "output_natoms_for_type_sel")
@@ -211,27 +215,48 @@ class LmdbDataReader:
         return [part for group in groups for part in self.availability_groups(group)]
 
     def availability_groups(self, indices: np.ndarray) -> list[np.ndarray]:
-        """``indices`` split by which optional tracked labels each frame holds (one group
-        when no registered requirement is optional and tracked)."""
+        """``indices`` split by which optional tracked labels each frame holds, as DeePMD-kit
+        splits them: one group when no such label is registered or when 256 frames spread
+        over the database agree; else one group per label signature, in first-seen order."""
         indices = np.asarray(indices, dtype=np.int64)
         tracked = sorted(k for k, r in self._requirements.items()
                          if not r.must and getattr(r, "source_policy", "tracked") == "tracked")
-        if not len(indices) or not tracked:
-            return [indices] if len(indices) else []
+        if not len(indices):
+            return []
+        if not tracked:
+            return [indices]
         if self._availability is None:
-            self._availability = self._scan_availability(tracked)
+            probe = (np.arange(self.nframes) if self.nframes <= PROBE_FRAMES else
+                     (self.nframes * np.arange(PROBE_FRAMES)) // PROBE_FRAMES)
+            seen = {self._signature(int(i), tracked) for i in probe.tolist()}
+            self._availability = (np.zeros(self.nframes, dtype=np.int64) if len(seen) < 2 else
+                                  self._scan_availability(tracked))
         signature = self._availability[indices]
-        return [indices[signature == s] for s in np.unique(signature).tolist()]
+        first = {}
+        for value in signature.tolist():
+            first.setdefault(value, len(first))
+        return [indices[signature == value] for value in first]
+
+    def _signature(self, index: int, tracked: list[str]) -> int:
+        """A bit per tracked label frame ``index`` (a dataset index) holds, arrays undecoded."""
+        key = int(self._retained_keys[index])
+        record = {canonical(k): v for k, v in
+                  self._reader(int(self._group_of[key])).unpacked(key).items()}
+        bits = 0
+        for bit, name in enumerate(tracked):
+            flag = record.get("find_" + name)
+            held = flag is None or bool(float(np.asarray(
+                codec.decode_array(flag) if codec.is_encoded_array(flag) else flag).ravel()[0]))
+            if name in record and held:
+                bits |= 1 << bit
+        return bits
 
     def _scan_availability(self, tracked: list[str]) -> np.ndarray:
-        """One integer per dataset index: a bit per tracked label the frame holds."""
-        out = np.zeros(self.nframes, dtype=np.int64)
-        for index, key in enumerate(self._retained_keys.tolist()):
-            record = self._reader(int(self._group_of[key])).record(key)
-            for bit, name in enumerate(tracked):
-                flag = record.get("find_" + name)
-                if name in record and (flag is None or float(np.asarray(flag).ravel()[0])):
-                    out[index] |= 1 << bit
+        """Every frame's signature, ids in first-seen order (DeePMD-kit's exact scan)."""
+        ids: dict[int, int] = {}
+        out = np.empty(self.nframes, dtype=np.int64)
+        for index in range(self.nframes):
+            out[index] = ids.setdefault(self._signature(index, tracked), len(ids))
         return out
 
     # -- data requirements ----------------------------------------------------------------------
