@@ -1,8 +1,9 @@
 """mdloader: a distributed, file-system-friendly loader of DeePMD data systems.
 
 The public names follow DeePMD-kit's PyTorch backend (``DpLoaderSet``,
-``DeepmdDataSetForLoader``, ``get_weighted_sampler``, ``collate_batch``) so that switching is an
-import change. Heavy modules are imported on first use, so ``import mdloader`` stays cheap.
+``DeepmdDataSetForLoader``, ``get_weighted_sampler``, ``collate_batch``) and its LMDB names
+(``LmdbDataReader``, ``LmdbBatchSampler``, ``LmdbDataset``, ``merge_lmdb``, ...) so that switching
+is an import change. Heavy modules are imported on first use, so ``import mdloader`` stays cheap.
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ _EXPORTS = {
     "BroadcastingDataLoader": "mdloader.distributed.broadcasting",
     "is_source_rank": "mdloader.distributed.broadcasting",
     "broadcast_batch": "mdloader.distributed.broadcasting",
+    "LmdbDataReader": "mdloader.loading.lmdb_names",
+    "LmdbBatchSampler": "mdloader.loading.lmdb_names",
+    "DistributedLmdbBatchSampler": "mdloader.loading.lmdb_names",
+    "SameNlocBatchSampler": "mdloader.loading.lmdb_names",
+    "DistributedSameNlocBatchSampler": "mdloader.loading.lmdb_names",
+    "LmdbDataset": "mdloader.loading.lmdb_names",
+    "LmdbBatchDataLoader": "mdloader.loading.lmdb_names",
+    "merge_lmdb": "mdloader.data.formats.lmdb.merge",
+    "compute_block_targets": "mdloader.loading.lmdb_names",
+    "is_lmdb": "mdloader.loading.lmdb_names",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

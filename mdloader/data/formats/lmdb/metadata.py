@@ -39,6 +39,7 @@ class Metadata:
     frame_nlocs: np.ndarray
     frame_system_ids: np.ndarray | None
     scanned: bool  # frame_nlocs was missing and came from reading every frame
+    system_natoms: int = 0  # atoms of ``system_info`` (0 when absent): DeePMD-kit's nominal size
 
 
 def scanned_frames() -> int:
@@ -66,9 +67,10 @@ def read_metadata(path: str) -> Metadata:
         sids = _per_frame(meta, "frame_system_ids", nframes, path, minimum=0)
         nlocs = _per_frame(meta, "frame_nlocs", nframes, path, minimum=1)
         scanned = nlocs is None
+        fallback = _fallback_natoms(meta)
         if nlocs is None:
-            nlocs = _scan_nlocs(txn, path, nframes, fmt, _fallback_natoms(meta))
-    return Metadata(nframes, fmt, type_map, nlocs, sids, scanned)
+            nlocs = _scan_nlocs(txn, path, nframes, fmt, fallback)
+    return Metadata(nframes, fmt, type_map, nlocs, sids, scanned, fallback or 0)
 
 
 def _str_keys(value: Any) -> Any:
