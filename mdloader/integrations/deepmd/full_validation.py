@@ -107,7 +107,7 @@ class ShardedEvaluation:
         return dict(self._shared_metrics)
 
     def evaluate_shards(self, display_step: int) -> dict[str, float] | None:
-        """This rank's share of the validation frames evaluated, every rank's sums merged in one
+        """Evaluate this rank's share of the validation frames and merge every rank's sums in one
         gather: the metrics of the table's columns, the same on every rank; ``None`` on every
         rank when a stop signal cut the pass on any rank. A rank's failure is raised on every
         rank (the lowest failing rank's, naming its system and file)."""
@@ -119,7 +119,7 @@ class ShardedEvaluation:
         error: BaseException | None = None
         try:
             part, cut = self._evaluate_share()
-        except Exception as exc:  # every rank raises it, after the one exchange
+        except Exception as exc:  # noqa: BLE001 - every rank raises it after the one gather
             error, cut = exc, False
         parts = gather_from_every_rank({"sums": part, "cut": cut}, error,
                                        context=f"full validation at step {display_step}")

@@ -64,7 +64,8 @@ def _evaluate_share(self):
 def batch_errors(self, batch):
     seen.extend([int(batch["sid"]), int(f)] for f in batch["fid"])
     return own_errors(self, batch)
-fv.ShardedEvaluation._evaluate_share, fv.ShardedEvaluation.batch_errors = _evaluate_share, batch_errors
+fv.ShardedEvaluation._evaluate_share = _evaluate_share
+fv.ShardedEvaluation.batch_errors = batch_errors
 from mdloader.cli.main import main
 sys.exit(main(sys.argv[2:]))
 '''
@@ -141,7 +142,8 @@ def test_full_validation_equals_deepmd_kits_at_one_and_two_ranks_and_resumes_as_
     assert [m["step"] for m in theirs] == [2, 4, 6]
     for ranks in (1, 2):
         job = _job(tmp_path / f"w{ranks}", config)
-        _launch(job, "mdloader", "dp", "--pt", "train", "input.json", ranks=ranks if ranks > 1 else 0)
+        _launch(job, "mdloader", "dp", "--pt", "train", "input.json",
+                ranks=ranks if ranks > 1 else 0)
         worst = _assert_same_figures(theirs, _metrics(job))
         print(f"full validation under mdloader dp, W = {ranks}: largest relative difference "
               f"from dp's {worst:.1e}")
