@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -33,9 +34,10 @@ REPO = Path(__file__).resolve().parents[3]
 #: validation's unrounded metrics appended to ``metrics.jsonl`` (rank 0, DeePMD-kit's
 #: ``_log_result``), and under mdloader each rank's evaluated frames in ``frames.rank<R>.jsonl``
 #: (one line per pass: ``[sid, fid]`` pairs). ``MDLOADER_TEST_TRUNCATE``: rank 0 truncates that
-#: file as the first pass starts.
+#: file as the first pass starts; ``MDLOADER_TEST_SIGTERM_PASS``: rank 0 sends itself SIGTERM as
+#: that pass (1-based) starts.
 SPY = r'''
-import json, os, sys
+import json, os, signal, sys
 from deepmd.pt_expt.train import validation
 own_log = validation.FullValidator._log_result
 def _log_result(self, result):
@@ -51,11 +53,14 @@ if sys.argv[1] == "dp":
 from mdloader.integrations.deepmd import full_validation as fv
 rank = int(os.environ.get("RANK", "0"))
 own_share, own_errors = fv.ShardedEvaluation._evaluate_share, fv.ShardedEvaluation.batch_errors
-seen = []
+seen, passes = [], []
 def _evaluate_share(self):
     target = os.environ.get("MDLOADER_TEST_TRUNCATE")
     if target and rank == 0 and os.path.getsize(target) > 200:
         os.truncate(target, os.path.getsize(target) // 3)
+    passes.append(1)
+    if rank == 0 and os.environ.get("MDLOADER_TEST_SIGTERM_PASS") == str(len(passes)):
+        os.kill(os.getpid(), signal.SIGTERM)
     seen.clear()
     result = own_share(self)
     with open(f"frames.rank{rank}.jsonl", "a") as out:
@@ -158,7 +163,8 @@ def test_full_validation_equals_deepmd_kits_at_one_and_two_ranks_and_resumes_as_
                                       for f in range(n)]
             assert [len(rank[number]) for rank in passes] == [12 // ranks] * ranks
     # --restart from the step-3 checkpoint: validations 4 and 6 again, val.log appended, the
-    # best records of train_infos continued (dp runs step 3 again, mdloader dp skips it)
+    # best records as dp's restart leaves them (it starts them afresh: best.ckpt-4.t-1.pt);
+    # dp runs step 3 again, mdloader dp skips it
     for name, command, ranks in (("dp", ["dp"], 0), ("w2", ["mdloader", "dp"], 2)):
         again = tmp_path / f"{name}-restart"
         shutil.copytree(tmp_path / name, again)
@@ -192,6 +198,35 @@ def test_a_truncated_validation_file_during_a_pass_is_one_line_on_every_rank(
     assert "full validation at step 2" in errors[0], errors[0]
     print(f"truncated validation file during a full validation, 2 ranks: {errors[0]}")
     assert proc.returncode != 0 and not (job / "val.log").exists(), out[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(500)
+def test_sigterm_during_a_pass_stops_every_rank_after_its_step_and_the_restart_continues(
+        tmp_path: Path) -> None:
+    """SIGTERM to rank 0 as the pass of step 4 starts: rank 0 cuts its share, the gather tells
+    rank 1, and both stop there as after a training step (the checkpoint of step 4 with its
+    loader state, one line each, exit 143), with no ``val.log`` line for step 4. The restart
+    from it validates step 6; its best records start afresh, as DeePMD-kit 3.2's restart's do
+    (the comparison with ``dp --restart`` above)."""
+    job = _job(tmp_path / "job", full_validation_input(tmp_path / "data"))
+    proc = _launch(job, "mdloader", "dp", "--pt", "train", "input.json", ranks=2, check=False,
+                   MDLOADER_TEST_SIGTERM_PASS="2", MDLOADER_STOP_CHECK_STEPS="1000")
+    out = proc.stdout + proc.stderr
+    stopped = re.findall(r"mdloader: stopped on rank (\d): (SIG\w+) after step (\d+)", out)
+    assert sorted(stopped) == [("0", "SIGTERM", "4"), ("1", "SIGTERM", "4")], out[-4000:]
+    assert "checkpoint model.ckpt-4.pt written with its loader state" in out, out[-4000:]
+    assert (job / "model.ckpt-4.pt.mdloader").exists() and proc.returncode != 0
+    assert [m["step"] for m in _metrics(job)] == [2]
+    _launch(job, "mdloader", "dp", "--pt", "train", "input.json", "--restart",
+            "model.ckpt-4.pt", ranks=2)
+    assert [m["step"] for m in _metrics(job)] == [2, 6]
+    steps = [line.split()[0] for line in (job / "val.log").read_text().splitlines()
+             if not line.startswith("#")]
+    assert steps == ["2", "6"]
+    records = _train_infos(job / "model.ckpt-6.pt")["full_validation_topk_records"]
+    assert [r["step"] for r in records] == [6]
 
 
 def test_the_ranks_sums_merge_to_the_metrics_of_every_frame_at_once() -> None:
