@@ -117,7 +117,7 @@ def _assert_same_figures(theirs: list[dict], ours: list[dict]) -> float:
 
 
 def _best_files(root: Path) -> list[str]:
-    return sorted(p.name for p in root.glob("best.ckpt-*.pt"))
+    return sorted(p.name for p in root.glob("best*.ckpt-*.pt"))
 
 
 def _train_infos(checkpoint: Path) -> dict:
@@ -137,14 +137,17 @@ def _records_close(theirs: dict, ours: dict) -> None:
 @pytest.mark.timeout(900)
 def test_full_validation_equals_deepmd_kits_at_one_and_two_ranks_and_resumes_as_it(
         tmp_path: Path) -> None:
-    """DeePMD-kit's one-rank figures within 1e-10 at W = 1 and W = 2, each frame evaluated
-    once over the ranks (6 of 12 on each of 2), the same ``val.log`` (its 5-digit figures),
-    best checkpoints and ``train_infos``; a ``--restart`` continues them as DeePMD-kit's does."""
+    """DeePMD-kit's one-rank figures within 1e-10 at W = 1 and W = 2, for the live and the EMA
+    weights, each frame evaluated once over the ranks (6 of 12 on each of 2), the same
+    ``val.log`` and ``val_ema.log`` (5-digit figures), best checkpoints and ``train_infos``; a
+    ``--restart`` continues them as DeePMD-kit's does."""
     config = full_validation_input(tmp_path / "data")
+    config["training"]["enable_ema"] = True  # and the EMA weights' flow beside the live one's
+    config["validating"]["ema_full_validation"] = True
     ref = _job(tmp_path / "dp", config)
     _launch(ref, "dp", "--pt", "train", "input.json")
     theirs = _metrics(ref)
-    assert [m["step"] for m in theirs] == [2, 4, 6]
+    assert [m["step"] for m in theirs] == [2, 2, 4, 4, 6, 6]
     for ranks in (1, 2):
         job = _job(tmp_path / f"w{ranks}", config)
         _launch(job, "mdloader", "dp", "--pt", "train", "input.json",
@@ -152,12 +155,15 @@ def test_full_validation_equals_deepmd_kits_at_one_and_two_ranks_and_resumes_as_
         worst = _assert_same_figures(theirs, _metrics(job))
         print(f"full validation under mdloader dp, W = {ranks}: largest relative difference "
               f"from dp's {worst:.1e}")
-        assert (job / "val.log").read_text() == (ref / "val.log").read_text()
-        assert _best_files(job) == _best_files(ref) == ["best.ckpt-2.t-1.pt", "best.ckpt-4.t-2.pt"]
+        for log in ("val.log", "val_ema.log"):
+            assert (job / log).read_text() == (ref / log).read_text()
+        assert _best_files(job) == _best_files(ref) == [
+            "best.ckpt-2.t-1.pt", "best.ckpt-4.t-2.pt", "best_ema.ckpt-2.t-1.pt",
+            "best_ema.ckpt-4.t-2.pt"]
         _records_close(_train_infos(ref / "model.ckpt-6.pt"), _train_infos(job / "model.ckpt-6.pt"))
         passes = [[json.loads(line) for line in (job / f"frames.rank{r}.jsonl").read_text()
                    .splitlines()] for r in range(ranks)]
-        for number in range(3):  # every pass: every frame once over the ranks, 12 / W each
+        for number in range(6):  # every pass: every frame once over the ranks, 12 / W each
             frames = [tuple(f) for rank in passes for f in rank[number]]
             assert sorted(frames) == [(s, f) for s, n in enumerate(VALIDATION_FRAMES)
                                       for f in range(n)]
@@ -172,9 +178,10 @@ def test_full_validation_equals_deepmd_kits_at_one_and_two_ranks_and_resumes_as_
         _launch(again, *command, "--pt", "train", "input.json", "--restart", "model.ckpt-3.pt",
                 ranks=ranks)
     ref, ours = tmp_path / "dp-restart", tmp_path / "w2-restart"
-    assert [m["step"] for m in _metrics(ref)] == [4, 6]
+    assert [m["step"] for m in _metrics(ref)] == [4, 4, 6, 6]
     _assert_same_figures(_metrics(ref), _metrics(ours))
-    assert (ours / "val.log").read_text() == (ref / "val.log").read_text()
+    for log in ("val.log", "val_ema.log"):
+        assert (ours / log).read_text() == (ref / log).read_text()
     assert _best_files(ours) == _best_files(ref)
     _records_close(_train_infos(ref / "model.ckpt-6.pt"), _train_infos(ours / "model.ckpt-6.pt"))
 
