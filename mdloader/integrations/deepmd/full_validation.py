@@ -2,9 +2,9 @@
 
 DeePMD-kit's ``FullValidator`` evaluates every validation system whole on rank 0 while the other
 ranks wait at a barrier, through each system's own ``DeepmdData`` (deepmd-kit #5336). Under
-``mdloader dp`` every validator DeePMD-kit builds is a :class:`ShardedFullValidator` (built by
+``mdloader dp`` every validator DeePMD-kit builds is a sharded one (:func:`sharded_class`, built by
 DeePMD-kit's own ``build_full_validators``, with its schedule, metric, log file and
-best-checkpoint rule, :func:`sharded_builds`); only its evaluation differs: every rank reads its
+best-checkpoint rule: :func:`sharded_builds`); only its evaluation differs: every rank reads its
 share of the validation frames through the feed's full pass
 (:meth:`~mdloader.loading.feed.Feed.full_pass`: each frame exactly once over the ranks), predicts
 them with DeePMD-kit's own ``_predict_outputs`` and computes DeePMD-kit's per-system metrics of
@@ -73,14 +73,15 @@ def merged_metrics(parts: list[Mapping[str, tuple[float, float]]]) -> dict[str, 
 
 
 class ShardedEvaluation:
-    """What :class:`ShardedFullValidator` changes in DeePMD-kit's ``FullValidator``: its
-    evaluation, on every rank, of the rank's share of the frames. ``feed`` and ``stop`` are set
-    when the trainer runs (:func:`bind`)."""
+    """What the sharded validator (:func:`sharded_class`) changes in DeePMD-kit's
+    ``FullValidator``: its evaluation, on every rank, of the rank's share of the frames.
+    ``feed``, ``stop`` and ``pending_signal`` are set when the trainer runs (:func:`bind`)."""
 
     feed: Feed | None = None
     stop: Callable[[str], None] | None = None
     pending_signal: Callable[[], str | None] = staticmethod(lambda: None)
     _shared_metrics: dict[str, float] | None = None
+    _signal: str | None = None
 
     def run(self, *, step_id: int, display_step: int, lr: float,
             save_checkpoint: Any) -> Any:
