@@ -56,7 +56,8 @@ def multi_task_input(root: Path, tasks: tuple[str, ...] = ("a", "b"),
 
 def full_validation_input(root: Path, *, numb_steps: int = 6) -> dict:
     """A one-head float64 se_e2_a input with DeePMD-kit 3.2's full validation every 2 steps over
-    three periodic validation systems of 5, 3 and 4 frames (with virials: the stress columns).
+    three periodic validation systems of 5, 3 and 4 frames (with virials: the stress columns) and
+    a non-periodic one of 3 frames without virials.
 
     Its learning rate (1e-30) leaves the weights as they were made, and its statistics read
     every frame (``data_stat_nbatch``), so ``dp`` and ``mdloader dp``, which draw different
@@ -67,6 +68,8 @@ def full_validation_input(root: Path, *, numb_steps: int = 6) -> dict:
                          keys=keys) for i in range(2)]
     valid = [make_system(root / "valid", f"v{i}", natoms=5 + i, nframes=n, seed=20 + i,
                          keys=keys) for i, n in enumerate((5, 3, 4))]
+    valid.append(make_system(root / "valid", "nopbc", natoms=5, nframes=3, seed=33,
+                             keys=("energy", "force"), pbc=False))
     descriptor = dict(DESCRIPTOR, precision="float64")
     return {"model": {"type_map": ["O", "H"], "data_stat_nbatch": 100, "descriptor": descriptor,
                       "fitting_net": {"neuron": [8], "seed": 1, "precision": "float64"}},
