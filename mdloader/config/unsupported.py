@@ -60,22 +60,16 @@ MDLOADER_DATA_KEYS = ("index_file", "balance_window", "balance_cost")
 
 
 def refuse_under_deepmd(data: dict) -> None:
-    """Raise one ConfigError naming the first key of ``data`` that ``mdloader dp`` would not act
-    on: DeePMD-kit's ``validating.full_validation`` (it reads every system whole on rank 0
-    through DeePMD-kit's own reader), a key only ``mdloader train`` reads
-    (:data:`MDLOADER_DATA_KEYS`), or a batch-size rule mdloader does not serve (``mix:N``, the
-    TensorFlow-only ``mixed:N``, an unknown or malformed rule), in any data section of any task.
+    """Raise one ConfigError naming the first thing in ``data`` that ``mdloader dp`` would not
+    act on: a full validation DeePMD-kit itself refuses (:func:`refuse_full_validation`), a key
+    only ``mdloader train`` reads (:data:`MDLOADER_DATA_KEYS`), or a batch-size rule mdloader
+    does not serve (``mix:N``, the TensorFlow-only ``mixed:N``, an unknown or malformed rule),
+    in any data section of any task.
 
     The one place of these rules: ``mdloader dp`` calls it before any set-up, and
     ``mdloader check --for dp`` calls it, so both give the same line.
     """
-    validating = _section(data, "validating")
-    if validating.get("full_validation"):
-        raise ConfigError("DeePMD-kit's full validation is not supported under mdloader dp (it "
-                          "reads each system whole on rank 0 through DeePMD-kit's own reader); "
-                          "set it to false, or use mdloader train --full-validation: every "
-                          "validation frame once, sharded over the ranks",
-                          path="validating.full_validation")
+    refuse_full_validation(data)
     for path, section in data_sections(data):
         for key in MDLOADER_DATA_KEYS:
             if key in section:
@@ -86,6 +80,42 @@ def refuse_under_deepmd(data: dict) -> None:
         if isinstance(batch, str):
             _refuse_tensorflow_rule(batch, f"{path}.batch_size")
             parse_rule(batch, key=f"{path}.batch_size")
+
+
+def full_validation_runs(data: dict) -> bool:
+    """Whether DeePMD-kit 3.2 would run a full validation for ``data``: ``full_validation``, or
+    ``ema_full_validation`` with ``training.enable_ema``, unless ``full_val_start`` is 1 (its
+    ``validate_full_validation_config``)."""
+    validating, training = _section(data, "validating"), _section(data, "training")
+    wanted = bool(validating.get("full_validation", False)) or (
+        bool(validating.get("ema_full_validation", False))
+        and bool(training.get("enable_ema", False)))
+    return wanted and float(validating.get("full_val_start", 0.0)) != 1.0
+
+
+def refuse_full_validation(data: dict) -> None:
+    """DeePMD-kit 3.2's own refusals of a full validation, in its words, before any set-up: a
+    multi-task input, a loss other than ``ener``/``ener_spin``, no ``training.validation_data``,
+    ``training.zero_stage`` 2 or more (its ``validate_full_validation_config``, which it runs
+    after reading the input; its metric checks stay its own). Under ``mdloader dp`` the full
+    validation it accepts is sharded over the ranks
+    (:mod:`mdloader.integrations.deepmd.full_validation`)."""
+    if not full_validation_runs(data):
+        return
+    training = _section(data, "training")
+    if "model_dict" in _section(data, "model") or "data_dict" in training:
+        raise ConfigError("validating.full_validation only supports single-task energy "
+                          "training; multi-task training is not supported.")
+    loss_type = _section(data, "loss").get("type", "ener")
+    if loss_type not in ("ener", "ener_spin"):
+        raise ConfigError("validating.full_validation only supports single-task energy or "
+                          f"spin-energy training; got loss.type={loss_type!r}.")
+    if not training.get("validation_data"):
+        raise ConfigError("full validation requires `training.validation_data`. It is only "
+                          "supported for single-task energy or spin-energy training.")
+    if int(training.get("zero_stage", 0)) >= 2:
+        raise ConfigError("validating.full_validation only supports single-task energy "
+                          "training with training.zero_stage < 2.")
 
 
 def data_sections(data: dict) -> list[tuple[str, dict]]:

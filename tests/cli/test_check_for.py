@@ -46,8 +46,11 @@ def _check(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[st
 
 
 def _full_validation(data: dict) -> str:
+    """A full validation DeePMD-kit refuses: multi-task, or without validation data."""
     data["validating"] = {"full_validation": True}
-    return "validating.full_validation: DeePMD-kit's full validation is not supported"
+    if "data_dict" in data["training"]:
+        return "validating.full_validation only supports single-task energy training"
+    return "full validation requires `training.validation_data`"
 
 
 def _mix(data: dict) -> str:

@@ -7,7 +7,8 @@ the trainer's only record here (:data:`_RUNS`). When it runs (:func:`trainer_run
 restores the loader state saved beside the ``--restart`` checkpoint, sets the task schedule at the
 step the run continues at, and starts one pool of workers reading ahead in DeePMD-kit's own
 order (resume, schedule, pool: :meth:`~mdloader.loading.feed.Feed.start`); the trainer's
-iterators are then the feed's. Each training step (:func:`next_training_batch`) is a
+iterators are then the feed's, and its full validation passes
+(:mod:`~.full_validation`) the feed's too. Each training step (:func:`next_training_batch`) is a
 :meth:`~mdloader.loading.feed.Feed.training_step` (stop signals are agreed on there,
 :mod:`~.stopping`); before each checkpoint every rank gathers the feed's state
 (:class:`GatheringGuard`), which rank 0 writes beside it (:func:`saving_loader_state`).
@@ -32,10 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mdloader import settings
-from mdloader.config.unsupported import refuse_under_deepmd
 from mdloader.distributed.group import current_world
 from mdloader.errors import MdloaderError
-from mdloader.integrations.deepmd import seam, stopping
+from mdloader.integrations.deepmd import full_validation, seam, stopping
 from mdloader.integrations.deepmd.systems import current_job
 from mdloader.loading import feed_state
 from mdloader.loading.feed import Feed, Stream
@@ -129,16 +129,6 @@ def trainer_loop(trainer: Any, training: dict[str, Any]) -> TrainingLoop:
         display_draws=not trainer.disp_avg)
 
 
-def refusing_full_validation(trainer: Any) -> None:
-    """``validating.full_validation`` is refused in one line (DeePMD-kit's full validation
-    reads each system whole on rank 0 through its own ``DeepmdData``, which mdloader's systems
-    do not have): ``mdloader dp`` refuses it before any set-up
-    (:func:`~mdloader.config.unsupported.refuse_under_deepmd`); this is the same line for a
-    trainer made through DeePMD-kit's API."""
-    if getattr(trainer, "full_validator", None) is not None:
-        refuse_under_deepmd({"validating": {"full_validation": True}})
-
-
 def trainer_init(original: Callable[..., None]) -> Callable[..., None]:
     """``Trainer.__init__``, then the trainer's feed, and its ``--restart`` checkpoint kept
     (``--init-model`` and ``--finetune`` start fresh streams)."""
@@ -147,7 +137,6 @@ def trainer_init(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        refusing_full_validation(self)
         given = signature.bind(self, *args, **kwargs).arguments
         restart = (given.get("restart_model") if given.get("init_model") is None else None)
         training = dict(given["config"].get("training", {}))
@@ -182,7 +171,9 @@ def trainer_run(original: Callable[[Any], None]) -> Callable[[Any], None]:
         self.nonfinite_grad_guard = GatheringGuard(self.nonfinite_grad_guard, record)
         SCHEDULED_TASKS.feed = feed
         try:
-            original(self)
+            with full_validation.bound(self, feed, lambda name: stopping.stop_now(
+                    self, feed.step, name), stopping.pending_signal):
+                original(self)
             feed.finish()
         except RuntimeError as exc:  # torch noticed a dead worker wherever the loop was
             lost = lost_worker_error()  # asked while the feed's pool is open

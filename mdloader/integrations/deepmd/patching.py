@@ -20,6 +20,7 @@ from typing import Any
 from mdloader.config.unsupported import refuse_under_deepmd
 from mdloader.integrations.deepmd import hooks, seam
 from mdloader.integrations.deepmd.failures import ending_together
+from mdloader.integrations.deepmd.full_validation import sharded_builds
 from mdloader.integrations.deepmd.input_stats import mdloader_run_stat_on_chief
 from mdloader.integrations.deepmd.seam import MAIN, TRAINING, UPDATE_SEL, owner_of
 from mdloader.integrations.deepmd.shims import cpu_ddp, trainer_dist, trainer_torch
@@ -78,6 +79,8 @@ def patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
             _original(mods, TRAINING, "Trainer._next_training_batch")),
         (TRAINING, "Trainer.save_model"): hooks.saving_loader_state(
             _original(mods, TRAINING, "Trainer.save_model")),
+        (TRAINING, "build_full_validators"): sharded_builds(
+            _original(mods, TRAINING, "build_full_validators")),
     }
     import torch
 

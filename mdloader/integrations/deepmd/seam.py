@@ -38,10 +38,14 @@ MODEL = "deepmd.pt.model.model.model"
 DESCRIPTOR = "deepmd.pt.model.descriptor.descriptor"
 STAT = "deepmd.pt.utils.stat"
 ATOMIC_MODEL = "deepmd.pt.model.atomic_model.base_atomic_model"
+VALIDATION = "deepmd.pt_expt.train.validation"
+
+#: DeePMD-kit's full validator class, bound to mdloader's sharded one while its builder runs.
+FULL_VALIDATOR_CLASS = "FullValidator"
 
 #: Where ``install`` imports the modules it checks and patches.
 MODULES = (DATALOADER, MAIN, TRAINING, UPDATE_SEL, ENV_MAT_STAT, STAT_ITEM, DP_MAIN, COMMON,
-           MODEL, DESCRIPTOR, STAT, ATOMIC_MODEL)
+           MODEL, DESCRIPTOR, STAT, ATOMIC_MODEL, VALIDATION)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +90,7 @@ SEAM: tuple[SeamName, ...] = (
              "step, rank), unlike the unseeded global generator"),
     SeamName(TRAINING, "Trainer.__init__", "wrap",
              "the trainer's streams become one feed; keeps the `--restart` checkpoint, whose "
-             "loader state `run` restores; refuses `validating.full_validation` in one line"),
+             "loader state `run` restores"),
     SeamName(TRAINING, "Trainer.run", "wrap",
              "starts the trainer's feed: the loader state saved beside the `--restart` "
              "checkpoint restored (the step DeePMD-kit would run twice skipped), the task "
@@ -135,9 +139,37 @@ SEAM: tuple[SeamName, ...] = (
              "the restart step; one more when the loader state is restored", False),
     SeamName(TRAINING, "Trainer.scheduler", "read",
              "stepped once when the repeated restart step is skipped", False),
+    SeamName(TRAINING, "build_full_validators", "wrap",
+             "DeePMD-kit's builder of the full validators (its checks, schedule, metric, "
+             "`val.log` and best checkpoints), building mdloader's sharded validators"),
+    SeamName(VALIDATION, "FullValidator", "patch",
+             "while `build_full_validators` runs only: a subclass whose `run` has every rank "
+             "evaluate its share of the validation frames (the feed's full pass), merged in "
+             "one gather, before DeePMD-kit's own `run` (best checkpoint, `val.log`) on rank 0"),
+    SeamName(VALIDATION, "FullValidator.run", "wrap",
+             "called by the subclass's `run` once the ranks merged their metrics"),
+    SeamName(VALIDATION, "FullValidator.evaluate_all_systems", "patch",
+             "in the subclass: the merged metrics instead of rank 0's pass over every system"),
+    SeamName(VALIDATION, "FullValidator.should_run", "call",
+             "whether the step is due (every rank asks before its share)"),
+    SeamName(VALIDATION, "FullValidator._predict_outputs", "call",
+             "DeePMD-kit's own model inputs and outputs, for each batch of a rank's share"),
+    SeamName(VALIDATION, "FullValidator.profile", "read",
+             "`compute_system_metrics` of each batch and `needs_spin`", False),
+    SeamName(VALIDATION, "FullValidator.model", "read",
+             "the model evaluated (`get_dim_fparam`, `get_dim_aparam`; eval mode on every "
+             "rank)", False),
+    SeamName(VALIDATION, "FullValidator.matmul_precision", "read",
+             "the evaluation's precision policy, applied on every rank", False),
+    SeamName(VALIDATION, "FullValidator.model_eval_context", "read",
+             "the EMA validator's shadow weights, swapped in on every rank", False),
+    SeamName(VALIDATION, "FullValidator.table_column_specs", "read",
+             "the metrics of the `val.log` columns", False),
     SeamName(TRAINING, "Trainer.full_validator", "read",
-             "set when `validating.full_validation` is on (it reads DeePMD-kit's own "
-             "`DeepmdData` of each system)", False),
+             "the sharded validator, given the feed's full pass for the run", False),
+    SeamName(TRAINING, "Trainer.ema_full_validator", "read",
+             "the EMA weights' sharded validator, given the feed's full pass for the run",
+             False),
     SeamName(TRAINING, "Trainer.nonfinite_grad_guard", "write",
              "during `run`, DeePMD-kit's guard whose check, run by every rank before a "
              "checkpoint, also gathers the feed's state to rank 0", False),

@@ -12,6 +12,8 @@ the steps (:meth:`~mdloader.loading.feed.Feed.training_step`); here are what its
   every rank stops before the same step, rank 0 writes the checkpoint of the last step done,
   with its loader state, and every rank ends with one line (:class:`StoppedAfterStep`, exit
   143).
+  A full validation pass (:mod:`.full_validation`) is cut by a signal on any rank, and every
+  rank stops there in the same way, after the step it followed.
 * **Non-finite data.** A training batch whose inputs or labels hold NaN/inf is a
   :class:`~mdloader.errors.NonFiniteError` naming the step, the frames, the system and the file;
   the rank fails alone and every rank prints that line (:mod:`.failures`). The check is a check
@@ -87,10 +89,15 @@ def stop_if_signalled(trainer: Any, feed: Feed, step: int) -> None:
     taken = step - feed.start_step
     if taken and taken % int(resolve("stop_check_steps")) == 0:
         if any_rank([bool(_received)], activity=f"DeePMD-kit's training step {step}")[0]:
-            _stop(trainer, step, _received[0] if _received else "a stop signal on another rank")
+            stop_now(trainer, step, _received[0] if _received else "a stop signal on another rank")
 
 
-def _stop(trainer: Any, step: int, signal_name: str) -> None:
+def pending_signal() -> str | None:
+    """The stop signal this rank received during training, if any (not yet agreed on)."""
+    return _received[0] if _received and _training else None
+
+
+def stop_now(trainer: Any, step: int, signal_name: str) -> None:
     """Save the checkpoint of step ``step - 1`` (the last one done) as DeePMD-kit's loop saves
     one, then raise :class:`StoppedAfterStep`; every rank calls it at the same step."""
     done = step - 1

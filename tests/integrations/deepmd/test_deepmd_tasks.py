@@ -186,18 +186,34 @@ def test_the_loop_of_deepmd_kits_trainer(monkeypatch: pytest.MonkeyPatch) -> Non
         hooks.ScheduledTasks().choice(2, p=[0.5, 0.5])
 
 
-def test_deepmd_kits_full_validation_is_refused_in_one_line() -> None:
-    """By ``mdloader dp`` before any set-up; for a trainer made through DeePMD-kit's API, when
-    it is made."""
-    from types import SimpleNamespace
-
-    from mdloader.config.unsupported import refuse_under_deepmd
+@pytest.mark.parametrize("change, line", [
+    ({"model": {"model_dict": {}}}, "validating.full_validation only supports single-task "
+     "energy training; multi-task training is not supported."),
+    ({"loss": {"type": "dos"}}, "validating.full_validation only supports single-task energy "
+     "or spin-energy training; got loss.type='dos'."),
+    ({"training": {"numb_steps": 2}}, "full validation requires `training.validation_data`. "
+     "It is only supported for single-task energy or spin-energy training."),
+    ({"training": {"validation_data": {"systems": ["v"]}, "zero_stage": 2}},
+     "validating.full_validation only supports single-task energy training with "
+     "training.zero_stage < 2."),
+])
+def test_a_full_validation_deepmd_kit_refuses_is_refused_before_set_up_in_its_words(
+        change: dict, line: str) -> None:
+    """DeePMD-kit's own refusals (its ``validate_full_validation_config``, run after it read the
+    input), made by ``mdloader dp`` before any set-up; what it accepts is sharded
+    (test_deepmd_full_validation.py)."""
+    from mdloader.config.unsupported import full_validation_runs, refuse_under_deepmd
     from mdloader.errors import ConfigError
-    from mdloader.integrations.deepmd.hooks import refusing_full_validation
 
-    refusing_full_validation(SimpleNamespace(full_validator=None))
-    for refuse in (lambda: refuse_under_deepmd({"validating": {"full_validation": True}}),
-                   lambda: refusing_full_validation(SimpleNamespace(full_validator=object()))):
-        with pytest.raises(ConfigError, match=r"^validating.full_validation: DeePMD-kit's full "):
-            refuse()
-    refuse_under_deepmd({"validating": {"full_validation": False}})
+    data = {"validating": {"full_validation": True}, **change}
+    with pytest.raises(ConfigError) as refused:
+        refuse_under_deepmd(data)
+    assert str(refused.value) == line
+    for off in ({"full_validation": False}, {"full_validation": True, "full_val_start": 1.0},
+                {"ema_full_validation": True}):  # EMA's flow needs training.enable_ema
+        refuse_under_deepmd({**data, "validating": off})
+    assert full_validation_runs({"validating": {"ema_full_validation": True},
+                                 "training": {"enable_ema": True}})
+    accepted = {"validating": {"full_validation": True}, "loss": {"type": "ener_spin"},
+                "training": {"validation_data": {"systems": ["v"]}, "zero_stage": 1}}
+    refuse_under_deepmd(accepted)
