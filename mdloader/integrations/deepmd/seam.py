@@ -72,7 +72,9 @@ SEAM: tuple[SeamName, ...] = (
              "`destroy_process_group`"),
     SeamName(MAIN, "is_lmdb", "patch", "an LMDB `systems` path is read by mdloader"),
     SeamName(MAIN, "get_data", "patch", "neighbour statistics data that reads nothing"),
-    SeamName(MAIN, "normalize", "wrap", "the job's `systems` sections, built once per job"),
+    SeamName(MAIN, "normalize", "wrap",
+             "the job's `systems` sections, built once per job; the keys only mdloader reads "
+             "(balanced steps) taken out before DeePMD-kit's strict check"),
     SeamName(MAIN, "preprocess_shared_params", "wrap",
              "tasks sharing a descriptor get joint neighbour statistics"),
     SeamName(UPDATE_SEL, "BaseUpdateSel.get_nbor_stat", "wrap",
