@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mdloader import settings
 from mdloader.distributed.collectives import broadcast_from_main
 from mdloader.distributed.group import current_world
 from mdloader.integrations.deepmd.seam import (
@@ -73,6 +74,8 @@ class InputStatTakeover:
         self.get_sample = get_sample
         self.preset_observed_type = preset_observed_type
         self.settings = [env_settings(b) for b in blocks]
+        self.every_frame = every_frame()
+        """``MDLOADER_STAT_FRAMES=all``: every frame of every system, whatever ``nbatch``."""
         self._counts: Any = None
 
     @classmethod
@@ -91,6 +94,11 @@ class InputStatTakeover:
         if reason:
             if not quiet:
                 log.info("input statistics: DeePMD-kit's own (%s)", reason)
+                if every_frame():
+                    log.warning("MDLOADER_STAT_FRAMES=all does not apply to DeePMD-kit's own "
+                                "input statistics (%s): they read data_stat_nbatch=%s batches "
+                                "of each system; raise data_stat_nbatch for every frame",
+                                reason, call.nbatch)
             return None
         blocks = env_blocks(call.model)
         if not blocks:
@@ -114,17 +122,22 @@ class InputStatTakeover:
         total = int(sum(int(n) for n in self.data.nframes))
         world = current_world()
         if world.is_main and int(counts.sum()) == total:
-            log.info("input statistics: all frames of %d systems, in shares on %d ranks",
-                     len(self.data.systems), world.world_size)
+            log.info("input statistics: all frames of %d systems%s, in shares on %d ranks",
+                     len(self.data.systems),
+                     " (MDLOADER_STAT_FRAMES=all)" if self.every_frame else "",
+                     world.world_size)
         elif world.is_main:
             log.info("input statistics: %d of %d frames of %d systems (data_stat_nbatch=%d, "
                      "the frames of a one-rank job), in shares on %d ranks", int(counts.sum()),
                      total, len(self.data.systems), self.nbatch, world.world_size)
 
     def frame_counts(self) -> Any:
-        """How many frames of each system enter (the plan's rule, counted without drawing)."""
+        """How many frames of each system enter (the plan's rule, counted without drawing; every
+        frame under ``MDLOADER_STAT_FRAMES=all``)."""
         if self._counts is None:
-            self._counts = self.data.plan.statistics_frame_counts(self.nbatch)
+            plan = self.data.plan
+            self._counts = (plan.nframes if self.every_frame
+                            else plan.statistics_frame_counts(self.nbatch))
         return self._counts
 
     def frames(self, position: int) -> Any:
@@ -158,6 +171,11 @@ class InputStatTakeover:
                                            preset_observed_type=preset)
 
         return initialize_statistics
+
+
+def every_frame() -> bool:
+    """Whether the statistics read every frame (``MDLOADER_STAT_FRAMES=all``)."""
+    return settings.resolve("stat_frames") == "all"
 
 
 def unsupported(model: Any, data: Any, nbatch: Any, spec: Any, min_pair_dist: Any) -> str:

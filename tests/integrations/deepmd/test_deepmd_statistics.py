@@ -258,3 +258,30 @@ def test_subset_statistics_on_two_ranks_equal_one_rank(peer: str, subset_referen
     _compare(theirs, ours)
     assert "in shares on 2 ranks" in log
     assert re.search(r"environment statistics: 12 systems .*\(cached 0, computed 12 on 2", log)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_frame_statistics_equal_deepmd_kits_own_with_every_frame(
+        peer: str, tmp_path: Path) -> None:
+    """``MDLOADER_STAT_FRAMES=all`` under ``mdloader dp`` with ``data_stat_nbatch: 2`` (a
+    sample of most systems) gives DeePMD-kit's own ``dp`` statistics with a
+    ``data_stat_nbatch`` that covers every frame, within 1e-12; without it the sample's values
+    differ."""
+    systems = _subset_data(tmp_path, mixed=False)
+    theirs = _subset_job(tmp_path, "deepmd", systems, SE_E2_A, 1000)
+    run_job([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], theirs)
+    ours = _subset_job(tmp_path, "mdloader", systems, SE_E2_A, 2)
+    log = run_job([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours,
+                  MDLOADER_STAT_FRAMES="all")
+    assert ("input statistics: all frames of 12 systems (MDLOADER_STAT_FRAMES=all), in shares "
+            "on 1 ranks") in log
+    every, reference = _model(ours), _model(theirs)
+    assert every.keys() == reference.keys()
+    for key in reference:
+        np.testing.assert_allclose(every[key], reference[key], rtol=1e-12, atol=1e-12,
+                                   err_msg=key)
+    run_job([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours,
+            MDLOADER_STAT_FRAMES="sample")
+    sample = _model(ours)
+    assert any(not np.allclose(sample[k], reference[k], rtol=1e-6) for k in reference)
