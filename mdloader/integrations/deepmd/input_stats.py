@@ -39,7 +39,7 @@ from mdloader.integrations.deepmd.seam import (
     statistics_call,
 )
 from mdloader.integrations.deepmd.systems import current_job, planned_task_input
-from mdloader.loading.loader import DpLoaderSet
+from mdloader.loading.loader import DpLoaderSet, WholeSystemLoaders
 from mdloader.loading.statistics import (
     InputRequest,
     StatPass,
@@ -94,11 +94,6 @@ class InputStatTakeover:
         if reason:
             if not quiet:
                 log.info("input statistics: DeePMD-kit's own (%s)", reason)
-                if every_frame():
-                    log.warning("MDLOADER_STAT_FRAMES=all does not apply to DeePMD-kit's own "
-                                "input statistics (%s): they read data_stat_nbatch=%s batches "
-                                "of each system; raise data_stat_nbatch for every frame",
-                                reason, call.nbatch)
             return None
         blocks = env_blocks(call.model)
         if not blocks:
@@ -439,6 +434,32 @@ def _prediction(dataset: Any, chosen: Sequence[int] | None = None, *, forward: A
     return values["energy"][0], masks[0]
 
 
+def on_every_frame(action: Callable[[], None]) -> Callable[[], None]:
+    """DeePMD-kit's own statistics ``action`` (rank 0's) on every frame of each system of an
+    mdloader loader set (``MDLOADER_STAT_FRAMES=all``): its ``make_stat_input`` is handed
+    loaders of whole systems (:class:`~mdloader.loading.loader.WholeSystemLoaders`) and as many
+    batches as the longest has, so the sample is all of the data at any world size."""
+    training = deepmd_module(TRAINING)
+    sample_input = training.make_stat_input
+
+    def make_stat_input(datasets: Any, dataloaders: Any, nbatches: Any, *args: Any,
+                        **kwargs: Any) -> Any:
+        owner = getattr(dataloaders, "loader_set", None)
+        if owner is None:  # not mdloader's data: DeePMD-kit's sample as it is
+            return sample_input(datasets, dataloaders, nbatches, *args, **kwargs)
+        whole = WholeSystemLoaders(owner)
+        longest = max((len(whole[i]) for i in range(len(whole))), default=1)
+        log.info("input statistics: DeePMD-kit's own on all frames of %d systems "
+                 "(MDLOADER_STAT_FRAMES=all)", len(whole))
+        return sample_input(datasets, whole, longest, *args, **kwargs)
+
+    def every_frame_action() -> None:
+        with patched(training, "make_stat_input", make_stat_input):
+            action()
+
+    return every_frame_action
+
+
 def mdloader_run_stat_on_chief(original: Callable[..., Any]) -> Callable[..., Any]:
     """``Trainer._run_stat_on_chief``: for the statistics initialization, every rank takes its
     share of the input statistics (every task's at the first call, one all-gather); rank 0
@@ -446,10 +467,13 @@ def mdloader_run_stat_on_chief(original: Callable[..., Any]) -> Callable[..., An
 
     def _run_stat_on_chief(self: Any, action: Callable[[], None], *, operation: str) -> None:
         takeover = InputStatTakeover.of(self, action) if operation == OPERATION else None
+        ours = None
         if takeover is not None:
             ours = takeover.action(merged_statistics(self, takeover))
             if ours is not None:
                 action = ours
+        if operation == OPERATION and ours is None and every_frame():
+            action = on_every_frame(action)
         finetune = (FinetuneTakeover.of(self, action)
                     if operation.startswith(FINETUNE_OPERATION) else None)
         if finetune is not None:

@@ -157,7 +157,9 @@ SEAM: tuple[SeamName, ...] = (
     SeamName(TRAINING, "open_stat_file", "patch",
              "during `statistics_call` only: records the stat-file setting, opens nothing"),
     SeamName(TRAINING, "make_stat_input", "patch",
-             "during `statistics_call` only: records the data and `data_stat_nbatch`"),
+             "during `statistics_call` only: records the data and `data_stat_nbatch`; "
+             "under `MDLOADER_STAT_FRAMES=all`, during DeePMD-kit's own statistics action: "
+             "handed loaders of every frame of each system"),
     SeamName(TRAINING, "model_change_out_bias", "patch",
              "during `finetune_call` only: records the fine-tuned model, its sampled function "
              "and bias mode; during rank 0's fine-tuning action: handed the merged samples"),
