@@ -150,10 +150,41 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def plot(results: str, path: str) -> str:
+    """A bar chart of the input-statistics phase of each path and W of the last run in
+    ``results`` (``python -m benchmarks.statistics.input_stat_subset plot RESULTS PNG``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(results) as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    last = [r for r in rows if r["run"] == rows[-1]["run"] and r["status"] == "ok"]
+    labels = [f"{r['path']}\nW={r['world']}" for r in last]
+    seconds = [r["phases"].get("input statistics") or 0.0 for r in last]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    bars = ax.barh(labels[::-1], seconds[::-1], color=["#4c72b0" if "mdloader" in r["path"]
+                                                        else "#dd8452" for r in last][::-1])
+    ax.bar_label(bars, fmt="%.1f s", padding=3)
+    first = last[0]
+    ax.set_xlabel("input statistics phase, s")
+    ax.set_xlim(0, max(seconds) * 1.2)
+    ax.set_title(f"{first['nsys']} water systems x {first['frames']} frames, "
+                 f"data_stat_nbatch {first['stat_nbatch']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["dp"]:
         return dp_with_deepmd_statistics(argv[1:])
+    if argv[:1] == ["plot"]:
+        print(plot(*argv[1:3]))
+        return 0
     args = parse(argv)
     root = ensure_water(args.systems, base=args.data_base, nframes=args.frames)
     config = job_input(root, 1, args.stat_nbatch)
