@@ -13,9 +13,9 @@ import torch
 from mdloader import DpLoaderSet
 from mdloader.errors import ConfigError
 from mdloader.testing import make_system
+from mdloader.train import statistics
 from mdloader.train.job import LABELS
 from mdloader.train.model import RadialPotential
-from mdloader.train import statistics
 from mdloader.train.statistics import fit_statistics
 
 
