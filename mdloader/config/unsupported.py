@@ -133,7 +133,7 @@ def take_mdloader_keys(data: dict) -> tuple[dict, dict[str, dict[str, Any]]]:
     left alone), and those keys by the JSON path of their section.
 
     What ``mdloader dp`` does before DeePMD-kit's strict check, which does not know them; the
-    sampler of each section reads them back (:func:`restore_mdloader_keys`).
+    recorded job keeps them, and each section's sampler reads them from there.
     """
     taken: dict[str, dict[str, Any]] = {}
     for path, section in data_sections(data):
