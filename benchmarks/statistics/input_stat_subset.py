@@ -151,8 +151,9 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def plot(results: str, path: str) -> str:
-    """A bar chart of the input-statistics phase of each path and W of the last run in
-    ``results`` (``python -m benchmarks.statistics.input_stat_subset plot RESULTS PNG``)."""
+    """A bar chart of the input-statistics phase of each path and W of the runs in ``results``
+    on the last run's data (``python -m benchmarks.statistics.input_stat_subset plot RESULTS
+    PNG``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,10 +161,15 @@ def plot(results: str, path: str) -> str:
 
     with open(results) as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
-    last = [r for r in rows if r["run"] == rows[-1]["run"] and r["status"] == "ok"]
-    labels = [f"{r['path']}\nW={r['world']}" for r in last]
+    shape = [rows[-1][k] for k in ("nsys", "frames", "stat_nbatch")]
+    last = sorted((r for r in rows if r["status"] == "ok"
+                   and [r[k] for k in ("nsys", "frames", "stat_nbatch")] == shape),
+                  key=lambda r: (r["world"], "every frame" in r["path"], r["path"]))
+    labels = [f"{r['path']}\nW={r['world']}"
+              + (" (rank 0's shard)" if r["path"].startswith("deepmd") and r["world"] > 1 else "")
+              for r in last]
     seconds = [r["phases"].get("input statistics") or 0.0 for r in last]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.6 * len(last)))
     bars = ax.barh(labels[::-1], seconds[::-1], color=["#4c72b0" if "mdloader" in r["path"]
                                                         else "#dd8452" for r in last][::-1])
     ax.bar_label(bars, fmt="%.1f s", padding=3)
