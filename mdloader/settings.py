@@ -105,6 +105,13 @@ SETTINGS: dict[str, Setting] = {
         "($MDLOADER_CACHE_DIR/statistics): use entries whose data is unchanged (check), compute "
         "everything again and overwrite them (refresh), or neither read nor write (off).",
         choices=("check", "refresh", "off")),
+    "stat_frames": Setting(
+        "MDLOADER_STAT_FRAMES", lambda: "sample", str, None, "mode",
+        "Which frames the statistics before training (descriptor davg/dstd, energy bias and "
+        "out_std of `mdloader dp`; the energy bias and feature scales of `mdloader train`) "
+        "read: each system's first data_stat_nbatch batches of a one-rank job (sample, "
+        "DeePMD-kit's rule) or every frame of every training system (all: exact, independent "
+        "of the sample).", choices=("sample", "all")),
     "index_settle": Setting(
         "MDLOADER_INDEX_SETTLE", lambda: 2.0, float, 0.0, "second",
         "A file changed less than this long before an index was built counts as changed at "

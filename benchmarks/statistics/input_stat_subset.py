@@ -4,6 +4,11 @@ One command (defaults: 200 water systems of 40 frames, ``data_stat_nbatch`` 10, 
 
     python -m benchmarks.statistics.input_stat_subset [--systems 200] [--frames 40]
                                     [--stat-nbatch 10] [--world 1 2] [--timeout S]
+                                    [--every-frame]
+
+``--every-frame`` adds both paths on every frame of every system (DeePMD-kit's with a
+``data_stat_nbatch`` covering each system, mdloader's with ``MDLOADER_STAT_FRAMES=all``), the
+cost of exact statistics beside DeePMD-kit's sampled pass.
 
 ``mdloader dp --pt train`` takes one step on :mod:`benchmarks.data` systems with the water
 example's ``input.json`` (batch size 1 at 192 atoms, so ``data_stat_nbatch`` batches are a
@@ -41,6 +46,11 @@ from benchmarks.launch import rank_env, run_logged, torchrun
 OUT = os.path.join(RESULTS, "input_stat_subset", "input_stat_subset.jsonl")
 ENTRY = {"deepmd path": ["-m", "benchmarks.statistics.input_stat_subset", "dp"],
          "mdloader shares": ["-m", "mdloader", "dp"]}
+#: ``--every-frame``: the same two paths on every frame of every system, DeePMD-kit's by a
+#: ``data_stat_nbatch`` that covers each system (batches of one frame), mdloader's by
+#: ``MDLOADER_STAT_FRAMES=all`` with the sample's ``data_stat_nbatch``.
+EVERY_FRAME = {"deepmd path, every frame": "deepmd path",
+               "mdloader shares, every frame": "mdloader shares"}
 PASS_LINE = re.compile(r"(environment|output) statistics: \d+ systems in ([\d.]+) s")
 
 
@@ -56,6 +66,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="the interpreter with DeePMD-kit 3.2 (scripts/deepmd-env.sh)")
     p.add_argument("--data-base", default=DEFAULT_BASE)
     p.add_argument("--out", default=OUT)
+    p.add_argument("--every-frame", action="store_true",
+                   help="also both paths on every frame (MDLOADER_STAT_FRAMES=all for mdloader)")
     return p.parse_args(argv)
 
 
@@ -67,8 +79,8 @@ def dp_with_deepmd_statistics(argv: list[str]) -> int:
     return md.run_dp(argv)
 
 
-def _env(cache: str) -> dict[str, str]:
-    return rank_env(MDLOADER_CACHE_DIR=cache)
+def _env(cache: str, **extra: str) -> dict[str, str]:
+    return rank_env(MDLOADER_CACHE_DIR=cache, **extra)
 
 
 def neighbour_cache(python: str, config: dict[str, Any], timeout: float) -> str:
@@ -83,15 +95,24 @@ def neighbour_cache(python: str, config: dict[str, Any], timeout: float) -> str:
 
 
 def run_one(python: str, path: str, world: int, config: dict[str, Any], template: str,
-            timeout: float) -> dict[str, Any]:
+            timeout: float, frames: int = 0) -> dict[str, Any]:
+    """One launch along ``path`` (a key of :data:`ENTRY` or :data:`EVERY_FRAME`; ``frames``:
+    the frames per system, the ``data_stat_nbatch`` that covers them on DeePMD-kit's path)."""
     job = tempfile.mkdtemp(prefix="mdl-input-stat-")
+    extra = {}
+    if path in EVERY_FRAME:
+        path = EVERY_FRAME[path]
+        if path == "mdloader shares":
+            extra["MDLOADER_STAT_FRAMES"] = "all"
+        else:
+            config = {**config, "model": {**config["model"], "data_stat_nbatch": frames}}
     try:
         shutil.copytree(os.path.join(template, "cache"), os.path.join(job, "cache"))
         with open(os.path.join(job, "input.json"), "w") as out:
             json.dump(config, out, indent=1)
         load = os.getloadavg()[0]
         cmd = torchrun(python, world, [*ENTRY[path], "--pt", "train", "input.json"])
-        run = run_logged(cmd, job, _env(os.path.join(job, "cache")), timeout)
+        run = run_logged(cmd, job, _env(os.path.join(job, "cache"), **extra), timeout)
         rec = record(run, world, "mdloader")  # both paths run mdloader dp: its log markers
         passes = {m.group(1): float(m.group(2)) for _t, line in run["lines"]
                   for m in [PASS_LINE.search(line)] if m}
@@ -110,26 +131,66 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
              "|---:|---|---:|---|---:|---:|"]
     by = {(r["world"], r["path"]): r for r in rows}
     for world in sorted({r["world"] for r in rows}):
-        for path in ENTRY:
+        for path in (*ENTRY, *EVERY_FRAME):
             r = by.get((world, path))
             if r is None:
                 continue
             cpu = " / ".join(_cell(c) for c in r.get("cpu_s", {}).get("input statistics", []))
             lines.append(f"| {world} | {path} | {_cell(r['phases'].get('input statistics'))} | "
                          f"{cpu or '–'} | {_cell(r.get('ready_s'))} | {r['loadavg_1min']:.1f} |")
-        old, new = by.get((world, "deepmd path")), by.get((world, "mdloader shares"))
-        if old and new:
-            a = old["phases"].get("input statistics")
-            b = new["phases"].get("input statistics")
+        for label, (x, y) in (("ratio", ("deepmd path", "mdloader shares")),
+                              ("ratio, every frame", tuple(EVERY_FRAME)),
+                              ("mdloader every frame ÷ deepmd sample",
+                               ("mdloader shares, every frame", "deepmd path"))):
+            old, new = by.get((world, x)), by.get((world, y))
+            a = old["phases"].get("input statistics") if old else None
+            b = new["phases"].get("input statistics") if new else None
             if a and b:
-                lines.append(f"| {world} | ratio | {a / b:.1f}× | | | |")
+                lines.append(f"| {world} | {label} | {a / b:.2f}× | | | |")
     return lines
+
+
+def plot(results: str, path: str) -> str:
+    """A bar chart of the input-statistics phase of each path and W of the runs in ``results``
+    on the last run's data (``python -m benchmarks.statistics.input_stat_subset plot RESULTS
+    PNG``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(results) as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    shape = [rows[-1][k] for k in ("nsys", "frames", "stat_nbatch")]
+    last = sorted((r for r in rows if r["status"] == "ok"
+                   and [r[k] for k in ("nsys", "frames", "stat_nbatch")] == shape),
+                  key=lambda r: (r["world"], "every frame" in r["path"], r["path"]))
+    labels = [f"{r['path']}\nW={r['world']}"
+              + (" (rank 0's shard)" if r["path"].startswith("deepmd") and r["world"] > 1 else "")
+              for r in last]
+    seconds = [r["phases"].get("input statistics") or 0.0 for r in last]
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.6 * len(last)))
+    bars = ax.barh(labels[::-1], seconds[::-1], color=["#4c72b0" if "mdloader" in r["path"]
+                                                        else "#dd8452" for r in last][::-1])
+    ax.bar_label(bars, fmt="%.1f s", padding=3)
+    first = last[0]
+    ax.set_xlabel("input statistics phase, s")
+    ax.set_xlim(0, max(seconds) * 1.2)
+    ax.set_title(f"{first['nsys']} water systems x {first['frames']} frames, "
+                 f"data_stat_nbatch {first['stat_nbatch']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["dp"]:
         return dp_with_deepmd_statistics(argv[1:])
+    if argv[:1] == ["plot"]:
+        print(plot(*argv[1:3]))
+        return 0
     args = parse(argv)
     root = ensure_water(args.systems, base=args.data_base, nframes=args.frames)
     config = job_input(root, 1, args.stat_nbatch)
@@ -139,9 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         with open(args.out, "a") as fh:
+            paths = [*ENTRY, *(EVERY_FRAME if args.every_frame else ())]
             for i, world in enumerate(args.world):
-                for path in (list(ENTRY) if i % 2 == 0 else list(ENTRY)[::-1]):
-                    rec = run_one(args.python, path, world, config, template, args.timeout)
+                for path in (paths if i % 2 == 0 else paths[::-1]):
+                    rec = run_one(args.python, path, world, config, template, args.timeout,
+                                  frames=args.frames)
                     row = {"kind": "input_stat_subset", "run": run_id, "path": path,
                            "world": world, "nsys": args.systems, "frames": args.frames,
                            "stat_nbatch": args.stat_nbatch, "cpus": os.cpu_count(), **rec}

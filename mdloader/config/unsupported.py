@@ -7,8 +7,10 @@ systems), each is refused before anything is read, naming the feature and its JS
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+from mdloader import settings
 from mdloader.errors import ConfigError
 from mdloader.sampling.batching import parse_rule
 
@@ -56,26 +58,39 @@ def _refuse_tensorflow_rule(batch: Any, path: str) -> None:
 #: Keys of a data section that mdloader reads in ``mdloader train`` and that DeePMD-kit's trainer
 #: does not know: under ``mdloader dp`` they would be accepted and then ignored, or stop the run
 #: in DeePMD-kit's strict check with a traceback that names neither mdloader nor what to do.
-MDLOADER_DATA_KEYS = ("index_file", "balance_window", "balance_cost")
+MDLOADER_DATA_KEYS = ("index_file",)
+
+#: Keys of ``training_data`` that mdloader reads under both trainers (balanced steps): under
+#: ``mdloader dp`` they are taken out of the input before DeePMD-kit's strict check
+#: (:func:`take_mdloader_keys`) and act on mdloader's sampler.
+BALANCE_KEYS = ("balance_window", "balance_cost")
+
+#: What lets a multi-task job under ``mdloader dp`` balance its steps: every rank trains the same
+#: task at each step (:mod:`mdloader.sampling.tasks`), so each task's streams advance in lockstep.
+SAME_TASK_SETTING = "MDLOADER_TASK_DRAW=same"
 
 
-def refuse_under_deepmd(data: dict) -> None:
+def refuse_under_deepmd(data: dict, task_draw: str | None = None) -> None:
     """Raise one ConfigError naming the first thing in ``data`` that ``mdloader dp`` would not
     act on: a full validation DeePMD-kit itself refuses (:func:`refuse_full_validation`), a key
-    only ``mdloader train`` reads (:data:`MDLOADER_DATA_KEYS`), or a batch-size rule mdloader
-    does not serve (``mix:N``, the TensorFlow-only ``mixed:N``, an unknown or malformed rule),
-    in any data section of any task.
+    only ``mdloader train`` reads (:data:`MDLOADER_DATA_KEYS`), a balance key
+    (:data:`BALANCE_KEYS`) outside ``training_data`` or, in a multi-task input, under per-rank
+    task draws (``task_draw``: the ``MDLOADER_TASK_DRAW`` setting, read when ``None``), or a
+    batch-size rule mdloader does not serve (``mix:N``, the TensorFlow-only ``mixed:N``, an
+    unknown or malformed rule), in any data section of any task.
 
     The one place of these rules: ``mdloader dp`` calls it before any set-up, and
     ``mdloader check --for dp`` calls it, so both give the same line.
     """
     refuse_full_validation(data)
+    multitask = "data_dict" in _section(data, "training")
     for path, section in data_sections(data):
         for key in MDLOADER_DATA_KEYS:
             if key in section:
                 raise ConfigError(f"read by mdloader train only: mdloader dp runs "
                                   f"DeePMD-kit's trainer, which does not know {key}; "
                                   "remove it (docs/migrating.md)", path=f"{path}.{key}")
+        _refuse_balance(section, path, multitask, task_draw)
         batch = section.get("batch_size")
         if isinstance(batch, str):
             _refuse_tensorflow_rule(batch, f"{path}.batch_size")
@@ -116,6 +131,51 @@ def refuse_full_validation(data: dict) -> None:
     if int(training.get("zero_stage", 0)) >= 2:
         raise ConfigError("validating.full_validation only supports single-task energy "
                           "training with training.zero_stage < 2.")
+
+
+def _refuse_balance(section: dict, path: str, multitask: bool, task_draw: str | None) -> None:
+    """Balance keys where ``mdloader dp`` cannot act on them, refused in one line."""
+    given = [key for key in BALANCE_KEYS if key in section]
+    if not given:
+        return
+    if not path.endswith(".training_data"):
+        raise ConfigError("balanced steps apply to training data: move it to training_data "
+                          "(docs/sampling.md#balanced-steps)", path=f"{path}.{given[0]}")
+    cost = section.get("balance_cost", "atoms")
+    if cost != "atoms":
+        raise ConfigError(f"mdloader dp balances the atoms of a batch ('atoms'); {cost!r} needs "
+                          "the mean neighbours of every system, which mdloader dp does not give "
+                          "its sampler", path=f"{path}.balance_cost")
+    if not multitask or not section.get("balance_window"):
+        return
+    if task_draw is None:
+        task_draw = str(settings.resolve("task_draw"))
+    if task_draw != "same":
+        raise ConfigError("balanced steps of a multi-task job need the same task on every rank "
+                          f"at each step; set {SAME_TASK_SETTING} (by default each rank draws "
+                          "its own task, DeePMD-kit's rule, and a task's steps do not line up "
+                          "across the ranks)", path=f"{path}.balance_window")
+
+
+def take_mdloader_keys(data: dict) -> tuple[dict, dict[str, dict[str, Any]]]:
+    """``data`` without the balance keys of its training data sections (a copy; ``data`` is
+    left alone), and those keys by the JSON path of their section.
+
+    What ``mdloader dp`` does before DeePMD-kit's strict check, which does not know them; the
+    recorded job keeps them, and each section's sampler reads them from there.
+    """
+    taken: dict[str, dict[str, Any]] = {}
+    for path, section in data_sections(data):
+        keys = {key: section[key] for key in BALANCE_KEYS if key in section}
+        if keys and path.endswith(".training_data"):
+            taken[path] = keys
+    if not taken:
+        return data, taken
+    stripped = copy.deepcopy(data)
+    for path, section in data_sections(stripped):
+        for key in taken.get(path, {}):
+            del section[key]
+    return stripped, taken
 
 
 def data_sections(data: dict) -> list[tuple[str, dict]]:

@@ -384,6 +384,20 @@ class SystemBatches:
             yield self._owner.read(self.sid, self._owner.frame_order.fids(self.sid, j))
 
 
+class WholeSystemBatches(SystemBatches):
+    """Every frame of one system once, in file order, in batches of its batch size (the last may
+    be short): DeePMD-kit's per-system loader for statistics on every frame, whatever the rank
+    (``MDLOADER_STAT_FRAMES=all``)."""
+
+    def __len__(self) -> int:
+        return -(-int(self._owner.nframes[self.sid]) // self.batch_size)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        nframes = int(self._owner.nframes[self.sid])
+        for lo in range(0, nframes, self.batch_size):
+            yield self._owner.read(self.sid, range(lo, min(lo + self.batch_size, nframes)))
+
+
 class LazySystemBatches(Sequence):
     """``dataloaders``: one :class:`SystemBatches` per system, created when indexed."""
 
@@ -393,8 +407,17 @@ class LazySystemBatches(Sequence):
     def __len__(self) -> int:
         return len(self._owner.systems)
 
+    #: What one system's loader is: this rank's batches of pass 0.
+    batches = SystemBatches
+
     def __getitem__(self, sid: int) -> SystemBatches:  # type: ignore[override]
         n = len(self)
         if not isinstance(sid, (int, np.integer)) or not -n <= sid < n:
             raise IndexError(f"system index {sid!r} out of range for {n} systems")
-        return SystemBatches(self._owner, int(sid) % n)
+        return self.batches(self._owner, int(sid) % n)
+
+
+class WholeSystemLoaders(LazySystemBatches):
+    """``dataloaders`` whose system loaders give every frame once (:class:`WholeSystemBatches`)."""
+
+    batches = WholeSystemBatches

@@ -5,7 +5,8 @@ The frames are DeePMD-kit's ``make_stat_input`` frames of a one-rank job: of eve
 system, the first ``data_stat_nbatch`` batches of pass 0 under the job's seed
 (:func:`~mdloader.sampling.order.statistics_frames`) for the energy bias, and the first
 ``FEATURE_NBATCH`` of them for the feature scales (normalisation constants, for which a sample
-of every system is enough, at a cost of all pairs of atoms per frame). Two passes of
+of every system is enough, at a cost of all pairs of atoms per frame); every frame for both under
+``MDLOADER_STAT_FRAMES=all``. Two passes of
 :func:`~mdloader.loading.statistics.sharded_pass` give every rank each system's partial results,
 cached per system: ``feature`` (the count, sum and sum of squares of the model's radial features
 over the real atoms, :class:`~mdloader.stats.moments.FeatureMoments`) and ``output`` (the type
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mdloader import settings
 from mdloader.distributed.collectives import fail_together
 from mdloader.distributed.group import current_world
 from mdloader.errors import DataError
@@ -52,8 +54,11 @@ CHUNK_BYTES = 1 << 26
 
 
 def frames_of(data: DpLoaderSet, nbatch: int) -> Callable[[int], np.ndarray]:
-    """The statistics frames of each system position of ``data`` (its plan's seed and sizes)."""
+    """The statistics frames of each system position of ``data`` (its plan's seed and sizes);
+    every frame under ``MDLOADER_STAT_FRAMES=all``."""
     plan = data.plan
+    if settings.resolve("stat_frames") == "all":
+        return lambda position: np.arange(int(plan.nframes[position]), dtype=np.int64)
     return lambda position: plan.statistics_frames(position, nbatch)
 
 

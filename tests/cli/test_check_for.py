@@ -62,13 +62,21 @@ def _mix(data: dict) -> str:
 
 def _train_only_key(data: dict) -> str:
     holder = data["training"].get("data_dict", {}).get("b", data["training"])
+    holder["validation_data"] = dict(holder["training_data"], index_file="index.json")
+    path = "training.data_dict.b" if "data_dict" in data["training"] else "training"
+    return f"{path}.validation_data.index_file: read by mdloader train only"
+
+
+def _balance_outside_training_data(data: dict) -> str:
+    holder = data["training"].get("data_dict", {}).get("b", data["training"])
     holder["validation_data"] = dict(holder["training_data"], balance_window=4)
     path = "training.data_dict.b" if "data_dict" in data["training"] else "training"
-    return f"{path}.validation_data.balance_window: read by mdloader train only"
+    return f"{path}.validation_data.balance_window: balanced steps apply to training data"
 
 
 @pytest.mark.parametrize("make", [_single, _multitask])
-@pytest.mark.parametrize("spoil", [_full_validation, _mix, _train_only_key])
+@pytest.mark.parametrize("spoil", [_full_validation, _mix, _train_only_key,
+                                   _balance_outside_training_data])
 def test_check_for_dp_refuses_in_the_line_and_code_of_mdloader_dp(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], make, spoil) -> None:
     data = make(tmp_path)
@@ -81,23 +89,47 @@ def test_check_for_dp_refuses_in_the_line_and_code_of_mdloader_dp(
         assert _check(capsys, path) == (2, err)
 
 
-def _balanced(data: dict) -> str:
-    data["training"]["training_data"].update(balance_window=4, balance_cost="atoms")
-    return "training.training_data.balance_window: read by mdloader train only"
-
-
-@pytest.mark.parametrize("spoil", [_full_validation, _balanced])
 def test_check_for_train_passes_what_mdloader_train_runs(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], spoil) -> None:
-    """``mdloader train`` reads ``balance_window`` and leaves DeePMD-kit's ``validating`` to
-    ``dp``: its verdict, the default for a single-task input, is OK; ``--for dp`` refuses."""
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``mdloader train`` leaves DeePMD-kit's ``validating`` to ``dp``: its verdict, the
+    default for a single-task input, is OK; ``--for dp`` refuses."""
     data = _single(tmp_path)
-    start = spoil(data)
+    start = _full_validation(data)
     path = str(write_input(tmp_path, data))
     assert _check(capsys, path, "--for", "train") == (0, [])
     assert _check(capsys, path) == (0, [])
     code, err = _check(capsys, path, "--for", "dp")
     assert code == 2 and err == [_dp_line(data)] and start in err[0], err
+
+
+def test_balanced_steps_pass_every_verdict_of_a_single_task_input(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both trainers read ``balance_window`` (``mdloader dp`` takes it out of the input before
+    DeePMD-kit's strict check)."""
+    data = _single(tmp_path)
+    data["training"]["training_data"].update(balance_window=4, balance_cost="atoms")
+    path = str(write_input(tmp_path, data))
+    for extra in ((), ("--for", "train"), ("--for", "dp")):
+        assert _check(capsys, path, *extra) == (0, []), extra
+
+
+def test_balanced_steps_of_a_multitask_input_need_the_same_task_on_every_rank(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under per-rank task draws (the default) ``check`` refuses in ``mdloader dp``'s line,
+    naming the key and the setting; with ``MDLOADER_TASK_DRAW=same`` both accept."""
+    data = _multitask(tmp_path)
+    data["training"]["data_dict"]["b"]["training_data"]["balance_window"] = 4
+    path = str(write_input(tmp_path, data))
+    monkeypatch.delenv("MDLOADER_TASK_DRAW", raising=False)
+    code, err = _check(capsys, path, "--for", "dp")
+    assert (code, err) == (2, [_dp_line(data)]), err
+    assert err[0].startswith("mdloader: error: training.data_dict.b.training_data."
+                             "balance_window: balanced steps of a multi-task job need the same "
+                             "task on every rank at each step; set MDLOADER_TASK_DRAW=same"), err
+    assert _check(capsys, path) == (2, err)
+    monkeypatch.setenv("MDLOADER_TASK_DRAW", "same")
+    assert _check(capsys, path, "--for", "dp") == (0, [])
 
 
 def test_check_for_train_refuses_a_multitask_input_as_mdloader_train_does(

@@ -12,7 +12,7 @@ from support.deepmd_env import require_deepmd_python
 
 from mdloader.config.argcheck import DEEPMD_KEYS
 from mdloader.config.input_json import parse_config
-from mdloader.config.unsupported import refuse_under_deepmd
+from mdloader.config.unsupported import refuse_under_deepmd, take_mdloader_keys
 from mdloader.errors import ConfigError
 from mdloader.testing import make_system
 
@@ -97,23 +97,77 @@ print(json.dumps(found))
         assert set(DEEPMD_KEYS[section]) == expected, section
 
 
-@pytest.mark.parametrize("key", ["index_file", "balance_window", "balance_cost"])
 @pytest.mark.parametrize("prefix", ["training", "training.data_dict.water"])
 @pytest.mark.parametrize("section", ["training_data", "validation_data"])
 def test_under_mdloader_dp_a_key_only_mdloader_train_reads_is_refused_by_its_path(
-        key: str, prefix: str, section: str) -> None:
+        prefix: str, section: str) -> None:
     """In any data section of any task, one line naming the key's JSON path (a launch of
     ``mdloader dp`` checks it comes before any set-up: tests/integrations/deepmd)."""
+    data = _holding(prefix, section, "index_file", "index.json")
+    refuse_under_deepmd({"training": {"training_data": {"systems": ["sys"]}}})
+    with pytest.raises(ConfigError, match=rf"^{prefix}\.{section}\.index_file: read by "
+                                          r"mdloader train only: .*which does not know "
+                                          r"index_file; remove it"):
+        refuse_under_deepmd(data)
+
+
+def _holding(prefix: str, section: str, key: str, value: object) -> dict:
+    """An input whose ``section`` of the task at ``prefix`` holds ``key: value``."""
     data: dict = {"training": {}}
     holder = data["training"]
     if prefix != "training":
         holder = holder.setdefault("data_dict", {}).setdefault("water", {})
     holder["training_data"] = {"systems": ["sys"]}
-    holder.setdefault(section, {"systems": ["sys"]})[key] = 4
-    refuse_under_deepmd({"training": {"training_data": {"systems": ["sys"]}}})
-    with pytest.raises(ConfigError, match=rf"^{prefix}\.{section}\.{key}: read by mdloader "
-                                          rf"train only: .*which does not know {key}; remove it"):
+    holder.setdefault(section, {"systems": ["sys"]})[key] = value
+    return data
+
+
+@pytest.mark.parametrize("key, value", [("balance_window", 4), ("balance_cost", "atoms")])
+def test_under_mdloader_dp_balance_keys_act_in_training_data_and_are_taken_out(
+        key: str, value: object) -> None:
+    """Single-task: accepted, and taken out of a copy for DeePMD-kit's strict check."""
+    data = _holding("training", "training_data", key, value)
+    refuse_under_deepmd(data, task_draw="per-rank")
+    stripped, taken = take_mdloader_keys(data)
+    assert taken == {"training.training_data": {key: value}}
+    assert key not in stripped["training"]["training_data"]
+    assert data["training"]["training_data"][key] == value  # the user's input is left alone
+    assert take_mdloader_keys(stripped) == (stripped, {})
+
+
+@pytest.mark.parametrize("prefix", ["training", "training.data_dict.water"])
+def test_under_mdloader_dp_a_balance_key_outside_training_data_is_refused(prefix: str) -> None:
+    data = _holding(prefix, "validation_data", "balance_window", 4)
+    with pytest.raises(ConfigError, match=rf"^{prefix}\.validation_data\.balance_window: "
+                                          r"balanced steps apply to training data"):
+        refuse_under_deepmd(data, task_draw="same")
+
+
+def test_under_mdloader_dp_the_neighbours_cost_is_refused() -> None:
+    data = _holding("training", "training_data", "balance_cost", "neighbours")
+    with pytest.raises(ConfigError, match=r"^training\.training_data\.balance_cost: mdloader dp "
+                                          r"balances the atoms of a batch"):
         refuse_under_deepmd(data)
+
+
+def test_a_multi_task_balance_window_needs_the_same_task_on_every_rank(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-rank task draws (DeePMD-kit's rule, the default) are refused naming the key and
+    the setting that allows it; the same task on every rank acts."""
+    data = _holding("training.data_dict.water", "training_data", "balance_window", 8)
+    line = (r"^training\.data_dict\.water\.training_data\.balance_window: balanced steps of a "
+            r"multi-task job need the same task on every rank at each step; set "
+            r"MDLOADER_TASK_DRAW=same ")
+    with pytest.raises(ConfigError, match=line):
+        refuse_under_deepmd(data, task_draw="per-rank")
+    monkeypatch.delenv("MDLOADER_TASK_DRAW", raising=False)
+    with pytest.raises(ConfigError, match=line):
+        refuse_under_deepmd(data)
+    monkeypatch.setenv("MDLOADER_TASK_DRAW", "same")
+    refuse_under_deepmd(data)
+    refuse_under_deepmd(data, task_draw="same")
+    data["training"]["data_dict"]["water"]["training_data"]["balance_window"] = 0  # off
+    refuse_under_deepmd(data, task_draw="per-rank")
 
 
 MIX_LINE = (r"Unsupported batch size rule: mix:4 \(DeePMD-kit 3\.2's LMDB rule for batches of "

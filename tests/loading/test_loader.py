@@ -415,3 +415,23 @@ def test_probability_errors_name_the_full_json_path(systems):
     with pytest.raises(ConfigError, match=r"^training\.validation_data\.auto_prob: "):
         get_sampler_from_params(ls, {"auto_prob": "prob_sys_sze"},
                                 json_path="training.validation_data")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_whole_system_loaders_give_every_frame_once_on_any_rank(tmp_path, rank) -> None:
+    """What DeePMD-kit's own statistics action reads under ``MDLOADER_STAT_FRAMES=all``: every
+    frame of each system once, in file order, in batches of its batch size (the last short),
+    whatever the rank's shard; this rank's ``dataloaders`` read its shard of pass 0 only."""
+    from mdloader.loading.loader import WholeSystemLoaders
+    from mdloader.testing import make_dataset
+    from mdloader.world import World
+
+    paths = make_dataset(tmp_path / "d", 2, nframes=7, seed=4)
+    ls = DpLoaderSet(paths, 3, ["O", "H"], seed=5, world=World(rank, 2))
+    whole = WholeSystemLoaders(ls)
+    for sid in range(len(whole)):
+        fids = [list(b["fid"]) for b in whole[sid]]
+        assert fids == [[0, 1, 2], [3, 4, 5], [6]] and len(whole[sid]) == 3
+        assert all(b["sid"] == sid for b in whole[sid])
+        shard = [f for b in ls.dataloaders[sid] for f in b["fid"]]
+        assert len(shard) < 7

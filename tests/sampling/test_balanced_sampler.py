@@ -188,3 +188,52 @@ def test_configuration_errors() -> None:
     s = make(0, 2, balance_cost="neighbours", neighbours=nb)
     np.testing.assert_array_equal(s.plan.balance_costs, COSTS * nb)
     np.testing.assert_array_equal(make(0, 2).plan.balance_costs, COSTS)
+
+
+TASK_B = {"nframes": [9, 20, 4, 15], "bsizes": [1, 2, 4, 1], "natoms": [96, 12, 5, 60]}
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_the_slowdown_bound_holds_per_task_when_every_rank_takes_the_same_task(
+        world: int) -> None:
+    """A multi-task job under ``mdloader dp`` (each task's training stream its own balanced
+    sampler, the task of a step from mdloader's schedule): with the same task on every rank, a
+    task's stream advances at the same steps on every rank, so each window of that task's
+    steps keeps ``mdloader train``'s bound (``sum of step maxima - sum of step means <=
+    max(cost) - min(cost)`` of the task, docs/sampling.md); with per-rank task draws a step
+    mixes tasks and windows, which is why ``mdloader dp`` refuses that combination."""
+    from mdloader.sampling.tasks import TaskSchedule
+
+    k, steps = 8, 400
+    costs = [COSTS, np.array(TASK_B["natoms"]) * np.array(TASK_B["bsizes"])]
+
+    def play(same: bool) -> tuple[np.ndarray, np.ndarray]:
+        schedule = TaskSchedule(SEED, (0.4, 0.6), same_task_across_ranks=same)
+        streams = [[make(r, world, k) for r in range(world)],
+                   [WeightedSystemSampler(TASK_B["nframes"], TASK_B["bsizes"], RULE, seed=SEED + 1,
+                                          rank=r, world_size=world, natoms=TASK_B["natoms"],
+                                          balance_window=k) for r in range(world)]]
+        tasks = np.stack([schedule.tasks(r, 0, steps) for r in range(world)])   # [W, steps]
+        cost = np.array([[costs[t][streams[t][r].next_key().sid] for t in tasks[r]]
+                         for r in range(world)], dtype=np.float64)
+        return tasks, cost
+
+    tasks, cost = play(same=True)
+    assert np.all(tasks == tasks[0])
+    allowed = 0.0
+    for t, c in enumerate(costs):
+        own = cost[:, tasks[0] == t]                    # the task's steps, in order
+        for w in range(own.shape[1] // k):
+            window = own[:, w * k:(w + 1) * k]
+            excess = window.max(axis=0).sum() - window.mean(axis=0).sum()
+            assert excess <= c.max() - c.min() + 1e-9, (t, w)
+            allowed += c.max() - c.min()
+    same = slowdown_of(cost)
+    assert same <= 1 + (allowed + 2 * k * max(c.max() for c in costs)) / cost.mean(0).sum()
+    _, mixed = play(same=False)
+    assert slowdown_of(mixed) > same
+
+
+def slowdown_of(costs: np.ndarray) -> float:
+    """Sum over steps of the busiest rank's cost over the sum of the step means."""
+    return float(costs.max(axis=0).sum() / costs.mean(axis=0).sum())

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mdloader import settings
 from mdloader.distributed.collectives import broadcast_from_main
 from mdloader.distributed.group import current_world
 from mdloader.integrations.deepmd.seam import (
@@ -38,7 +39,7 @@ from mdloader.integrations.deepmd.seam import (
     statistics_call,
 )
 from mdloader.integrations.deepmd.systems import current_job, planned_task_input
-from mdloader.loading.loader import DpLoaderSet
+from mdloader.loading.loader import DpLoaderSet, WholeSystemLoaders
 from mdloader.loading.statistics import (
     InputRequest,
     StatPass,
@@ -73,6 +74,8 @@ class InputStatTakeover:
         self.get_sample = get_sample
         self.preset_observed_type = preset_observed_type
         self.settings = [env_settings(b) for b in blocks]
+        self.every_frame = every_frame()
+        """``MDLOADER_STAT_FRAMES=all``: every frame of every system, whatever ``nbatch``."""
         self._counts: Any = None
 
     @classmethod
@@ -114,17 +117,22 @@ class InputStatTakeover:
         total = int(sum(int(n) for n in self.data.nframes))
         world = current_world()
         if world.is_main and int(counts.sum()) == total:
-            log.info("input statistics: all frames of %d systems, in shares on %d ranks",
-                     len(self.data.systems), world.world_size)
+            log.info("input statistics: all frames of %d systems%s, in shares on %d ranks",
+                     len(self.data.systems),
+                     " (MDLOADER_STAT_FRAMES=all)" if self.every_frame else "",
+                     world.world_size)
         elif world.is_main:
             log.info("input statistics: %d of %d frames of %d systems (data_stat_nbatch=%d, "
                      "the frames of a one-rank job), in shares on %d ranks", int(counts.sum()),
                      total, len(self.data.systems), self.nbatch, world.world_size)
 
     def frame_counts(self) -> Any:
-        """How many frames of each system enter (the plan's rule, counted without drawing)."""
+        """How many frames of each system enter (the plan's rule, counted without drawing; every
+        frame under ``MDLOADER_STAT_FRAMES=all``)."""
         if self._counts is None:
-            self._counts = self.data.plan.statistics_frame_counts(self.nbatch)
+            plan = self.data.plan
+            self._counts = (plan.nframes if self.every_frame
+                            else plan.statistics_frame_counts(self.nbatch))
         return self._counts
 
     def frames(self, position: int) -> Any:
@@ -158,6 +166,11 @@ class InputStatTakeover:
                                            preset_observed_type=preset)
 
         return initialize_statistics
+
+
+def every_frame() -> bool:
+    """Whether the statistics read every frame (``MDLOADER_STAT_FRAMES=all``)."""
+    return settings.resolve("stat_frames") == "all"
 
 
 def unsupported(model: Any, data: Any, nbatch: Any, spec: Any, min_pair_dist: Any) -> str:
@@ -421,6 +434,32 @@ def _prediction(dataset: Any, chosen: Sequence[int] | None = None, *, forward: A
     return values["energy"][0], masks[0]
 
 
+def on_every_frame(action: Callable[[], None]) -> Callable[[], None]:
+    """DeePMD-kit's own statistics ``action`` (rank 0's) on every frame of each system of an
+    mdloader loader set (``MDLOADER_STAT_FRAMES=all``): its ``make_stat_input`` is handed
+    loaders of whole systems (:class:`~mdloader.loading.loader.WholeSystemLoaders`) and as many
+    batches as the longest has, so the sample is all of the data at any world size."""
+    training = deepmd_module(TRAINING)
+    sample_input = training.make_stat_input
+
+    def make_stat_input(datasets: Any, dataloaders: Any, nbatches: Any, *args: Any,
+                        **kwargs: Any) -> Any:
+        owner = getattr(dataloaders, "loader_set", None)
+        if owner is None:  # not mdloader's data: DeePMD-kit's sample as it is
+            return sample_input(datasets, dataloaders, nbatches, *args, **kwargs)
+        whole = WholeSystemLoaders(owner)
+        longest = max((len(whole[i]) for i in range(len(whole))), default=1)
+        log.info("input statistics: DeePMD-kit's own on all frames of %d systems "
+                 "(MDLOADER_STAT_FRAMES=all)", len(whole))
+        return sample_input(datasets, whole, longest, *args, **kwargs)
+
+    def every_frame_action() -> None:
+        with patched(training, "make_stat_input", make_stat_input):
+            action()
+
+    return every_frame_action
+
+
 def mdloader_run_stat_on_chief(original: Callable[..., Any]) -> Callable[..., Any]:
     """``Trainer._run_stat_on_chief``: for the statistics initialization, every rank takes its
     share of the input statistics (every task's at the first call, one all-gather); rank 0
@@ -428,10 +467,13 @@ def mdloader_run_stat_on_chief(original: Callable[..., Any]) -> Callable[..., An
 
     def _run_stat_on_chief(self: Any, action: Callable[[], None], *, operation: str) -> None:
         takeover = InputStatTakeover.of(self, action) if operation == OPERATION else None
+        ours = None
         if takeover is not None:
             ours = takeover.action(merged_statistics(self, takeover))
             if ours is not None:
                 action = ours
+        if operation == OPERATION and ours is None and every_frame():
+            action = on_every_frame(action)
         finetune = (FinetuneTakeover.of(self, action)
                     if operation.startswith(FINETUNE_OPERATION) else None)
         if finetune is not None:

@@ -76,7 +76,9 @@ SEAM: tuple[SeamName, ...] = (
              "`destroy_process_group`"),
     SeamName(MAIN, "is_lmdb", "patch", "an LMDB `systems` path is read by mdloader"),
     SeamName(MAIN, "get_data", "patch", "neighbour statistics data that reads nothing"),
-    SeamName(MAIN, "normalize", "wrap", "the job's `systems` sections, built once per job"),
+    SeamName(MAIN, "normalize", "wrap",
+             "the job's `systems` sections, built once per job; the keys only mdloader reads "
+             "(balanced steps) taken out before DeePMD-kit's strict check"),
     SeamName(MAIN, "preprocess_shared_params", "wrap",
              "tasks sharing a descriptor get joint neighbour statistics"),
     SeamName(UPDATE_SEL, "BaseUpdateSel.get_nbor_stat", "wrap",
@@ -187,7 +189,9 @@ SEAM: tuple[SeamName, ...] = (
     SeamName(TRAINING, "open_stat_file", "patch",
              "during `statistics_call` only: records the stat-file setting, opens nothing"),
     SeamName(TRAINING, "make_stat_input", "patch",
-             "during `statistics_call` only: records the data and `data_stat_nbatch`"),
+             "during `statistics_call` only: records the data and `data_stat_nbatch`; "
+             "under `MDLOADER_STAT_FRAMES=all`, during DeePMD-kit's own statistics action: "
+             "handed loaders of every frame of each system"),
     SeamName(TRAINING, "model_change_out_bias", "patch",
              "during `finetune_call` only: records the fine-tuned model, its sampled function "
              "and bias mode; during rank 0's fine-tuning action: handed the merged samples"),

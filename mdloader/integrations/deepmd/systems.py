@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mdloader.config.input_json import sampling_spec
+from mdloader.config.unsupported import take_mdloader_keys
 from mdloader.distributed.group import current_world
 from mdloader.errors import ConfigError
 from mdloader.integrations.deepmd import seam
@@ -106,11 +107,17 @@ class DeepmdJob:
         The normalized input; its ``systems`` values are replaced by placed copies.
     shared
         For each task whose descriptor is shared whole, the tasks sharing it.
+    mdloader_keys
+        The keys mdloader took out of the input before DeePMD-kit's strict check (balanced
+        steps), by the JSON path of their data section
+        (:func:`~mdloader.config.unsupported.take_mdloader_keys`).
     """
 
-    def __init__(self, config: dict[str, Any], shared: Mapping[str, tuple[str, ...]]) -> None:
+    def __init__(self, config: dict[str, Any], shared: Mapping[str, tuple[str, ...]],
+                 mdloader_keys: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self.config = config
         self.shared = dict(shared)
+        self.mdloader_keys = {path: dict(keys) for path, keys in (mdloader_keys or {}).items()}
         self.sections: dict[Place, Section] = {}
         self.data: dict[Place, dict[str, Any]] = {}
         model, training = config.get("model", {}), config.get("training", {})
@@ -166,7 +173,8 @@ class DeepmdJob:
     def sampling(self, place: Place, shuffle: bool) -> SamplingSpec:
         """How the section at ``place`` samples, read from the input (``shuffle``:
         DeePMD-kit's argument)."""
-        spec = sampling_spec(self.data[place], self.sections[place].key.rsplit(".", 1)[0])
+        path = self.sections[place].key.rsplit(".", 1)[0]
+        spec = sampling_spec({**self.data[place], **self.mdloader_keys.get(path, {})}, path)
         return dataclasses.replace(spec, shuffle=bool(shuffle))
 
     def training_set(self, task: str | None) -> DpLoaderSet | None:
@@ -223,12 +231,15 @@ def forget_job() -> None:
 
 
 def recording_normalize(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``main.normalize``: DeePMD-kit's, then the job recorded for one build."""
+    """``main.normalize``: DeePMD-kit's on the input without the keys only mdloader reads
+    (balanced steps, which DeePMD-kit's strict check does not know), then the job recorded for
+    one build, with those keys."""
 
     def normalize(data: Any, *args: Any, **kwargs: Any) -> Any:
         global _JOB
-        config = original(data, *args, **kwargs)
-        _JOB = DeepmdJob(config, _SHARED)
+        stripped, taken = take_mdloader_keys(data) if isinstance(data, dict) else (data, {})
+        config = original(stripped, *args, **kwargs)
+        _JOB = DeepmdJob(config, _SHARED, taken)
         return config
 
     return normalize

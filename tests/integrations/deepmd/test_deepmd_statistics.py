@@ -258,3 +258,57 @@ def test_subset_statistics_on_two_ranks_equal_one_rank(peer: str, subset_referen
     _compare(theirs, ours)
     assert "in shares on 2 ranks" in log
     assert re.search(r"environment statistics: 12 systems .*\(cached 0, computed 12 on 2", log)
+
+
+def _fparam_data(root: Path) -> list[str]:
+    """8 systems of 10-24 frames with a frame parameter: DeePMD-kit's own statistics path."""
+    rng = np.random.default_rng(5)
+    return [make_system(root / "data", f"f{i}", natoms=5 + i % 4, nframes=10 + 2 * i, seed=60 + i,
+                        keys=("energy", "force"),
+                        extra_keys={"fparam": rng.normal(size=(10 + 2 * i, 1))})
+            for i in range(8)]
+
+
+EVERY_FRAME_CASES = {
+    # mdloader's shares (an energy model); DeePMD-kit's own action on mdloader's loaders
+    "shares": (lambda root: _subset_data(root, mixed=False), 0,
+               "input statistics: all frames of 12 systems (MDLOADER_STAT_FRAMES=all), in "
+               "shares on 1 ranks"),
+    "deepmd-kit's own": (_fparam_data, 1, "input statistics: DeePMD-kit's own on all frames of "
+                                          "8 systems (MDLOADER_STAT_FRAMES=all)"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", list(EVERY_FRAME_CASES))
+def test_every_frame_statistics_equal_deepmd_kits_own_with_every_frame(
+        peer: str, tmp_path: Path, case: str) -> None:
+    """``MDLOADER_STAT_FRAMES=all`` under ``mdloader dp`` with ``data_stat_nbatch: 2`` (a
+    sample of most systems) gives DeePMD-kit's own ``dp`` statistics with a
+    ``data_stat_nbatch`` that covers every frame, within 1e-12, on mdloader's shares and on
+    DeePMD-kit's own statistics action (a frame parameter); without it the sample's values
+    differ."""
+    make, numb_fparam, line = EVERY_FRAME_CASES[case]
+    systems = make(tmp_path)
+    jobs = {}
+    for name, nbatch in (("deepmd", 1000), ("mdloader", 2)):
+        jobs[name] = _subset_job(tmp_path, name, systems, SE_E2_A, nbatch)
+        if numb_fparam:
+            config = json.loads((jobs[name] / "input.json").read_text())
+            config["model"]["fitting_net"]["numb_fparam"] = numb_fparam
+            write_input(jobs[name], config)
+    theirs, ours = jobs["deepmd"], jobs["mdloader"]
+    run_job([peer, "-c", DEEPMD_DP, "--pt", "train", "input.json"], theirs)
+    log = run_job([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours,
+                  MDLOADER_STAT_FRAMES="all")
+    assert line in log, log[-3000:]
+    every, reference = _model(ours), _model(theirs)
+    assert every.keys() == reference.keys()
+    for key in reference:
+        np.testing.assert_allclose(every[key], reference[key], rtol=1e-12, atol=1e-12,
+                                   err_msg=key)
+    run_job([peer, "-m", "mdloader", "dp", "--pt", "train", "input.json"], ours,
+            MDLOADER_STAT_FRAMES="sample")
+    sample = _model(ours)
+    assert any(not np.allclose(sample[k], reference[k], rtol=1e-6) for k in reference)
