@@ -255,11 +255,13 @@ def fsync_tree(folder: str) -> None:
     fsync_folder(folder)
 
 
-def publish_folder(finished: str, target: str) -> None:
+def publish_folder(finished: str, target: str, *, durable: bool = True) -> None:
     """Rename the complete folder ``finished`` (made at :func:`temporary_path` of ``target``)
     to ``target``, flushed to disk first; an old ``target`` is moved aside and removed only
-    once the new one is in place."""
-    fsync_tree(finished)
+    once the new one is in place. ``durable=False`` (a node-local copy, made again when lost)
+    skips the flushes: still atomic for readers."""
+    if durable:
+        fsync_tree(finished)
     old = None
     if os.path.lexists(target):
         old = temporary_path(target)
@@ -270,7 +272,8 @@ def publish_folder(finished: str, target: str) -> None:
         if old is not None:  # the old one back in place: nothing changed
             os.replace(old, target)
         raise
-    fsync_folder(os.path.dirname(os.path.abspath(target)))
+    if durable:
+        fsync_folder(os.path.dirname(os.path.abspath(target)))
     if old is not None:
         discard(old)
 
