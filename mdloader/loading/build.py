@@ -42,7 +42,12 @@ from mdloader.distributed.channel import world_channel
 from mdloader.distributed.collectives import gather_from_every_rank
 from mdloader.distributed.group import current_world
 from mdloader.distributed.packets import Packet, data_packet, digest, error_packet, open_packet
-from mdloader.errors import ConfigError
+from mdloader.errors import (
+    CollectiveTimeoutError,
+    ConfigError,
+    DistributedError,
+    RemoteError,
+)
 from mdloader.loading.system_list import SystemDatasets
 from mdloader.settings import resolve
 from mdloader.world import World
@@ -267,8 +272,16 @@ def stage_tables(tables: Sequence[SystemTable], world: World) -> list[SystemTabl
                            limit_bytes=int(resolve("stage_bytes")))
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
-    parts = gather_from_every_rank((world.node, stage_dir, report), error,
-                                   timeout=float(resolve("build_timeout")), context=STAGING)
+    try:
+        parts = gather_from_every_rank((world.node, stage_dir, report), error,
+                                       timeout=float(resolve("build_timeout")), context=STAGING)
+    except (RemoteError, CollectiveTimeoutError):
+        raise
+    except DistributedError as exc:  # a peer left: a stager died, or its node was lost
+        raise DistributedError(
+            f"rank {world.rank}: another rank left the job while the nodes staged their data "
+            "(a node's stager, its LOCAL_RANK 0, copying to its $MDLOADER_STAGE_DIR, failed or "
+            "was killed: see its own output and the launcher's)") from exc
     folders: dict[int, set[str]] = {}
     for node, folder, _ in parts:
         folders.setdefault(node, set()).add(folder)
