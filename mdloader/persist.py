@@ -149,17 +149,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_leftovers(target: str) -> list[str]:
+def remove_leftovers(target: str, names: Sequence[str] | None = None) -> list[str]:
     """Remove the temporaries of ``target`` whose writers are gone; returns their names.
 
     A live writer's temporary is never touched, so two jobs may write one target at once.
+    ``names``: the entries of ``target``'s folder, when the caller listed it already (a
+    writer of many targets in one folder lists it once).
     """
     folder, name = os.path.split(os.path.abspath(target))
     prefix, now, removed = f".{name}.", time.time(), []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return removed
+    if names is None:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return removed
     for entry in names:
         if not (entry.startswith(prefix) and is_temporary(entry)):
             continue

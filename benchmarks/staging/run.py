@@ -11,7 +11,7 @@ One command::
 (:func:`benchmarks.data.ensure_formats`). For each format:
 
 * ``copy``: the seconds ``cp -r`` and the stager (:func:`mdloader.catalog.staging.stage`) take to
-  copy the same sources into an empty folder, the tree warm in the page cache and evicted
+  copy the same sources into an empty folder of ``--dest`` (default ``/dev/shm``), the tree warm in the page cache and evicted
   (``posix_fadvise DONTNEED``), ``--repeats`` times each (median); ``speed_ratio`` is
   cp's seconds over the stager's (the goal: at least 0.8);
 * ``shared``: one process builds the systems with staging on, then reads every frame
@@ -94,14 +94,14 @@ def _timed(call: Any) -> float:
 
 
 def copy_speed(source: str, sources: list[str], cache: str, repeats: int,
-               threads: int) -> dict[str, Any]:
+               threads: int, dest: str | None) -> dict[str, Any]:
     """Median seconds of ``cp -r`` and of the stager on the same sources, ``cache`` warm/cold."""
     from mdloader.catalog.staging import stage
 
     times: dict[str, list[float]] = {"cp": [], "stage": []}
     for _ in range(repeats):
         for tool in ("cp", "stage"):
-            target = tempfile.mkdtemp(prefix="mdl-stage-bench-")
+            target = tempfile.mkdtemp(prefix="mdl-stage-bench-", dir=dest)
             (evict if cache == "cold" else warm)(source)
             if tool == "cp":
                 times[tool].append(_timed(lambda t=target: subprocess.run(
@@ -114,18 +114,24 @@ def copy_speed(source: str, sources: list[str], cache: str, repeats: int,
             "threads": threads}
 
 
-_FD = re.compile(r'^\d+\s+(\w+)\((\d+)<([^>]*)>(?:, (?:NULL|\[\d+\]|\d+), (\d+)<([^>]*)>)?.*\)'
-                 r'\s+=\s+(-?\d+)')
-_PATH = re.compile(r'^\d+\s+(\w+)\((?:AT_FDCWD, )?"([^"]*)"')
+_FD = re.compile(r'^\d+\s+(\w+)\((\d+)<([^>]*)>(?:, (?:NULL|\[[^\]]*\]|\d+), (\d+)<([^>]*)>)?'
+                 r'.*\)\s+=\s+(-?\d+)')
+_RESUMED = re.compile(r'^(\d+)\s+<\.\.\. (\w+) resumed>.*\)\s+=\s+(-?\d+)')
+_PATH = re.compile(r'^\d+\s+(\w+)\((?:AT_FDCWD(?:<[^>]*>)?, )?"([^"]*)"')
 
 
 def parse_trace(path: str, root: str) -> dict[str, Any]:
     """Bytes read from files under ``root``, and opens/lookups under it before and after the
     marker, from an ``strace -f -y`` file."""
     prefix = root.rstrip("/") + "/"
+
+    def under(name: str) -> bool:
+        return name == root or name.startswith(prefix)
+
     out = {"bytes": 0, "opens_before": 0, "lookups_before": 0, "opens_after": 0,
            "lookups_after": 0}
     after = False
+    pending: dict[tuple[str, str], str] = {}
     with open(path) as fh:
         for line in fh:
             named = _PATH.match(line)
@@ -134,17 +140,26 @@ def parse_trace(path: str, root: str) -> dict[str, Any]:
                 if name == MARKER:
                     after = True
                     continue
-                if name.startswith(prefix) or name == root.rstrip("/"):
+                if under(name):
                     key = "opens" if call == "openat" else "lookups"
                     out[f"{key}_{'after' if after else 'before'}"] += 1
                 continue
-            fd = _FD.match(line)
-            if fd is None:
+            pid = line.split(None, 1)[0]
+            resumed = _RESUMED.match(line)
+            if resumed is not None:  # a call another thread interrupted: its start said the file
+                source = pending.pop((pid, resumed.group(2)), None)
+                if source and under(source) and int(resumed.group(3)) > 0:
+                    out["bytes"] += int(resumed.group(3))
+                continue
+            fd = _FD.match(line.replace(" <unfinished ...>", ") = 0"))
+            if fd is None or fd.group(1) not in ("read", "pread64", "copy_file_range",
+                                                 "sendfile"):
                 continue
             call, _, first, _, second, result = fd.groups()
             source = second if call == "sendfile" else first
-            if source and source.startswith(prefix) and int(result) > 0 and call in (
-                    "read", "pread64", "copy_file_range", "sendfile"):
+            if line.rstrip().endswith("<unfinished ...>"):
+                pending[(pid, call)] = source
+            elif source and under(source) and int(result) > 0:
                 out["bytes"] += int(result)
     return out
 
@@ -181,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--formats", default="npy,hdf5,lmdb")
     parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--dest", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                        help="where the copies go (the node-local folder; default /dev/shm)")
     args = parser.parse_args(argv)
     strace = shutil.which("strace") is not None
     npy_root = ensure_water(args.nsys)
@@ -188,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = [{
         "kind": "meta", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
         "nsys": args.nsys, "repeats": args.repeats, "passes": args.passes,
-        "threads": args.threads, "fs_tool": f"strace -f -y -e trace={CALLS}" if strace
+        "threads": args.threads, "dest": args.dest, "fs_tool": f"strace -f -y -e trace={CALLS}" if strace
         else None}]
     for fmt, address in addresses.items():
         if fmt == "npy":
@@ -202,26 +219,31 @@ def main(argv: list[str] | None = None) -> int:
                    "files": sum(1 if os.path.isfile(s) else sum(len(n) for _, _, n in
                                                                os.walk(s)) for s in sources),
                    **copy_speed(source_of(address), sources, cache, args.repeats,
-                                args.threads)}
+                                args.threads, args.dest)}
             records.append(rec)
             print(json.dumps(rec), flush=True)
-        stage_dir = tempfile.mkdtemp(prefix="mdl-stage-bench-")
-        try:
-            plain = shared_reads(address, 1, None, strace=False)
-            cold = shared_reads(address, args.passes, stage_dir, strace)
-            fresh = shared_reads(address, args.passes, stage_dir, strace)
-        finally:
-            shutil.rmtree(stage_dir)
+        timed: dict[str, float] = {}
+        for traced in (False, True) if strace else (False,):
+            stage_dir = tempfile.mkdtemp(prefix="mdl-stage-bench-", dir=args.dest)
+            try:
+                if not traced:  # the times, without strace's slowing down
+                    timed["plain"] = shared_reads(address, 1, None, False)["first_batch_seconds"]
+                cold = shared_reads(address, args.passes, stage_dir, traced)
+                fresh = shared_reads(address, args.passes, stage_dir, traced)
+            finally:
+                shutil.rmtree(stage_dir)
+            if not traced:
+                timed["cold"] = cold["first_batch_seconds"]
+                timed["fresh"] = fresh["first_batch_seconds"]
         for label, rec in (("cold stage folder", cold), ("fresh copies (a restart)", fresh)):
             out = {"kind": "shared", "format": fmt, "run": label, "tree_bytes": nbytes,
-                   "passes": args.passes, **rec}
+                   "passes": args.passes, **{k: v for k, v in rec.items() if "seconds" not in k}}
             if "bytes" in rec:
                 out["bytes_over_tree"] = rec["bytes"] / nbytes
             records.append(out)
             print(json.dumps(out), flush=True)
-        rec = {"kind": "first_batch", "format": fmt, "plain": plain["first_batch_seconds"],
-               "cold_stage": cold["first_batch_seconds"],
-               "fresh_stage": fresh["first_batch_seconds"]}
+        rec = {"kind": "first_batch", "format": fmt, "plain": timed["plain"],
+               "cold_stage": timed["cold"], "fresh_stage": timed["fresh"]}
         records.append(rec)
         print(json.dumps(rec), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

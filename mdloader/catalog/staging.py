@@ -5,7 +5,7 @@ the shared tree, so the shared file system serves each file once per node, not o
 What is copied is each system's container, the path of its address before ``#``: an npy system's
 folder, an HDF5 file, an LMDB database. A copy lives in ``<stage>/<key>/<name>`` (``key``: a
 digest of the source's absolute path, ``name``: its last component) beside its manifest
-``<stage>/<key>.mdlstage``, which records the :class:`~mdloader.persist.FileStamp` of every
+``<stage>/<key>/manifest.mdlstage``, which records the :class:`~mdloader.persist.FileStamp` of every
 source file at the moment it was copied and of every copied file.
 
 * **Never stale**: a copy is used only while every source file still has the stamp recorded
@@ -50,10 +50,11 @@ from mdloader.persist import (
     write_atomic,
 )
 
-MANIFEST_SUFFIX = ".mdlstage"
+MANIFEST = "manifest.mdlstage"
 MANIFEST_VERSION = 1
 COPY_THREADS = 4
-"""Files copied at once: a copy waits on the shared file system, and threads overlap the waits."""
+"""Sources copied at once: a copy waits on the shared file system, and threads overlap the
+waits."""
 _CHUNK = 1 << 24
 
 
@@ -62,15 +63,20 @@ def stage_key(source: str) -> str:
     return hashlib.sha256(os.path.abspath(source).encode()).hexdigest()[:24]
 
 
+def home_of(stage_dir: str, source: str) -> str:
+    """The folder of ``source``'s copy and manifest in ``stage_dir``."""
+    return os.path.join(stage_dir, stage_key(source))
+
+
 def copy_path(stage_dir: str, source: str) -> str:
     """Where the copy of ``source`` (a folder or a file) lives in ``stage_dir``."""
     source = os.path.abspath(source)
-    return os.path.join(stage_dir, stage_key(source), os.path.basename(source) or "root")
+    return os.path.join(home_of(stage_dir, source), os.path.basename(source) or "root")
 
 
 def manifest_path(stage_dir: str, source: str) -> str:
     """The manifest of ``source``'s copy in ``stage_dir``."""
-    return os.path.join(stage_dir, stage_key(source) + MANIFEST_SUFFIX)
+    return os.path.join(home_of(stage_dir, source), MANIFEST)
 
 
 def sources_of(tables: Iterable[SystemTable]) -> list[str]:
@@ -234,10 +240,14 @@ def stage(sources: Sequence[str], stage_dir: str, *, limit_bytes: int = 0,
             stale.append((source, now))
     needed = sum(s.size for _, now in stale for s in now.values())
     _check_room(stage_dir, needed, {os.path.abspath(s) for s, _ in stale}, limit_bytes)
-    for source, now in stale:
-        report.bytes_copied += _stage_one(source, now, stage_dir, threads)
-        report.copied += 1
-        report.copied_sources.append(source)
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(stale))),
+                            thread_name_prefix="mdloader-stage") as pool:
+        listed = os.listdir(stage_dir) if stale else []
+        copied = list(pool.map(lambda job: _stage_one(job[0], job[1], stage_dir, listed),
+                               stale))
+    report.bytes_copied = sum(copied)
+    report.copied = len(stale)
+    report.copied_sources = [source for source, _ in stale]
     report.seconds = time.monotonic() - start
     return report
 
@@ -262,46 +272,47 @@ def _check_room(stage_dir: str, needed: int, replaced: set[str], limit_bytes: in
                 "folder (mdloader cache prune)")
 
 
-def _stage_one(source: str, now: dict[str, FileStamp], stage_dir: str, threads: int) -> int:
-    """Copy ``source`` into ``stage_dir`` and publish it with its manifest; bytes copied."""
+def _stage_one(source: str, now: dict[str, FileStamp], stage_dir: str,
+               listed: Sequence[str]) -> int:
+    """Copy ``source`` into ``stage_dir`` and publish it with its manifest; bytes copied
+    (``listed``: the stage folder's entries, where dead writers' temporaries are found)."""
     source = os.path.abspath(source)
-    home = os.path.dirname(copy_path(stage_dir, source))
-    manifest = manifest_path(stage_dir, source)
-    remove_entry(manifest)  # the old copy is not trusted from here on
-    remove_leftovers(home)
+    home = home_of(stage_dir, source)
+    remove_entry(manifest_path(stage_dir, source))  # the old copy is not trusted from here on
+    remove_leftovers(home, listed)
     temp = temporary_path(home)
     target = os.path.join(temp, os.path.basename(copy_path(stage_dir, source)))
     try:
-        os.makedirs(temp)
+        os.mkdir(temp)
         if "" not in now:  # a folder: its tree first, then its files
             for rel in sorted({os.path.dirname(r) for r in now} | {""}):
                 os.makedirs(os.path.join(target, rel), exist_ok=True)
-        work = [(os.path.join(source, rel) if rel else source,
-                 os.path.join(target, rel) if rel else target, rel) for rel in now]
-        with ThreadPoolExecutor(max_workers=max(1, threads),
-                                thread_name_prefix="mdloader-stage") as pool:
-            stamps = dict(pool.map(lambda job: (job[2], copy_file(job[0], job[1])), work))
+        stamps = {rel: copy_file(os.path.join(source, rel) if rel else source,
+                                 os.path.join(target, rel) if rel else target, stamp)
+                  for rel, stamp in now.items()}
         publish_folder(temp, home, durable=False)
     except BaseException:
         discard(temp)
         raise
     record = Manifest(source, stamps, time.time())
-    write_atomic(manifest, record.to_json(), durable=False)
+    write_atomic(manifest_path(stage_dir, source), record.to_json(), durable=False)
     return record.nbytes
 
 
-def copy_file(source: str, target: str) -> tuple[FileStamp, FileStamp]:
+def copy_file(source: str, target: str, expected: FileStamp | None = None
+              ) -> tuple[FileStamp, FileStamp]:
     """Copy one file (in the kernel where it can); (the source's stamp, the copy's stamp).
 
-    The source is opened once and its stamp read from the open file before and after the
-    copy: a file rewritten meanwhile is an error, never a copy of two versions.
+    The source is opened once and its stamp read from the open file after the copy: it must
+    be ``expected`` (the stamp seen before, by default the open file's own before the copy),
+    so a file rewritten meanwhile is an error, never a copy of two versions.
     """
     try:
         src = os.open(source, os.O_RDONLY)
     except OSError as exc:
         raise StagingError(f"cannot stage {source}: {exc.strerror or exc}") from exc
     try:
-        before = FileStamp.of(os.fstat(src))
+        before = expected if expected is not None else FileStamp.of(os.fstat(src))
         dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             copied = _copy_fd(src, dst, before.size)
@@ -319,11 +330,17 @@ def copy_file(source: str, target: str) -> tuple[FileStamp, FileStamp]:
     return before, written
 
 
+#: (source device, target device) pairs where ``copy_file_range`` failed: not asked again.
+_NO_RANGE: set[tuple[int, int]] = set()
+
+
 def _copy_fd(src: int, dst: int, size: int) -> int:
     """Copy ``size`` bytes of ``src`` to ``dst``: ``copy_file_range``, else ``sendfile``,
     else reads and writes; the bytes copied (fewer: the file shrank)."""
+    devices = (os.fstat(src).st_dev, os.fstat(dst).st_dev) if _NO_RANGE else None
+    calls = (_range, _sendfile, _plain) if devices not in _NO_RANGE else (_sendfile, _plain)
     done = 0
-    for call in (_range, _sendfile, _plain):
+    for call in calls:
         try:
             while done < size:
                 n = call(src, dst, done, min(_CHUNK, size - done))
@@ -335,6 +352,8 @@ def _copy_fd(src: int, dst: int, size: int) -> int:
             if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP,
                                  errno.ENOTSUP) or call is _plain:
                 raise
+            if call is _range:
+                _NO_RANGE.add((os.fstat(src).st_dev, os.fstat(dst).st_dev))
     return done
 
 
@@ -373,9 +392,9 @@ def staged_copies(stage_dir: str) -> list[StagedCopy]:
     except OSError:
         return found
     for name in names:
-        if is_temporary(name) or not name.endswith(MANIFEST_SUFFIX):
+        if is_temporary(name):
             continue
-        path = os.path.join(stage_dir, name)
+        path = os.path.join(stage_dir, name, MANIFEST)
         manifest = Manifest.read(path)
         facts = usage(path)
         if manifest is None or facts is None:
@@ -390,6 +409,5 @@ def remove_copy(copy: StagedCopy) -> bool:
     renamed away before it is deleted. ``False`` when it was gone already."""
     if not remove_entry(copy.manifest):
         return False
-    home = os.path.dirname(copy.path)
-    remove_entry(home)
+    remove_entry(os.path.dirname(copy.manifest))
     return True

@@ -149,8 +149,7 @@ def _remove(entry: CacheEntry) -> bool:
         return remove_entry(entry.path)
     from mdloader.catalog.staging import remove_copy, staged_copies
 
-    copies = [c for c in staged_copies(os.path.dirname(os.path.dirname(entry.path)))
-              if c.path == entry.path]
+    copies = [c for c in staged_copies(stage_folder() or "") if c.path == entry.path]
     return bool(copies) and remove_copy(copies[0])
 
 
