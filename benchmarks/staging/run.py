@@ -11,9 +11,9 @@ One command::
 (:func:`benchmarks.data.ensure_formats`). For each format:
 
 * ``copy``: the seconds ``cp -r`` and the stager (:func:`mdloader.catalog.staging.stage`) take to
-  copy the same sources into an empty folder of ``--dest`` (default ``/dev/shm``), the tree warm in the page cache and evicted
-  (``posix_fadvise DONTNEED``), ``--repeats`` times each (median); ``speed_ratio`` is
-  cp's seconds over the stager's (the goal: at least 0.8);
+  copy the same sources into an empty folder of ``--dest`` (default ``/dev/shm``), the tree
+  warm in the page cache and evicted (``posix_fadvise DONTNEED``), ``--repeats`` times each
+  (median); ``speed_ratio`` is cp's seconds over the stager's (the goal: at least 0.8);
 * ``shared``: one process builds the systems with staging on, then reads every frame
   ``--passes`` times with 2 npy files kept open (``MDLOADER_MAX_OPEN_FILES=2``), under
   ``strace -f -y``: the bytes its calls read from files under the shared tree, per pass and
@@ -116,6 +116,7 @@ def copy_speed(source: str, sources: list[str], cache: str, repeats: int,
 
 _FD = re.compile(r'^\d+\s+(\w+)\((\d+)<([^>]*)>(?:, (?:NULL|\[[^\]]*\]|\d+), (\d+)<([^>]*)>)?'
                  r'.*\)\s+=\s+(-?\d+)')
+_SENDFILE = re.compile(r'^\d+\s+sendfile\(\d+<[^>]*>, \d+<([^>]*)>.*\)\s+=\s+(-?\d+)')
 _RESUMED = re.compile(r'^(\d+)\s+<\.\.\. (\w+) resumed>.*\)\s+=\s+(-?\d+)')
 _PATH = re.compile(r'^\d+\s+(\w+)\((?:AT_FDCWD(?:<[^>]*>)?, )?"([^"]*)"')
 
@@ -150,6 +151,15 @@ def parse_trace(path: str, root: str) -> dict[str, Any]:
                 source = pending.pop((pid, resumed.group(2)), None)
                 if source and under(source) and int(resumed.group(3)) > 0:
                     out["bytes"] += int(resumed.group(3))
+                continue
+            sent = _SENDFILE.match(line)
+            if sent is not None:
+                if under(sent.group(1)) and int(sent.group(2)) > 0:
+                    out["bytes"] += int(sent.group(2))
+                continue
+            if " sendfile(" in line and line.rstrip().endswith("<unfinished ...>"):
+                both = re.findall(r"\d+<([^>]*)>", line)
+                pending[(pid, "sendfile")] = both[1] if len(both) > 1 else ""
                 continue
             fd = _FD.match(line.replace(" <unfinished ...>", ") = 0"))
             if fd is None or fd.group(1) not in ("read", "pread64", "copy_file_range",
@@ -205,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = [{
         "kind": "meta", "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count(),
         "nsys": args.nsys, "repeats": args.repeats, "passes": args.passes,
-        "threads": args.threads, "dest": args.dest, "fs_tool": f"strace -f -y -e trace={CALLS}" if strace
-        else None}]
+        "threads": args.threads, "dest": args.dest,
+        "fs_tool": f"strace -f -y -e trace={CALLS}" if strace else None}]
     for fmt, address in addresses.items():
         if fmt == "npy":
             sources = [os.path.join(address, n) for n in sorted(os.listdir(address))
