@@ -138,3 +138,27 @@ def test_mdloader_cache_lists_and_prunes_the_stage_folder(tmp_path: Path,
     assert sorted(e.owner for e in removed if e.kind == "stage") == sorted(paths)
     assert staged_copies(str(stage_dir)) == []
     assert os.listdir(stage_dir) == []
+
+
+def test_a_node_is_torchruns_agent_else_counted_from_the_rank() -> None:
+    from mdloader.world import World
+
+    agent = World.from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0",
+                            "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "1"})
+    assert (agent.node, agent.local_rank) == (1, 0)
+    counted = World.from_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                              "LOCAL_WORLD_SIZE": "4"})
+    assert counted.node == 1
+
+
+def test_the_copy_of_a_table_names_the_stage_folder_and_keeps_the_rest(tmp_path: Path) -> None:
+    from mdloader.catalog.staging import relocate
+    from mdloader.catalog.table import SystemTable
+    from mdloader.loading.build import build_systems
+
+    paths = make_dataset(tmp_path / "data", 3, nframes=4, seed=2)
+    table: SystemTable = build_systems(paths, ["O", "H"]).table
+    moved = relocate(table, str(tmp_path / "stage"))
+    assert moved.addresses() == [copy_path(str(tmp_path / "stage"), p) for p in paths]
+    assert [m.sets for m in moved] == [m.sets for m in table]
+    assert (moved.natoms() == table.natoms()).all() and (moved.nframes() == table.nframes()).all()
