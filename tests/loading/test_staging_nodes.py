@@ -217,5 +217,6 @@ def test_a_stager_killed_while_staging_ends_every_rank(tmp_path: Path, job: Path
     ended = [line for line in survivor.output.splitlines()
              if line.startswith(("mdloader: error:", "mdloader: stopped on rank"))]
     assert len(ended) == 1, survivor.output[-3000:]
+    print(ended[0])
     assert "left the job while the nodes staged their data" in ended[0] or \
         "stopped on rank" in ended[0], ended
