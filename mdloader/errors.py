@@ -234,6 +234,11 @@ class WriteError(MdloaderError, OSError):
     no permission); the message names it and says what was kept."""
 
 
+class StagingError(MdloaderError, OSError):
+    """The node-local copy of the data cannot be made: the stage folder is full or the copy
+    failed (the message names the folder, or the file, and the bytes)."""
+
+
 class StopRequested(BaseException):
     """A stop signal (SIGTERM, SIGUSR1) arrived while the run had nothing to save yet: the run
     ends at once. A ``BaseException``, as ``KeyboardInterrupt``, so that no ``except Exception``

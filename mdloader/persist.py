@@ -149,17 +149,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_leftovers(target: str) -> list[str]:
+def remove_leftovers(target: str, names: Sequence[str] | None = None) -> list[str]:
     """Remove the temporaries of ``target`` whose writers are gone; returns their names.
 
     A live writer's temporary is never touched, so two jobs may write one target at once.
+    ``names``: the entries of ``target``'s folder, when the caller listed it already (a
+    writer of many targets in one folder lists it once).
     """
     folder, name = os.path.split(os.path.abspath(target))
     prefix, now, removed = f".{name}.", time.time(), []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return removed
+    if names is None:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return removed
     for entry in names:
         if not (entry.startswith(prefix) and is_temporary(entry)):
             continue
@@ -255,11 +258,13 @@ def fsync_tree(folder: str) -> None:
     fsync_folder(folder)
 
 
-def publish_folder(finished: str, target: str) -> None:
+def publish_folder(finished: str, target: str, *, durable: bool = True) -> None:
     """Rename the complete folder ``finished`` (made at :func:`temporary_path` of ``target``)
     to ``target``, flushed to disk first; an old ``target`` is moved aside and removed only
-    once the new one is in place."""
-    fsync_tree(finished)
+    once the new one is in place. ``durable=False`` (a node-local copy, made again when lost)
+    skips the flushes: still atomic for readers."""
+    if durable:
+        fsync_tree(finished)
     old = None
     if os.path.lexists(target):
         old = temporary_path(target)
@@ -270,7 +275,8 @@ def publish_folder(finished: str, target: str) -> None:
         if old is not None:  # the old one back in place: nothing changed
             os.replace(old, target)
         raise
-    fsync_folder(os.path.dirname(os.path.abspath(target)))
+    if durable:
+        fsync_folder(os.path.dirname(os.path.abspath(target)))
     if old is not None:
         discard(old)
 

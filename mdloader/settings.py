@@ -134,6 +134,15 @@ SETTINGS: dict[str, Setting] = {
     "max_open_lmdb": Setting(
         "MDLOADER_MAX_OPEN_LMDB", lambda: 16, int, 1, "database",
         "LMDB databases one process keeps open (each maps its file and holds a descriptor)."),
+    "stage_dir": Setting(
+        "MDLOADER_STAGE_DIR", lambda: "", str, None, "folder",
+        "A node-local folder ($SLURM_TMPDIR, /local, /dev/shm) to which the first rank of each "
+        "node copies the job's data before step 1, every rank then reading the copy; empty: "
+        "read the shared tree (no staging)."),
+    "stage_bytes": Setting(
+        "MDLOADER_STAGE_BYTES", lambda: 0, int, 0, "byte",
+        "Most bytes the staged copies in $MDLOADER_STAGE_DIR may hold, this job's and others'; "
+        "0: as much as the free space allows."),
 }
 
 

@@ -16,12 +16,13 @@ from mdloader.errors import ConfigError
 
 @dataclass(frozen=True)
 class World:
-    """Rank and size of the job (``local_*`` describe this node)."""
+    """Rank and size of the job (``local_*`` describe this node, ``node`` is its number)."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
+    node: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -40,14 +41,20 @@ class World:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> World:
-        """Read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (set by torchrun)."""
+        """Read ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` and the node's
+        number ``GROUP_RANK`` (set by torchrun for each of its agents; without it, the node
+        is counted from the rank: ``RANK // LOCAL_WORLD_SIZE``)."""
         env = os.environ if environ is None else environ
         try:
+            rank = int(env.get("RANK", 0))
+            local_world_size = int(env.get("LOCAL_WORLD_SIZE", 1))
+            node = env.get("GROUP_RANK")
             return cls(
-                rank=int(env.get("RANK", 0)),
+                rank=rank,
                 world_size=int(env.get("WORLD_SIZE", 1)),
                 local_rank=int(env.get("LOCAL_RANK", 0)),
-                local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+                local_world_size=local_world_size,
+                node=int(node) if node else rank // max(local_world_size, 1),
             )
         except ValueError as exc:
             raise ConfigError(f"malformed rank variables in the environment: {exc}") from exc

@@ -9,7 +9,7 @@ buffers and makes a ``SystemMeta`` only when a system is used.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -163,6 +163,31 @@ class SystemTable(Sequence):
         """The same descriptions, saying they come from ``origin``."""
         return SystemTable(self._columns, self._names, self._folders, self._type_maps,
                            self._sets, self._idx_maps, origin, self.backend_names)
+
+    def relocated(self, move: Callable[[str], str],
+                  restate: Callable[[SetMeta], SetMeta] | None = None) -> SystemTable:
+        """The same descriptions at other paths: each address's path (the part before ``#``)
+        becomes ``move(path)``, asked once per distinct path (a node-local copy of the data);
+        ``restate`` rewrites each distinct set, for what a description says of the files it was
+        read from (an LMDB group's stamp of its ``data.mdb``)."""
+        moved: dict[str, str] = {}
+        folders = _Distinct()
+        folder_ids, name_lens, names = [], [], []
+        for address in self.addresses():
+            path, sep, group = address.partition("#")
+            target = moved.get(path)
+            if target is None:
+                target = moved[path] = move(path)
+            folder, slash, name = (target + sep + group).rpartition("/")
+            encoded = name.encode()
+            folder_ids.append(folders.id(folder + slash))
+            name_lens.append(len(encoded))
+            names.append(encoded)
+        columns = {**self._columns, "folder_id": _smallest(folder_ids),
+                   "name_len": _smallest(name_lens)}
+        sets = self._sets if restate is None else tuple(restate(x) for x in self._sets)
+        return SystemTable(columns, b"".join(names), tuple(folders.values), self._type_maps,
+                           sets, self._idx_maps, self.origin, self.backend_names)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Columns as raw bytes: a pickled ndarray costs ~100 bytes of framing, noticeable for

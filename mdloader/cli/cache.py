@@ -2,9 +2,11 @@
 
 The cache (``$MDLOADER_CACHE_DIR``) holds one folder per kind: ``index/`` (system indexes of data
 sections whose ``input.json`` names no ``index_file``) and ``statistics/`` (per-system statistics
-entries, one folder per system as its files were). ``show`` counts the entries, their bytes and
-their last use per kind; ``prune`` removes the entries no given data set uses any more
-(``--unmatched``) or not used for a number of days (``--older-than``).
+entries, one folder per system as its files were). With ``$MDLOADER_STAGE_DIR`` set, the
+node-local copies there are a third kind, ``stage`` (:mod:`mdloader.catalog.staging`). ``show``
+counts the entries, their bytes and their last use per kind; ``prune`` removes the entries no
+given data set uses any more (``--unmatched``) or not used for a number of days
+(``--older-than``).
 
 Pruning never breaks a running job that shares the cache: only finished entries are removed,
 each renamed away before it is deleted (a reader that has it open keeps reading it, one that
@@ -24,7 +26,7 @@ from dataclasses import asdict, dataclass
 from mdloader.cli.arguments import add_list_option
 from mdloader.errors import ConfigError
 from mdloader.persist import is_temporary, remove_entry, usage
-from mdloader.settings import CACHE_KINDS, cache_folder
+from mdloader.settings import CACHE_KINDS, cache_folder, resolve
 
 #: The file name ending of an entry of each kind.
 SUFFIXES = {"index": ".mdlidx", "statistics": ".mdlstat"}
@@ -58,17 +60,37 @@ def cache_entries(root: str | None = None) -> list[CacheEntry]:
                     continue
                 owner = path if kind == "index" else os.path.basename(base)
                 found.append(CacheEntry(kind, path, facts[1], facts[0], owner))
+    stage_dir = stage_folder()
+    if stage_dir is not None:
+        from mdloader.catalog.staging import staged_copies
+
+        found.extend(CacheEntry("stage", c.path, c.bytes, c.last_use, c.source)
+                     for c in staged_copies(stage_dir))
     return found
+
+
+def stage_folder() -> str | None:
+    """``$MDLOADER_STAGE_DIR`` (absolute), or ``None`` when no staging is set."""
+    folder = str(resolve("stage_dir"))
+    return os.path.abspath(os.path.expanduser(folder)) if folder else None
+
+
+def _kinds() -> list[tuple[str, str]]:
+    """(kind, folder) of every kind shown: the cache's, and the stage folder when set."""
+    kinds = [(kind, cache_folder(kind, None)) for kind in CACHE_KINDS]
+    stage_dir = stage_folder()
+    return kinds + ([("stage", stage_dir)] if stage_dir is not None else [])
 
 
 def show_cache(root: str | None = None, *, as_json: bool = False) -> str:
     """Per kind: the entries, their bytes, and the newest and oldest last use."""
     entries = cache_entries(root)
     rows = []
-    for kind in CACHE_KINDS:
+    for kind, folder in _kinds():
         mine = [e for e in entries if e.kind == kind]
         uses = [e.last_use for e in mine]
-        rows.append({"kind": kind, "folder": cache_folder(kind, root), "entries": len(mine),
+        rows.append({"kind": kind, "folder": cache_folder(kind, root) if kind != "stage"
+                     else folder, "entries": len(mine),
                      "bytes": sum(e.bytes for e in mine),
                      "last_use": max(uses) if uses else None,
                      "oldest_use": min(uses) if uses else None})
@@ -109,7 +131,7 @@ def prune_cache(root: str | None = None, *, older_than: float | None = None,
               or (used is not None and e.owner not in used)]
     if dry_run:
         return doomed
-    removed = [e for e in doomed if remove_entry(e.path)]
+    removed = [e for e in doomed if _remove(e)]
     for entry in removed:  # an emptied system folder, and its prefix folder, go too
         folder = os.path.dirname(entry.path)
         for _ in range(2 if entry.kind == "statistics" else 0):
@@ -121,14 +143,26 @@ def prune_cache(root: str | None = None, *, older_than: float | None = None,
     return removed
 
 
+def _remove(entry: CacheEntry) -> bool:
+    """Remove one entry (a staged copy: its manifest first, then its folder)."""
+    if entry.kind != "stage":
+        return remove_entry(entry.path)
+    from mdloader.catalog.staging import remove_copy, staged_copies
+
+    copies = [c for c in staged_copies(stage_folder() or "") if c.path == entry.path]
+    return bool(copies) and remove_copy(copies[0])
+
+
 def _used(inputs: Sequence[str]) -> set[str]:
-    """What the data sets of ``inputs`` use: their index paths and their systems' stamps.
+    """What the data sets of ``inputs`` use: their index paths, their systems' stamps and
+    their systems' containers (what a stage folder holds copies of).
 
     Their catalogs are obtained as a job's rank 0 would (from the index while it holds), but
     nothing is saved: pruning writes no index.
     """
     from mdloader.catalog.catalog import catalog_for
     from mdloader.catalog.describe import SystemFailed
+    from mdloader.catalog.staging import sources_of
     from mdloader.config.input_json import load_config
     from mdloader.loading.build import resolve_workers
     from mdloader.loading.statistics import layout_of
@@ -153,6 +187,7 @@ def _used(inputs: Sequence[str]) -> set[str]:
             table = catalog.table
             used.update(system_stamp(address, layout_of(table.meta(row)))
                         for row, address in enumerate(table.addresses()))
+            used.update(os.path.abspath(s) for s in sources_of([table]))
     return used
 
 
@@ -162,7 +197,7 @@ def format_removed(removed: Sequence[CacheEntry], *, dry_run: bool, as_json: boo
         return json.dumps([asdict(e) for e in removed], indent=2)
     verb = "would remove" if dry_run else "removed"
     lines = []
-    for kind in CACHE_KINDS:
+    for kind, _ in _kinds():
         mine = [e for e in removed if e.kind == kind]
         lines.append(f"{kind}: {verb} {len(mine)} entries, {_size(sum(e.bytes for e in mine))}")
     return "\n".join(lines)

@@ -40,7 +40,8 @@ def current_world() -> World:
         return World()
     env = World.from_env()
     return World(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                 local_rank=env.local_rank, local_world_size=env.local_world_size)
+                 local_rank=env.local_rank, local_world_size=env.local_world_size,
+                 node=env.node)
 
 
 def group_rank(group: Any) -> int:

@@ -14,8 +14,12 @@ every task). The build is one road for all of them:
    :class:`~mdloader.errors.RemoteError` naming the system and the file.
 3. Every rank checks the count and that its payload digest equals rank 0's; the datasets are
    made from the tables when first used (no I/O). Rank 0 then saves the catalogs as indexes.
+4. With ``$MDLOADER_STAGE_DIR``, the first rank of each node copies the systems to that
+   node-local folder, or reuses the copies still fresh, and every rank reads the copies
+   (:func:`stage_tables`, :mod:`mdloader.catalog.staging`).
 
-Other ranks never touch the data tree, nor the index, during the build. One list of systems
+Other ranks never touch the data tree, nor the index, during the build (the stagers of step 4
+read each file once, after it). One list of systems
 (:func:`build_systems`) is the job of one section. ``docs/benchmarks.md`` gives the
 measurements behind the choice of loop, threads or processes.
 """
@@ -32,16 +36,26 @@ from typing import Any
 
 from mdloader.catalog.catalog import Catalog, catalog_for
 from mdloader.catalog.describe import SystemFailed
+from mdloader.catalog.staging import relocate, sources_of, stage
 from mdloader.catalog.table import SystemTable
 from mdloader.distributed.channel import world_channel
+from mdloader.distributed.collectives import gather_from_every_rank
 from mdloader.distributed.group import current_world
 from mdloader.distributed.packets import Packet, data_packet, digest, error_packet, open_packet
+from mdloader.errors import (
+    CollectiveTimeoutError,
+    ConfigError,
+    DistributedError,
+    RemoteError,
+)
 from mdloader.loading.system_list import SystemDatasets
 from mdloader.settings import resolve
+from mdloader.world import World
 
 log = logging.getLogger(__name__)
 
 CONTEXT = "discovering and building the systems"
+STAGING = "staging the data to each node's $MDLOADER_STAGE_DIR"
 
 
 @dataclass(frozen=True)
@@ -225,6 +239,7 @@ def build_job(sections: Sequence[Section], *, num_workers: int | None = None,
         payload_bytes = len(packet.payload)
     for catalog in catalogs:
         catalog.save()
+    tables = stage_tables(tables, world)
     by_request = {r.request: SystemDatasets(t) for r, t in zip(requests, tables, strict=True)}
     report = BuildReport(sum(len(t) for t in tables), sum(int(t.nframes().sum()) for t in tables),
                          broadcast, verify, payload_bytes,
@@ -235,6 +250,49 @@ def build_job(sections: Sequence[Section], *, num_workers: int | None = None,
                  "one broadcast of %d bytes to %d ranks", len(sections), len(requests),
                  report.nsys, payload_bytes, world.world_size)
     return JobSystems(sections, {s: by_request[s.request] for s in sections}, report)
+
+
+def stage_tables(tables: Sequence[SystemTable], world: World) -> list[SystemTable]:
+    """The tables read from node-local copies when ``$MDLOADER_STAGE_DIR`` names a folder
+    (:mod:`mdloader.catalog.staging`), else unchanged.
+
+    The first rank of each node (``LOCAL_RANK`` 0) copies every system's container there, or
+    reuses a copy still fresh; every rank of every node then waits in one gather, bounded by
+    ``$MDLOADER_BUILD_TIMEOUT``, which hands a stager's failure to every rank as the same
+    :class:`~mdloader.errors.RemoteError`. The ranks of one node must name one folder.
+    """
+    stage_dir = str(resolve("stage_dir"))
+    if not stage_dir:
+        return list(tables)
+    stage_dir = os.path.abspath(os.path.expanduser(stage_dir))
+    report, error = None, None
+    if world.local_rank == 0:
+        try:
+            report = stage(sources_of(tables), stage_dir,
+                           limit_bytes=int(resolve("stage_bytes")))
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            error = exc
+    try:
+        parts = gather_from_every_rank((world.node, stage_dir, report), error,
+                                       timeout=float(resolve("build_timeout")), context=STAGING)
+    except (RemoteError, CollectiveTimeoutError):
+        raise
+    except DistributedError as exc:  # a peer left: a stager died, or its node was lost
+        raise DistributedError(
+            f"rank {world.rank}: another rank left the job while the nodes staged their data "
+            "(a node's stager, its LOCAL_RANK 0, copying to its $MDLOADER_STAGE_DIR, failed or "
+            "was killed: see its own output and the launcher's)") from exc
+    folders: dict[int, set[str]] = {}
+    for node, folder, _ in parts:
+        folders.setdefault(node, set()).add(folder)
+    mixed = {node: sorted(f) for node, f in folders.items() if len(f) > 1}
+    if mixed:
+        raise ConfigError(f"the ranks of a node name different stage folders: {mixed}; give "
+                          "every rank of a node the same MDLOADER_STAGE_DIR",
+                          path="MDLOADER_STAGE_DIR")
+    if report is not None:
+        log.info("node %d: %s", world.node, report.summary())
+    return [relocate(t, stage_dir) for t in tables]
 
 
 def build_systems(systems: str | Sequence[str], type_map: Sequence[str] | None = None, *,
