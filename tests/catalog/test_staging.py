@@ -162,3 +162,21 @@ def test_the_copy_of_a_table_names_the_stage_folder_and_keeps_the_rest(tmp_path:
     assert moved.addresses() == [copy_path(str(tmp_path / "stage"), p) for p in paths]
     assert [m.sets for m in moved] == [m.sets for m in table]
     assert (moved.natoms() == table.natoms()).all() and (moved.nframes() == table.nframes()).all()
+
+
+@pytest.mark.parametrize("size", [100, (1 << 20) + 100])  # one buffer, and the kernel's copy
+def test_a_file_that_changes_between_its_survey_and_its_copy_is_refused(tmp_path: Path,
+                                                                         size: int) -> None:
+    from mdloader.catalog.staging import copy_file
+    from mdloader.persist import FileStamp
+
+    source = tmp_path / "force.npy"
+    source.write_bytes(b"x" * size)
+    surveyed = FileStamp.of(os.stat(source))
+    with open(source, "ab") as fh:  # a writer appends after the survey
+        fh.write(b"y" * 10)
+    with pytest.raises(StagingError, match=r"force\.npy changed while it was staged"):
+        copy_file(str(source), str(tmp_path / "copy.npy"), surveyed)
+    before, written = copy_file(str(source), str(tmp_path / "again.npy"))
+    assert before.size == written.size == size + 10
+    assert (tmp_path / "again.npy").read_bytes() == source.read_bytes()
