@@ -41,13 +41,15 @@ class HandleCache(Generic[H]):
         Tells whether a cached handle can still be used (closed elsewhere: reopen it).
     close_inherited
         After a fork, close the parent's handles in the child instead of only forgetting them.
+    counted
+        Whether an open counts in :func:`opened` (a file; not an object inside an open file).
     """
 
     def __init__(self, limit: Callable[[], int], close: Callable[[H], Any] | None = None,
                  valid: Callable[[H], bool] | None = None, *,
-                 close_inherited: bool = False) -> None:
+                 close_inherited: bool = False, counted: bool = True) -> None:
         self._limit, self._close, self._valid = limit, close, valid
-        self._close_inherited = close_inherited
+        self._close_inherited, self._counted = close_inherited, counted
         self._handles: OrderedDict[str, H] = OrderedDict()
         self._pid = os.getpid()
 
@@ -59,8 +61,9 @@ class HandleCache(Generic[H]):
             self._handles.move_to_end(key)
             return handle
         handle = open_handle()
-        opened()  # resets the count in a new process
-        _opened[1] += 1
+        if self._counted:
+            opened()  # resets the count in a new process
+            _opened[1] += 1
         self._handles.pop(key, None)  # an invalid handle is closed already; the new one is newest
         self._handles[key] = handle
         while len(self._handles) > max(1, self._limit()):
