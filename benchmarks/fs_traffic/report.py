@@ -52,7 +52,10 @@ def _keys(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[Key]:
 
 
 def _nofile(rec: dict[str, Any]) -> str:
-    return f"{rec['nofile']:,}" if rec["nofile_asked"] != "high" else f"high ({rec['nofile']:,})"
+    """The soft limit the process started with, and the one it read under when it raised it."""
+    text = f"{rec['nofile']:,}" if rec["nofile_asked"] != "high" else f"high ({rec['nofile']:,})"
+    raised = rec.get("nofile_in_run")
+    return text if raised in (None, rec["nofile"]) else f"{text} → {raised:,}"
 
 
 def _both(md: dict[str, Any] | None, dp: dict[str, Any] | None, name: str,
@@ -69,6 +72,21 @@ def _over_payload(rec: dict[str, Any] | None) -> str:
     return ratio(rec["per_batch"]["bytes_from_storage"], rec["payload_bytes_per_batch"])
 
 
+def _opens(rec: dict[str, Any] | None) -> str:
+    """Opens per batch, with those of a file the process had opened before in brackets."""
+    if rec is None or rec["per_batch"].get("opens") is None:
+        return "–"
+    again = rec["per_batch"].get("reopens")
+    return number(rec["per_batch"]["opens"]) + ("" if again is None else f" ({number(again)})")
+
+
+def _over_pages(rec: dict[str, Any] | None) -> str:
+    if rec is None or not rec["per_batch"].get("bytes_of_pages_spanned"):
+        return "–"
+    return ratio(rec["per_batch"]["bytes_from_storage"],
+                 rec["per_batch"]["bytes_of_pages_spanned"])
+
+
 def _left(rec: dict[str, Any] | None) -> str:
     if rec is None or rec.get("resident_after_evict_bytes") is None:
         return "–"
@@ -78,20 +96,22 @@ def _left(rec: dict[str, Any] | None) -> str:
 def table(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[str]:
     """Per batch, mdloader / DeePMD-kit: calls under the tree, bytes requested by reads, bytes
     from storage and their ratio to the frames' bytes, and the tree left cached by an eviction."""
-    lines = ["| format | ulimit -n | workers | page cache | path lookups | opens | fstats | "
-             "read calls | KiB requested by reads | KiB from storage | storage ÷ payload | "
-             "tree left cached after eviction |",
-             "|---|---|---:|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| format | ulimit -n | workers | page cache | path lookups | opens (of a file "
+             "opened before) | fstats | read calls | KiB requested by reads | KiB from storage | "
+             "storage ÷ payload | storage ÷ pages the rows span (mdloader) | tree left cached "
+             "after eviction |",
+             "|---|---|---:|---|---|---|---|---|---|---|---|---|---|"]
     for key in _keys(recs):
         md, dp = recs.get((MD, key)), recs.get((DP, key))
         any_rec = next(r for r in (md, dp) if r is not None)  # every key has a record
         lines.append(
             f"| {key[0]} | {_nofile(any_rec)} | {key[2]} | {WINDOWS.get(key[3], key[3])} | "
-            f"{_both(md, dp, 'lookups')} | {_both(md, dp, 'opens')} | "
+            f"{_both(md, dp, 'lookups')} | {_opens(md)} / {_opens(dp)} | "
             f"{_both(md, dp, 'fstats')} | {_both(md, dp, 'reads')} | "
             f"{_both(md, dp, 'bytes_requested', 1024)} | "
             f"{_both(md, dp, 'bytes_from_storage', 1024)} | "
-            f"{_over_payload(md)} / {_over_payload(dp)} | {_left(md)} / {_left(dp)} |")
+            f"{_over_payload(md)} / {_over_payload(dp)} | {_over_pages(md)} | "
+            f"{_left(md)} / {_left(dp)} |")
     return lines
 
 
