@@ -82,17 +82,17 @@ def test_a_tiny_run_writes_every_field(tmp_path: Path) -> None:
 
 
 REOPEN_LOG = f"""\
-100 9.000000 openat(AT_FDCWD</repo>, "{ROOT}/s/coord.npy", O_RDONLY|O_CLOEXEC) = 7<{ROOT}/s/coord.npy>
+100 9.000000 openat(AT_FDCWD</repo>, "{ROOT}/s/coord.npy", O_RDONLY) = 7<{ROOT}/s/coord.npy>
 100 9.100000 clone3({{flags=CLONE_VM|CLONE_FS|CLONE_FILES|CLONE_THREAD|CLONE_SYSVSEM}}, 88) = 101
 100 9.200000 clone(child_stack=NULL, flags=CLONE_CHILD_CLEARTID|SIGCHLD) = 102
-100 9.300000 newfstatat(AT_FDCWD</repo>, "/.mdloader-bench-marker/fst-w2-start-begin-rank0", \
-0x7ffd, 0) = -1 ENOENT (No such file or directory)
-100 9.400000 openat(AT_FDCWD</repo>, "{ROOT}/s/coord.npy", O_RDONLY|O_CLOEXEC) = 7<{ROOT}/s/coord.npy>
+100 9.300000 newfstatat(AT_FDCWD</repo>, \
+"/.mdloader-bench-marker/fst-w2-start-begin-rank0", 0x7ffd, 0) = -1 ENOENT
+100 9.400000 openat(AT_FDCWD</repo>, "{ROOT}/s/coord.npy", O_RDONLY) = 7<{ROOT}/s/coord.npy>
 100 10.000000 newfstatat(AT_FDCWD</repo>, "/.mdloader-bench-marker/fst-w2-cold-begin-rank0", \
 0x7ffd, 0) = -1 ENOENT (No such file or directory)
-101 10.100000 openat(AT_FDCWD</repo>, "{ROOT}/s/coord.npy", O_RDONLY|O_CLOEXEC) = 8<{ROOT}/s/coord.npy>
-102 10.200000 openat(AT_FDCWD</repo>, "{ROOT}/s/coord.npy", O_RDONLY|O_CLOEXEC) = 7<{ROOT}/s/coord.npy>
-102 10.300000 openat(AT_FDCWD</repo>, "{ROOT}/s/force.npy", O_RDONLY|O_CLOEXEC) = 8<{ROOT}/s/force.npy>
+101 10.100000 openat(AT_FDCWD</repo>, "{ROOT}/s/coord.npy", O_RDONLY) = 8<{ROOT}/s/coord.npy>
+102 10.200000 openat(AT_FDCWD</repo>, "{ROOT}/s/coord.npy", O_RDONLY) = 7<{ROOT}/s/coord.npy>
+102 10.300000 openat(AT_FDCWD</repo>, "{ROOT}/s/force.npy", O_RDONLY) = 8<{ROOT}/s/force.npy>
 100 10.600000 newfstatat(AT_FDCWD</repo>, "/.mdloader-bench-marker/fst-w2-cold-end-rank0", \
 0x7ffd, 0) = -1 ENOENT (No such file or directory)
 """

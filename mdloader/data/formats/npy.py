@@ -1,4 +1,4 @@
-"""The npy directory format: text files, ``set.*`` folders, npy headers and memory-mapped rows.
+"""The npy directory format: text files, ``set.*`` folders, npy headers and rows read by pread.
 
 Its systems are folders, found by walking the ``systems`` entries
 (:mod:`mdloader.catalog.discover`); any plain path the other formats do not claim is one.
