@@ -137,20 +137,31 @@ def calls_table(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[str]:
     return lines
 
 
-def section(path: str = DEFAULT) -> str:
-    """The markdown of the section's results (a note when there are none yet)."""
+def section(path: str | None = None) -> str:
+    """The markdown of the section's results: ``path``, else every results file of the family
+    (:data:`DEFAULT` first), one after the other (a note when there are none yet)."""
+    if path is None:
+        found = sorted(glob.glob(os.path.join(os.path.dirname(DEFAULT), "*.jsonl")),
+                       key=lambda p: (p != DEFAULT, p))
+        if not found:
+            return "*No results yet: run `python -m benchmarks.fs_traffic.run`.*"
+        return "\n\n".join(section(p) for p in found)
     if not os.path.isfile(path):
         return "*No results yet: run `python -m benchmarks.fs_traffic.run`.*"
     meta, recs = load(path)
     loads = [r["loadavg_1min"] for r in recs.values() if "loadavg_1min" in r]
     head = (f"Run started {meta.get('started')} on a shared machine of {meta.get('cpus')} CPUs "
             f"(1-minute load {min(loads, default=0):.1f}–{max(loads, default=0):.1f}): "
-            f"{meta.get('nsys'):,} water systems of 192 atoms and {meta.get('nframes')} frames, "
+            f"{meta.get('nsys'):,} water systems of {meta.get('natoms', 192):,} atoms and "
+            f"{meta.get('nframes')} frames, "
             f"one frame per batch, {meta.get('payload_bytes_per_frame', 0) / 1024:.1f} KiB of "
             f"coord, box, energy and force per frame in storage; {meta.get('warmup')} batches of "
             f"warm-up, then two windows of {meta.get('batches')} batches (every "
             f"{meta.get('pass_batches')} batches a pass). Calls from `{meta.get('fs_tool')}`. "
             f"Each cell: mdloader / DeePMD-kit. Raw results: `{os.path.relpath(path, REPO)}`.")
+    if meta.get("rerun"):
+        head += (f" Rows of {', '.join(meta['rerun']['formats'])} from a run started "
+                 f"{meta['rerun']['started']} with the same settings.")
     if meta.get("skipped"):
         head += f" Not run (not importable): {', '.join(meta['skipped'])}."
     if meta["failed"]:

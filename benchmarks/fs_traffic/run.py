@@ -4,6 +4,8 @@ own loader on the same draws, side by side in one run.
 One command::
 
     python -m benchmarks.fs_traffic.run            # 200 water systems, npy/HDF5/LMDB (~4 min)
+    python -m benchmarks.fs_traffic.run --nsys 32 --cells 2 --warmup 600 \
+        --out RESULTS/fs_traffic/atoms1536.jsonl    # rows of 18 KiB: bytes near the payload
     python -m benchmarks.fs_traffic.run --nsys 10000 --out RESULTS/fs_traffic/n10000.jsonl
     python -m benchmarks.fs_traffic.run --nsys 100000 --out RESULTS/fs_traffic/n100000.jsonl
 
@@ -61,6 +63,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nsys", type=int, default=200, help="water systems")
     p.add_argument("--nframes", type=int, default=WATER_NFRAMES, help="frames per system")
+    p.add_argument("--cells", type=int, default=1,
+                   help="each system a cells³ supercell of 192 atoms (2: 1536 atoms)")
     p.add_argument("--formats", default="npy,hdf5,lmdb")
     p.add_argument("--workers", default="2,0",
                    help="DataLoader workers, measured in this order in one interpreter")
@@ -293,7 +297,7 @@ def records(run: dict[str, Any], payload: int, frames: float, tree: int, fs_tool
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    root = ensure_water(args.nsys, base=args.data_base, nframes=args.nframes)
+    root = ensure_water(args.nsys, base=args.data_base, nframes=args.nframes, cells=args.cells)
     formats = _list(args.formats)
     data = ensure_formats(root, tuple(formats))
     pythons = {impl: python_for(impl, args.deepmd_python) for impl in _list(args.impls)}
@@ -311,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
 
         write({"kind": "meta", "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                "cpus": os.cpu_count(), "nsys": args.nsys, "nframes": args.nframes,
+               "natoms": 192 * args.cells ** 3,
                "formats": formats, "workers": args.workers, "nofile": args.nofile,
                "impls": impls, "skipped": [i for i in pythons if i not in impls],
                "warmup": args.warmup, "batches": args.batches,

@@ -78,7 +78,9 @@ def calls(lines: Iterable[str]) -> Iterable[tuple[float, int, str, str, int | No
         if resumed:
             start = pending.pop(tid, None)
             if start is not None:
-                yield start[0], tid, start[1], start[2], _returned(resumed.group(2))
+                # the arguments of both halves: an fstat's AT_EMPTY_PATH may be in the second
+                yield (start[0], tid, start[1], start[2] + " " + resumed.group(2),
+                       _returned(resumed.group(2)))
             continue
         call = _CALL.match(rest)
         if not call:
