@@ -66,8 +66,14 @@ def _both(md: dict[str, Any] | None, dp: dict[str, Any] | None, name: str,
     return f"{one(md)} / {one(dp)}"
 
 
+def _evicted(rec: dict[str, Any]) -> bool:
+    """Whether the eviction emptied most of the tree (else its bytes from storage say little)."""
+    left = rec.get("resident_after_evict_bytes")
+    return left is None or left < 0.9 * max(rec["tree_bytes"], 1)
+
+
 def _over_payload(rec: dict[str, Any] | None) -> str:
-    if rec is None:
+    if rec is None or not _evicted(rec):
         return "–"
     return ratio(rec["per_batch"]["bytes_from_storage"], rec["payload_bytes_per_batch"])
 
@@ -81,7 +87,7 @@ def _opens(rec: dict[str, Any] | None) -> str:
 
 
 def _over_pages(rec: dict[str, Any] | None) -> str:
-    if rec is None or not rec["per_batch"].get("bytes_of_pages_spanned"):
+    if rec is None or not rec["per_batch"].get("bytes_of_pages_spanned") or not _evicted(rec):
         return "–"
     return ratio(rec["per_batch"]["bytes_from_storage"],
                  rec["per_batch"]["bytes_of_pages_spanned"])

@@ -3,10 +3,13 @@ own loader on the same draws, side by side in one run.
 
 One command::
 
-    python -m benchmarks.fs_traffic.run            # 200 water systems, npy/HDF5/LMDB (~4 min)
-    python -m benchmarks.fs_traffic.run --nsys 32 --cells 2 --warmup 600 \
+    python -m benchmarks.fs_traffic.run            # 200 water systems, npy/HDF5/LMDB (~12 min)
+    python -m benchmarks.fs_traffic.run --formats lmdb --warmup 20 \
+        --out RESULTS/fs_traffic/lmdb_short_warmup.jsonl    # before maps hold the database
+    python -m benchmarks.fs_traffic.run --nsys 32 --cells 2 --warmup 600 --nofile 1024 \
         --out RESULTS/fs_traffic/atoms1536.jsonl    # rows of 18 KiB: bytes near the payload
-    python -m benchmarks.fs_traffic.run --nsys 10000 --out RESULTS/fs_traffic/n10000.jsonl
+    python -m benchmarks.fs_traffic.run --nsys 10000 --formats npy --workers 2 --nofile 1024 \
+        --warmup 200 --out RESULTS/fs_traffic/n10000.jsonl    # re-opens: the steady state
     python -m benchmarks.fs_traffic.run --nsys 100000 --out RESULTS/fs_traffic/n100000.jsonl
 
 (``RESULTS``: ``benchmarks/results``.) The data: ``--nsys`` water systems of 192 atoms and 8
@@ -71,7 +74,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nofile", default="1024,high",
                    help="soft ulimit -n of the measured process ('high': the hard limit)")
     p.add_argument("--impls", default="mdloader,deepmd")
-    p.add_argument("--warmup", type=int, default=20, help="batches before the windows (with "
+    p.add_argument("--warmup", type=int, default=2400, help="batches before the windows (with "
                    "a pass of all frames, the windows see no first open: the steady state)")
     p.add_argument("--batches", type=int, default=100, help="batches per measured window")
     p.add_argument("--pass-batches", type=int, default=25,
