@@ -1,10 +1,12 @@
-"""One bounded, fork-aware cache of open handles (memory maps, HDF5 files, LMDB environments).
+"""One bounded, fork-aware cache of open handles (npy descriptors, HDF5 files and datasets,
+LMDB environments).
 
-Every open handle holds a file descriptor, so each process keeps at most a few, closing the
+Every open file holds a file descriptor, so each process keeps a bounded number, closing the
 least recently used first. A forked DataLoader worker inherits its parent's handles but must not
-use them (HDF5 and LMDB handles are not fork-safe; maps would be shared), so the cache empties
-itself the first time it is used under a new process id. LMDB needs more: python-lmdb refuses a
-second open of a path its process already holds, so its cache closes the inherited copies
+use them (HDF5 and LMDB handles are not fork-safe; an inherited descriptor would be shared), so
+the cache empties itself the first time it is used under a new process id. npy descriptors and
+LMDB need more: the inherited copies hold descriptors of the child (and python-lmdb refuses a
+second open of a path its process already holds), so their caches close them
 (``close_inherited``), which only releases the child's own descriptors and mapping.
 """
 

@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-
 class OpenArray:
     """A kept descriptor of an npy file and what its header said when it was opened."""
 
