@@ -9,6 +9,7 @@ the variable. ``docs/hpc.md`` documents every variable (a test checks it).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,15 +33,51 @@ class Setting:
     choices: tuple[str, ...] = ()
 
 
-def _open_file_share() -> int:
-    """1/16 of the soft ``ulimit -n`` (16..1024): room for workers and everything else."""
+#: Descriptors DeePMD-kit leaves free beside its cache of open files (``deepmd/env.py``).
+_FREE_DESCRIPTORS = 128
+#: The soft limit asked for when the hard one is unlimited.
+_UNLIMITED_ASK = 1 << 20
+_raised: list[tuple[int, int]] = []  # (from, to), once per process (a forked child inherits it)
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit, once; the soft limit now.
+
+    A default ``ulimit -n`` of 1024 would otherwise cap the files a reader keeps open, and every
+    file beyond it would be opened again at each use: metadata traffic on a shared file system.
+    One log line says from and to; forked DataLoader workers inherit the raised limit.
+    """
     try:
         import resource
+    except ImportError:
+        return 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if _raised or soft == resource.RLIM_INFINITY:
+        return _UNLIMITED_ASK if soft == resource.RLIM_INFINITY else soft
+    want = _UNLIMITED_ASK if hard == resource.RLIM_INFINITY else hard
+    if want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (OSError, ValueError) as exc:
+            logging.getLogger(__name__).warning(
+                "cannot raise the soft open-file limit (ulimit -n) from %d to %d: %s", soft,
+                want, exc)
+            want = soft
+        else:
+            logging.getLogger(__name__).info(
+                "raised the soft open-file limit (ulimit -n) from %d to %d, the hard limit, so "
+                "that data files stay open", soft, want)
+    _raised.append((soft, max(soft, want)))
+    return max(soft, want)
 
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):
-        return 256
-    return 1024 if soft == resource.RLIM_INFINITY else max(16, min(1024, soft // 16))
+
+def _open_file_share() -> int:
+    """Files one process keeps open: DeePMD-kit's rule (the soft limit less 128, or half of a
+    small one) on the soft limit raised to the hard one (:func:`raise_open_file_limit`)."""
+    soft = raise_open_file_limit()
+    if soft > _FREE_DESCRIPTORS + 512:
+        return soft - _FREE_DESCRIPTORS
+    return max(16, soft // 2)
 
 
 def _cache_root() -> str:
@@ -118,7 +155,8 @@ SETTINGS: dict[str, Setting] = {
         "the next start (file times are coarse, and clocks differ between machines)."),
     "max_open_files": Setting(
         "MDLOADER_MAX_OPEN_FILES", _open_file_share, int, 1, "file",
-        "Memory-mapped npy files one process keeps open (each holds a file descriptor)."),
+        "npy files one process keeps open, each a file descriptor read with pread (default: "
+        "DeePMD-kit's rule, the soft ulimit -n less 128, after raising it to the hard limit)."),
     "num_workers": Setting(
         "NUM_WORKERS", lambda: min(4, os.cpu_count() or 1), int, 0, "worker",
         "DataLoader worker processes per rank (DeePMD-kit's variable, with its default); it "

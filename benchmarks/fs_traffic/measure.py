@@ -259,6 +259,7 @@ def measure(args: argparse.Namespace, workers: int) -> dict[str, Any]:
         source, close = deepmd_source(args.format, args.address, workers,
                                       [(n, f) for n, f in saved["draws"]], saved["systems"])
         draw = source  # type: ignore[assignment]
+    probes.marker(f"fst-w{workers}-start-begin", 0)  # opens before it are the build's
     for _ in range(args.warmup):
         draw()
     windows = [window(f"w{workers}-cold", draw, args.batches, args.pass_batches, False),
@@ -284,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = [measure(args, int(w)) for w in args.workers.split(",") if w]
     print("@fst result " + json.dumps({
         "impl": args.impl, "format": args.format, "nofile": nofile, "nofile_asked": args.nofile,
+        "nofile_in_run": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
         "warmup": args.warmup, "pass_batches": args.pass_batches, "configs": configs,
         "run_s": round(time.monotonic() - t0, 2)}), flush=True)
     return 0

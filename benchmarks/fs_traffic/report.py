@@ -52,7 +52,10 @@ def _keys(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[Key]:
 
 
 def _nofile(rec: dict[str, Any]) -> str:
-    return f"{rec['nofile']:,}" if rec["nofile_asked"] != "high" else f"high ({rec['nofile']:,})"
+    """The soft limit the process started with, and the one it read under when it raised it."""
+    text = f"{rec['nofile']:,}" if rec["nofile_asked"] != "high" else f"high ({rec['nofile']:,})"
+    raised = rec.get("nofile_in_run")
+    return text if raised in (None, rec["nofile"]) else f"{text} → {raised:,}"
 
 
 def _both(md: dict[str, Any] | None, dp: dict[str, Any] | None, name: str,
@@ -63,10 +66,31 @@ def _both(md: dict[str, Any] | None, dp: dict[str, Any] | None, name: str,
     return f"{one(md)} / {one(dp)}"
 
 
+def _evicted(rec: dict[str, Any]) -> bool:
+    """Whether the eviction emptied most of the tree (else its bytes from storage say little)."""
+    left = rec.get("resident_after_evict_bytes")
+    return left is None or left < 0.9 * max(rec["tree_bytes"], 1)
+
+
 def _over_payload(rec: dict[str, Any] | None) -> str:
-    if rec is None:
+    if rec is None or not _evicted(rec):
         return "–"
     return ratio(rec["per_batch"]["bytes_from_storage"], rec["payload_bytes_per_batch"])
+
+
+def _opens(rec: dict[str, Any] | None) -> str:
+    """Opens per batch, with those of a file the process had opened before in brackets."""
+    if rec is None or rec["per_batch"].get("opens") is None:
+        return "–"
+    again = rec["per_batch"].get("reopens")
+    return number(rec["per_batch"]["opens"]) + ("" if again is None else f" ({number(again)})")
+
+
+def _over_pages(rec: dict[str, Any] | None) -> str:
+    if rec is None or not rec["per_batch"].get("bytes_of_pages_spanned") or not _evicted(rec):
+        return "–"
+    return ratio(rec["per_batch"]["bytes_from_storage"],
+                 rec["per_batch"]["bytes_of_pages_spanned"])
 
 
 def _left(rec: dict[str, Any] | None) -> str:
@@ -78,20 +102,22 @@ def _left(rec: dict[str, Any] | None) -> str:
 def table(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[str]:
     """Per batch, mdloader / DeePMD-kit: calls under the tree, bytes requested by reads, bytes
     from storage and their ratio to the frames' bytes, and the tree left cached by an eviction."""
-    lines = ["| format | ulimit -n | workers | page cache | path lookups | opens | fstats | "
-             "read calls | KiB requested by reads | KiB from storage | storage ÷ payload | "
-             "tree left cached after eviction |",
-             "|---|---|---:|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| format | ulimit -n | workers | page cache | path lookups | opens (of a file "
+             "opened before) | fstats | read calls | KiB requested by reads | KiB from storage | "
+             "storage ÷ payload | storage ÷ pages the rows span (mdloader) | tree left cached "
+             "after eviction |",
+             "|---|---|---:|---|---|---|---|---|---|---|---|---|---|"]
     for key in _keys(recs):
         md, dp = recs.get((MD, key)), recs.get((DP, key))
         any_rec = next(r for r in (md, dp) if r is not None)  # every key has a record
         lines.append(
             f"| {key[0]} | {_nofile(any_rec)} | {key[2]} | {WINDOWS.get(key[3], key[3])} | "
-            f"{_both(md, dp, 'lookups')} | {_both(md, dp, 'opens')} | "
+            f"{_both(md, dp, 'lookups')} | {_opens(md)} / {_opens(dp)} | "
             f"{_both(md, dp, 'fstats')} | {_both(md, dp, 'reads')} | "
             f"{_both(md, dp, 'bytes_requested', 1024)} | "
             f"{_both(md, dp, 'bytes_from_storage', 1024)} | "
-            f"{_over_payload(md)} / {_over_payload(dp)} | {_left(md)} / {_left(dp)} |")
+            f"{_over_payload(md)} / {_over_payload(dp)} | {_over_pages(md)} | "
+            f"{_left(md)} / {_left(dp)} |")
     return lines
 
 
@@ -117,20 +143,31 @@ def calls_table(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[str]:
     return lines
 
 
-def section(path: str = DEFAULT) -> str:
-    """The markdown of the section's results (a note when there are none yet)."""
+def section(path: str | None = None) -> str:
+    """The markdown of the section's results: ``path``, else every results file of the family
+    (:data:`DEFAULT` first), one after the other (a note when there are none yet)."""
+    if path is None:
+        found = sorted(glob.glob(os.path.join(os.path.dirname(DEFAULT), "*.jsonl")),
+                       key=lambda p: (p != DEFAULT, p))
+        if not found:
+            return "*No results yet: run `python -m benchmarks.fs_traffic.run`.*"
+        return "\n\n".join(section(p) for p in found)
     if not os.path.isfile(path):
         return "*No results yet: run `python -m benchmarks.fs_traffic.run`.*"
     meta, recs = load(path)
     loads = [r["loadavg_1min"] for r in recs.values() if "loadavg_1min" in r]
     head = (f"Run started {meta.get('started')} on a shared machine of {meta.get('cpus')} CPUs "
             f"(1-minute load {min(loads, default=0):.1f}–{max(loads, default=0):.1f}): "
-            f"{meta.get('nsys'):,} water systems of 192 atoms and {meta.get('nframes')} frames, "
+            f"{meta.get('nsys'):,} water systems of {meta.get('natoms', 192):,} atoms and "
+            f"{meta.get('nframes')} frames, "
             f"one frame per batch, {meta.get('payload_bytes_per_frame', 0) / 1024:.1f} KiB of "
             f"coord, box, energy and force per frame in storage; {meta.get('warmup')} batches of "
             f"warm-up, then two windows of {meta.get('batches')} batches (every "
             f"{meta.get('pass_batches')} batches a pass). Calls from `{meta.get('fs_tool')}`. "
             f"Each cell: mdloader / DeePMD-kit. Raw results: `{os.path.relpath(path, REPO)}`.")
+    if meta.get("rerun"):
+        head += (f" Rows of {', '.join(meta['rerun']['formats'])} from a run started "
+                 f"{meta['rerun']['started']} with the same settings.")
     if meta.get("skipped"):
         head += f" Not run (not importable): {', '.join(meta['skipped'])}."
     if meta["failed"]:

@@ -3,8 +3,13 @@ own loader on the same draws, side by side in one run.
 
 One command::
 
-    python -m benchmarks.fs_traffic.run            # 200 water systems, npy/HDF5/LMDB (~4 min)
-    python -m benchmarks.fs_traffic.run --nsys 10000 --out RESULTS/fs_traffic/n10000.jsonl
+    python -m benchmarks.fs_traffic.run            # 200 water systems, npy/HDF5/LMDB (~12 min)
+    python -m benchmarks.fs_traffic.run --formats lmdb --warmup 20 \
+        --out RESULTS/fs_traffic/lmdb_short_warmup.jsonl    # before maps hold the database
+    python -m benchmarks.fs_traffic.run --nsys 32 --cells 2 --warmup 600 --nofile 1024 \
+        --out RESULTS/fs_traffic/atoms1536.jsonl    # rows of 18 KiB: bytes near the payload
+    python -m benchmarks.fs_traffic.run --nsys 10000 --formats npy --workers 2 --nofile 1024 \
+        --warmup 200 --out RESULTS/fs_traffic/n10000.jsonl    # re-opens: the steady state
     python -m benchmarks.fs_traffic.run --nsys 100000 --out RESULTS/fs_traffic/n100000.jsonl
 
 (``RESULTS``: ``benchmarks/results``.) The data: ``--nsys`` water systems of 192 atoms and 8
@@ -61,13 +66,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nsys", type=int, default=200, help="water systems")
     p.add_argument("--nframes", type=int, default=WATER_NFRAMES, help="frames per system")
+    p.add_argument("--cells", type=int, default=1,
+                   help="each system a cells³ supercell of 192 atoms (2: 1536 atoms)")
     p.add_argument("--formats", default="npy,hdf5,lmdb")
     p.add_argument("--workers", default="2,0",
                    help="DataLoader workers, measured in this order in one interpreter")
     p.add_argument("--nofile", default="1024,high",
                    help="soft ulimit -n of the measured process ('high': the hard limit)")
     p.add_argument("--impls", default="mdloader,deepmd")
-    p.add_argument("--warmup", type=int, default=20, help="batches before the windows")
+    p.add_argument("--warmup", type=int, default=2400, help="batches before the windows (with "
+                   "a pass of all frames, the windows see no first open: the steady state)")
     p.add_argument("--batches", type=int, default=100, help="batches per measured window")
     p.add_argument("--pass-batches", type=int, default=25,
                    help="batches between evictions in the per-pass window")
@@ -142,6 +150,77 @@ def tree_bytes(root: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _s, fs in os.walk(root) for f in fs)
 
 
+def row_spans(fmt: str, address: str, systems: list[str]
+              ) -> dict[tuple[str, str], tuple[str, int, int]] | None:
+    """Where each payload key's rows lie: (system name, key) -> (file, first byte, bytes per
+    row), for the formats whose arrays are contiguous in a file (npy, HDF5); else ``None``."""
+    from benchmarks.fs_traffic.measure import system_name
+
+    spans = {}
+    if fmt == "npy":
+        for system in systems:
+            for key in PAYLOAD_KEYS:
+                path = os.path.join(system, "set.000", key + ".npy")
+                arr = np.load(path, mmap_mode="r")
+                spans[(system_name(system), key)] = (path, arr.offset,
+                                                     arr.nbytes // arr.shape[0])
+        return spans
+    if fmt == "hdf5":
+        import h5py
+
+        with h5py.File(address, "r") as fh:
+            for system in systems:
+                group = system.partition("#")[2]
+                for key in PAYLOAD_KEYS:
+                    dset = fh[f"{group}/set.000/{key}.npy"]
+                    offset = dset.id.get_offset()
+                    if offset is None:  # chunked or compact: no single span
+                        return None
+                    spans[(system_name(system), key)] = (
+                        address, offset, dset.id.get_storage_size() // dset.shape[0])
+        return spans
+    return None
+
+
+def page_floor(spans: dict[tuple[str, str], tuple[str, int, int]], draws: list[Any],
+               first: int, batches: int, pass_batches: int | None) -> float:
+    """Bytes per batch of the 4 KiB pages that the drawn rows span, each page counted once per
+    pass (``pass_batches``; ``None``: once in the window): what a reader that fetches exactly
+    the pages it needs takes from storage."""
+    page = mmap.PAGESIZE
+    total, seen = 0, set()
+    for i, (name, fids) in enumerate(draws[first:first + batches]):
+        if pass_batches and i % pass_batches == 0:
+            seen = set()
+        for key in PAYLOAD_KEYS:
+            path, start, row = spans[(name, key)]
+            for fid in fids:
+                lo, hi = start + fid * row, start + (fid + 1) * row - 1
+                for p in range(lo // page, hi // page + 1):
+                    if (path, p) not in seen:
+                        seen.add((path, p))
+                        total += page
+    return total / batches
+
+
+def floors_of(fmt: str, address: str, draws_dir: str, run: dict[str, Any], args: argparse.Namespace
+              ) -> dict[tuple[int, str], float] | None:
+    """:func:`page_floor` of each window of mdloader's draws, by (workers, window)."""
+    out = {}
+    for config in run["configs"]:
+        with open(os.path.join(draws_dir, f"w{config['workers']}.json")) as fh:
+            saved = json.load(fh)
+        spans = row_spans(fmt, address, saved["systems"])
+        if spans is None:
+            return None
+        first = args.warmup
+        out[(config["workers"], "cold")] = page_floor(spans, saved["draws"], first,
+                                                      args.batches, None)
+        out[(config["workers"], "per-pass")] = page_floor(
+            spans, saved["draws"], first + args.batches, args.batches, args.pass_batches)
+    return out
+
+
 def launch(python: str, impl: str, fmt: str, address: str, draws: str, nofile: str,
            args: argparse.Namespace, traced: bool) -> dict[str, Any]:
     """One measured interpreter, the harness evicting the tree when it asks; its result, the
@@ -185,10 +264,10 @@ def launch(python: str, impl: str, fmt: str, address: str, draws: str, nofile: s
         err.close()
 
 
-def records(run: dict[str, Any], payload: int, frames: float, tree: int,
-            fs_tool: str) -> list[dict[str, Any]]:
+def records(run: dict[str, Any], payload: int, frames: float, tree: int, fs_tool: str,
+            floors: dict[tuple[int, str], float] | None = None) -> list[dict[str, Any]]:
     """One record per window of a launch (each configuration of workers has two), every figure
-    per batch."""
+    per batch; ``floors``: :func:`page_floor` by (workers, window)."""
     out = []
     resident = iter(run["resident"])  # one eviction before a window and every later pass
     for config in run["configs"]:
@@ -197,15 +276,19 @@ def records(run: dict[str, Any], payload: int, frames: float, tree: int,
             evictions = [next(resident, None) for _ in range(
                 1 if label == "cold" else -(-n // run["pass_batches"]))]
             counts = run["counts"].get(win["window"])
-            per = {k: (None if counts is None else counts[k] / n)
-                   for k in (*trace.KINDS, "bytes_requested")}
+            per = {k: (None if counts is None else counts.get(k, 0) / n)
+                   for k in (*trace.COUNTED, "bytes_requested")}
+            pages = (None if floors is None else
+                     floors.get((config["workers"], label)))
             out.append({
                 "kind": "fs_traffic", "impl": run["impl"], "format": run["format"],
                 "workers": config["workers"], "nofile": run["nofile"],
                 "nofile_asked": run["nofile_asked"], "window": label, "batches": n,
                 "pass_batches": run["pass_batches"], "frames_per_batch": frames,
                 "payload_bytes_per_batch": payload * frames,
-                "per_batch": {**per, "bytes_from_storage": win["io"]["read_bytes"] / n},
+                "per_batch": {**per, "bytes_from_storage": win["io"]["read_bytes"] / n,
+                              "bytes_of_pages_spanned": pages},
+                "nofile_in_run": run.get("nofile_in_run"),
                 "by_call": None if counts is None else counts["by_call"],
                 "processes": win["io"]["processes"], "wall_s": win["wall_s"],
                 "tree_bytes": tree,
@@ -217,7 +300,7 @@ def records(run: dict[str, Any], payload: int, frames: float, tree: int,
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    root = ensure_water(args.nsys, base=args.data_base, nframes=args.nframes)
+    root = ensure_water(args.nsys, base=args.data_base, nframes=args.nframes, cells=args.cells)
     formats = _list(args.formats)
     data = ensure_formats(root, tuple(formats))
     pythons = {impl: python_for(impl, args.deepmd_python) for impl in _list(args.impls)}
@@ -235,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
 
         write({"kind": "meta", "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                "cpus": os.cpu_count(), "nsys": args.nsys, "nframes": args.nframes,
+               "natoms": 192 * args.cells ** 3,
                "formats": formats, "workers": args.workers, "nofile": args.nofile,
                "impls": impls, "skipped": [i for i in pythons if i not in impls],
                "warmup": args.warmup, "batches": args.batches,
@@ -245,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             for nofile in _list(args.nofile):
                 draws = os.path.join(tmp, f"{fmt}-{nofile}")
                 os.makedirs(draws)
+                floors = None
                 for impl in impls:  # mdloader first: DeePMD-kit replays its draws
                     run = launch(pythons[impl], impl, fmt, data[fmt], draws, nofile, args,
                                  traced)
@@ -255,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  {where} FAILED", flush=True)
                         break
                     frames = run["configs"][0]["frames_per_batch"] or frames
-                    for rec in records(run, payload, frames, tree, fs_tool):
+                    if impl == "mdloader":
+                        floors = floors_of(fmt, data[fmt], draws, run, args)
+                    for rec in records(run, payload, frames, tree, fs_tool, floors):
                         write(rec)
                     print(f"  {where} ok ({time.monotonic() - t_start:.0f} s)", flush=True)
     from benchmarks.fs_traffic import report

@@ -11,7 +11,11 @@ then ``<... resumed>``) counts at its start, with the return value of its end.
 
 The calls fall in :data:`KINDS`; a ``newfstatat``/``statx`` of an empty path on a descriptor
 (``AT_EMPTY_PATH``: what glibc's ``fstat`` is) is an ``fstat``. Reads through a memory map make
-no call and show only in the bytes from storage.
+no call and show only in the bytes from storage. ``reopens`` are the opens of a path that the
+same process (threads joined to their process through the ``clone`` calls in the log) had
+opened before, in the window or earlier since its configuration started reading (the marker
+``fst-w<K>-start-begin``; the build's opens come before it): what a steady state shows once
+every file has been met, however long a pass is.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 TRACED = "%file,%process,read,pread64,readv,preadv,preadv2,fstat"
 KINDS = ("lookups", "opens", "fstats", "reads", "other")
+COUNTED = (*KINDS, "reopens")
 _LOOKUP = {"stat", "lstat", "newfstatat", "fstatat64", "statx", "access", "faccessat",
            "faccessat2", "readlink", "readlinkat"}
 _OPEN = {"open", "openat", "openat2", "creat"}
@@ -34,6 +39,7 @@ _CALL = re.compile(r"^([a-z0-9_]+)\((.*)$")
 _RESUMED = re.compile(r"^<\.\.\. ([a-z0-9_]+) resumed>(.*)$")
 _RETURN = re.compile(r"\) += (-?\d+)")
 _CWD = re.compile(r"AT_FDCWD<[^>]*>")
+_PATH = re.compile(r'"([^"]*)"')
 _MARK = re.compile(r"/\.mdloader-bench-marker/fst-(.+)-(begin|end)-rank0")
 
 
@@ -59,9 +65,9 @@ def under(args: str, root: str) -> bool:
     return bare + "/" in head or f'"{bare}"' in head or f"<{bare}>" in head
 
 
-def calls(lines: Iterable[str]) -> Iterable[tuple[float, str, str, int | None]]:
-    """``(start time, name, arguments, return value)`` of every complete call, an interrupted
-    one joined to its end."""
+def calls(lines: Iterable[str]) -> Iterable[tuple[float, int, str, str, int | None]]:
+    """``(start time, thread, name, arguments, return value)`` of every complete call, an
+    interrupted one joined to its end."""
     pending: dict[int, tuple[float, str, str]] = {}
     for raw in lines:
         m = _LINE.match(raw.rstrip("\n"))
@@ -72,7 +78,9 @@ def calls(lines: Iterable[str]) -> Iterable[tuple[float, str, str, int | None]]:
         if resumed:
             start = pending.pop(tid, None)
             if start is not None:
-                yield start[0], start[1], start[2], _returned(resumed.group(2))
+                # the arguments of both halves: an fstat's AT_EMPTY_PATH may be in the second
+                yield (start[0], tid, start[1], start[2] + " " + resumed.group(2),
+                       _returned(resumed.group(2)))
             continue
         call = _CALL.match(rest)
         if not call:
@@ -80,7 +88,7 @@ def calls(lines: Iterable[str]) -> Iterable[tuple[float, str, str, int | None]]:
         if rest.endswith("<unfinished ...>"):
             pending[tid] = (ts, call.group(1), call.group(2))
         else:
-            yield ts, call.group(1), call.group(2), _returned(call.group(2))
+            yield ts, tid, call.group(1), call.group(2), _returned(call.group(2))
 
 
 def _returned(text: str) -> int | None:
@@ -89,20 +97,31 @@ def _returned(text: str) -> int | None:
 
 
 def count(lines: Iterable[str], root: str) -> dict[str, dict[str, Any]]:
-    """Per window: calls under ``root`` by kind and by name, and the bytes the reads among
-    them returned (``bytes_requested``)."""
+    """Per window: calls under ``root`` by kind (and ``reopens``) and by name, and the bytes the
+    reads among them returned (``bytes_requested``)."""
     events = list(calls(lines))
     marks: dict[str, list[float]] = {}
-    for ts, _name, args, _ret in events:
+    process: dict[int, int] = {}  # thread -> the process it belongs to
+    for _ts, tid, name, args, ret in events:
         m = _MARK.search(args)
         if m:
-            marks.setdefault(m.group(1), [0.0, 0.0])[m.group(2) == "end"] = ts
+            marks.setdefault(m.group(1), [0.0, 0.0])[m.group(2) == "end"] = _ts
+        if name in ("clone", "clone3", "fork", "vfork") and ret is not None and ret > 0:
+            process[ret] = process.get(tid, tid) if "CLONE_THREAD" in args else ret
+    opened_at: dict[tuple[int, str], list[float]] = {}  # (process, path) -> times opened
+    for ts, tid, name, args, _ret in events:
+        if name in _OPEN and under(args, root):
+            path = _PATH.search(args)
+            if path:
+                opened_at.setdefault((process.get(tid, tid), path.group(1)), []).append(ts)
     out = {}
     for window, (lo, hi) in marks.items():
-        kinds: Counter[str] = Counter({k: 0 for k in KINDS})
+        if window.endswith("-start"):
+            continue
+        kinds: Counter[str] = Counter({k: 0 for k in COUNTED})
         names: Counter[str] = Counter()
         requested = 0
-        for ts, name, args, ret in events:
+        for ts, tid, name, args, ret in events:
             if not lo <= ts <= hi or name in _NOT_COUNTED or not under(args, root):
                 continue
             kind = kind_of(name, args)
@@ -110,5 +129,11 @@ def count(lines: Iterable[str], root: str) -> dict[str, dict[str, Any]]:
             names[name] += 1
             if kind == "reads" and ret is not None and ret > 0:
                 requested += ret
+            if kind == "opens":
+                path = _PATH.search(args)
+                times = opened_at.get((process.get(tid, tid), path.group(1) if path else ""),
+                                      [])
+                since = marks.get(window.split("-", 1)[0] + "-start", [0.0])[0]
+                kinds["reopens"] += any(since <= t < ts for t in times)
         out[window] = {**dict(kinds), "by_call": dict(names), "bytes_requested": requested}
     return out

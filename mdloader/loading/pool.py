@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from mdloader.errors import ConfigError, MdloaderError, WorkerLostError
 from mdloader.loading.stalls import WorkerIO, io_snapshot
 from mdloader.loading.worker_lifetime import bind_to_rank
+from mdloader.settings import raise_open_file_limit
 from mdloader.transport import CarriedError, TransportBatch
 
 log = logging.getLogger(__name__)
@@ -278,7 +279,9 @@ class WorkerPool:
         return None
 
     def _start(self) -> None:
-        """Start the workers: they read ahead from the forecast at once."""
+        """Start the workers: they read ahead from the forecast at once, with the open-file
+        limit raised first, so that they inherit it and keep their data files open."""
+        raise_open_file_limit()
         before = set(multiprocessing.active_children())
         with torch.device("cpu"):  # the pool's own tensors never go to the default device
             self._batches = iter(self.loader)

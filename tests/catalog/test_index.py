@@ -478,10 +478,10 @@ def test_the_file_format(tmp_path: Path) -> None:
 @pytest.mark.parametrize("order", ["creation", "reverse"])
 def test_nested_audits_stopped_in_either_order_restore_the_originals(tmp_path: Path,
                                                                      order: str) -> None:
-    import h5py._hl.files as h5files
+    import h5py.h5f
     from support.fs_audit import count_data_touches
 
-    originals = (os.stat, os.lstat, h5files.make_fid)
+    originals = (os.stat, os.lstat, h5py.h5f.open)
     (tmp_path / "d").mkdir()
     (tmp_path / "d2").mkdir()
     (outer, stop_outer), (inner, stop_inner) = (count_data_touches(str(tmp_path / "d")),
@@ -493,7 +493,7 @@ def test_nested_audits_stopped_in_either_order_restore_the_originals(tmp_path: P
     stops[0]()
     assert os.stat is not originals[0]  # the other audit still counts
     stops[1]()
-    assert (os.stat, os.lstat, h5files.make_fid) == originals
+    assert (os.stat, os.lstat, h5py.h5f.open) == originals
     assert os.stat is originals[0] and os.lstat is originals[1]
     os.stat(tmp_path / "d")
     assert outer["stat"] == 1 and inner["stat"] == 1

@@ -230,24 +230,26 @@ def test_pickled_size_is_small_and_handles_are_not_pickled(tmp_path, backend):
     np.testing.assert_array_equal(clone[3]["coord"], ds[3]["coord"])
 
 
-def test_open_memory_maps_are_bounded(tmp_path, monkeypatch):
+def test_open_npy_files_are_bounded(tmp_path, monkeypatch):
     monkeypatch.setenv("MDLOADER_MAX_OPEN_FILES", "4")
     systems = [DeepmdDataSetForLoader(make_system(tmp_path, f"s{i}", natoms=3, seed=i))
                for i in range(6)]
     for ds in systems:
         ds.add_data_requirement(ENERGY_FORCE)
         ds[0]
-    assert npy_backend.open_map_count() <= 4
+    assert npy_backend.open_file_count() <= 4
 
 
-def test_stamps_of_mapped_files_stay_bounded(tmp_path, monkeypatch):
+def test_descriptors_of_evicted_npy_files_are_closed(tmp_path, monkeypatch):
     monkeypatch.setenv("MDLOADER_MAX_OPEN_FILES", "2")
     npy_backend.release()
-    for i in range(40):  # 5 mapped files each: 200 paths mapped in turn
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(40):  # 5 files each: 200 paths opened in turn
         ds = DeepmdDataSetForLoader(make_system(tmp_path, f"s{i}", natoms=3, seed=i))
         ds.add_data_requirement(ENERGY_FORCE)
         ds[0]
-    assert npy_backend.mapped_stamp_count() <= 2 * 2 + 64 + 1
+    assert npy_backend.open_file_count() <= 2
+    assert len(os.listdir("/proc/self/fd")) <= before + 2
 
 
 def test_frame_index_out_of_range(tmp_path):

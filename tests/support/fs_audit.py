@@ -50,9 +50,10 @@ def _hook(event: str, args: tuple[Any, ...]) -> None:
 
 
 def _targets() -> list[tuple[Any, str, str]]:
-    import h5py._hl.files as h5files
+    import h5py.h5f
 
-    return [(os, "stat", "stat"), (os, "lstat", "stat"), (h5files, "make_fid", "h5open")]
+    # every HDF5 open reaches h5f.open: h5py.File's and mdloader's own (its access settings)
+    return [(os, "stat", "stat"), (os, "lstat", "stat"), (h5py.h5f, "open", "h5open")]
 
 
 def _wrap_all() -> None:

@@ -1,10 +1,12 @@
-"""One bounded, fork-aware cache of open handles (memory maps, HDF5 files, LMDB environments).
+"""One bounded, fork-aware cache of open handles (npy descriptors, HDF5 files and datasets,
+LMDB environments).
 
-Every open handle holds a file descriptor, so each process keeps at most a few, closing the
+Every open file holds a file descriptor, so each process keeps a bounded number, closing the
 least recently used first. A forked DataLoader worker inherits its parent's handles but must not
-use them (HDF5 and LMDB handles are not fork-safe; maps would be shared), so the cache empties
-itself the first time it is used under a new process id. LMDB needs more: python-lmdb refuses a
-second open of a path its process already holds, so its cache closes the inherited copies
+use them (HDF5 and LMDB handles are not fork-safe; an inherited descriptor would be shared), so
+the cache empties itself the first time it is used under a new process id. npy descriptors and
+LMDB need more: the inherited copies hold descriptors of the child (and python-lmdb refuses a
+second open of a path its process already holds), so their caches close them
 (``close_inherited``), which only releases the child's own descriptors and mapping.
 """
 
@@ -41,13 +43,15 @@ class HandleCache(Generic[H]):
         Tells whether a cached handle can still be used (closed elsewhere: reopen it).
     close_inherited
         After a fork, close the parent's handles in the child instead of only forgetting them.
+    counted
+        Whether an open counts in :func:`opened` (a file; not an object inside an open file).
     """
 
     def __init__(self, limit: Callable[[], int], close: Callable[[H], Any] | None = None,
                  valid: Callable[[H], bool] | None = None, *,
-                 close_inherited: bool = False) -> None:
+                 close_inherited: bool = False, counted: bool = True) -> None:
         self._limit, self._close, self._valid = limit, close, valid
-        self._close_inherited = close_inherited
+        self._close_inherited, self._counted = close_inherited, counted
         self._handles: OrderedDict[str, H] = OrderedDict()
         self._pid = os.getpid()
 
@@ -59,8 +63,9 @@ class HandleCache(Generic[H]):
             self._handles.move_to_end(key)
             return handle
         handle = open_handle()
-        opened()  # resets the count in a new process
-        _opened[1] += 1
+        if self._counted:
+            opened()  # resets the count in a new process
+            _opened[1] += 1
         self._handles.pop(key, None)  # an invalid handle is closed already; the new one is newest
         self._handles[key] = handle
         while len(self._handles) > max(1, self._limit()):

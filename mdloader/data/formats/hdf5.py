@@ -37,6 +37,9 @@ from mdloader.settings import cached
 _FILES: HandleCache[Any] = HandleCache(lambda: int(cached("max_open_h5")),
                                       close=lambda handle: handle.close(),
                                       valid=lambda handle: bool(handle.id.valid))
+# (dataset, shape) by its address; invalid once its file is closed
+_DATASETS: HandleCache[tuple[Any, tuple[int, ...]]] = HandleCache(
+    lambda: DATASETS_KEPT, valid=lambda kept: bool(kept[0].id.valid), counted=False)
 
 
 def open_file(path: str, address: str | None = None) -> Any:
@@ -44,22 +47,36 @@ def open_file(path: str, address: str | None = None) -> Any:
     return _FILES.get(path, lambda: _open(path, address))
 
 
+#: Bytes HDF5 reads around a small read of contiguous data (its "sieve buffer"; HDF5's default
+#: is 64 KiB): 0 reads a row as itself, so a batch read cold fetches the pages of its rows.
+SIEVE_BYTES = 0
+#: Datasets one process keeps open (their look-up inside the file costs more than the read).
+DATASETS_KEPT = 16384
+
+
 def _open(path: str, address: str | None) -> Any:
+    """The file, read without HDF5's sieve buffer and with the kernel told reads are random."""
     import h5py
 
     try:
-        return h5py.File(path, "r")
+        fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+        fapl.set_sieve_buf_size(SIEVE_BYTES)
+        handle = h5py.File(h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDONLY, fapl=fapl))
     except FileNotFoundError as exc:
         raise MissingDataError("the HDF5 file does not exist", system=address or path,
                                file=path) from exc
     except OSError as exc:
         raise CorruptFileError("cannot open the file as HDF5", system=address or path, file=path,
                                found=str(exc)) from exc
+    if hasattr(os, "posix_fadvise") and handle.driver == "sec2":
+        os.posix_fadvise(handle.id.get_vfd_handle(), 0, 0, os.POSIX_FADV_RANDOM)
+    return handle
 
 
 def release() -> None:
     """Close every HDF5 file of this process (:func:`mdloader.data.formats.release_handles`)."""
     _FILES.clear()
+    _DATASETS.clear()
 
 
 def file_of(loc: Location, set_name: str | None, name: str) -> str:
@@ -121,20 +138,21 @@ def set_shapes(loc: Location, set_name: str) -> dict[str, tuple[int, ...]]:
 
 def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray, set_nframes: int,
               width: int | None = None) -> np.ndarray:
-    """As :func:`mdloader.data.formats.npy.read_rows`; the shape is checked on every read, and a
-    dataset that vanished or cannot be read any more is a
-    :class:`~mdloader.errors.DataError` naming the system and the dataset."""
+    """As :func:`mdloader.data.formats.npy.read_rows`; the dataset is looked up and its shape
+    checked once per process (kept open with its file), and a dataset that vanished or cannot
+    be read any more is a :class:`~mdloader.errors.DataError` naming the system and the
+    dataset."""
     where = file_of(loc, set_name, stem + ".npy")
     try:
-        dset = _group(loc)[set_name][stem + ".npy"]
-        found = frames_and_width(dset.shape, set_nframes)
+        dset, shape = _DATASETS.get(where, lambda: _dataset(loc, set_name, stem))
+        found = frames_and_width(shape, set_nframes)
         if width is not None and found != (set_nframes, width):
             raise StaleDataError("the dataset changed after the system was described",
                                  system=loc.address, file=where,
                                  expected=f"{set_nframes} frames of width {width}",
                                  found=f"{found[0]} frames of width {found[1]} "
-                                       f"(shape {dset.shape})")
-        if dset.ndim == 0 or dset.shape[0] != set_nframes:  # one-frame 0-D/1-D, or stored flat
+                                       f"(shape {shape})")
+        if len(shape) == 0 or shape[0] != set_nframes:  # one-frame 0-D/1-D, or stored flat
             return as_rows(np.asarray(dset[()]), rows, set_nframes)
         # h5py wants increasing, unique indices: read those, then put them back in order.
         uniq, inverse = np.unique(rows, return_inverse=True)
@@ -145,11 +163,18 @@ def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray, set_nfr
         raise MissingDataError("the dataset is gone (the file changed after the build)",
                                system=loc.address, file=where) from exc
     except (OSError, ValueError, IndexError) as exc:
+        _DATASETS.discard(where)
         _FILES.discard(loc.path)  # the next read reopens the file
         raise UnreadableFileError("cannot read the dataset (the file changed after the "
                                   "build?)", system=loc.address, file=where,
                                   found=f"{type(exc).__name__}: {exc}") from exc
     return np.asarray(block)[inverse].reshape(len(rows), -1)
+
+
+def _dataset(loc: Location, set_name: str, stem: str) -> tuple[Any, tuple[int, ...]]:
+    """A set's dataset and its shape, looked up once per process and kept."""
+    dset = _group(loc)[set_name][stem + ".npy"]
+    return dset, tuple(int(n) for n in dset.shape)
 
 
 _SUFFIXES = (".h5", ".hdf5", ".hdf")

@@ -1,12 +1,14 @@
-"""The npy directory format: text files, ``set.*`` folders, npy headers and memory-mapped rows.
+"""The npy directory format: text files, ``set.*`` folders, npy headers and rows read by pread.
 
 Its systems are folders, found by walking the ``systems`` entries
 (:mod:`mdloader.catalog.discover`); any plain path the other formats do not claim is one.
 
 Building reads only headers, never arrays: one listing per folder (the system's comes from
-discovery) and one ``open`` per file. Frame reads go through memory maps
-kept in a bounded per-process cache, because every open map holds a file descriptor and
-``10 000 systems x 5 keys`` would exceed ``ulimit -n``.
+discovery) and one ``open`` per file. Frame reads are ``pread`` calls on descriptors kept open
+in a bounded per-process cache (:func:`read_rows`): after a file's first read in a process, a
+batch makes no path lookup, no open and no ``stat`` on the shared file system, asks the kernel
+for no read-ahead, and a file truncated under it is a short read, an error naming it (a read
+through a memory map would die of SIGBUS).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import io
 import logging
 import math
-import mmap
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -32,15 +33,31 @@ from mdloader.errors import (
     UnreadableFileError,
 )
 from mdloader.fs_calls import timed
-from mdloader.persist import FileStamp
 from mdloader.settings import cached
 
 log = logging.getLogger(__name__)
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
-_MAPS: HandleCache[np.ndarray] = HandleCache(lambda: int(cached("max_open_files")))
-_MAPPED: dict[str, FileStamp] = {}  # path -> its stamp when this process mapped it
+
+class OpenArray:
+    """A kept descriptor of an npy file and what its header said when it was opened."""
+
+    __slots__ = ("fd", "shape", "dtype", "offset", "fortran", "count")
+
+    def __init__(self, fd: int, shape: tuple[int, ...], dtype: np.dtype, offset: int,
+                 fortran: bool) -> None:
+        self.fd, self.shape, self.dtype, self.offset, self.fortran = (fd, shape, dtype, offset,
+                                                                      fortran)
+        self.count = math.prod(shape)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+# a forked worker closes its copies of the parent's descriptors: each process reads its own
+_FILES: HandleCache[OpenArray] = HandleCache(lambda: int(cached("max_open_files")),
+                                             close=OpenArray.close, close_inherited=True)
 
 
 def file_of(loc: Location, set_name: str | None, name: str) -> str:
@@ -204,69 +221,79 @@ def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray, set_nfr
     """Rows ``rows`` of ``set_name/stem.npy`` as a fresh ``(len(rows), width)`` array.
 
     DeePMD-kit allows a one-frame set to store 0-D/1-D arrays; they are that single frame. An
-    array stored flat is read through a ``(set_nframes, -1)`` view of the same map
-    (:mod:`mdloader.data.layout`). ``width`` (the per-frame width in the system's description)
-    is checked, with the frame count and the file size, when the file is first mapped in this
-    process: a file that changed since the description raises
-    :class:`~mdloader.errors.StaleDataError`; one that vanished, shrank or cannot be read any
-    more, another :class:`~mdloader.errors.DataError` naming the system and the file.
+    array stored flat is read as ``(set_nframes, -1)`` (:mod:`mdloader.data.layout`). The file
+    is opened once per process and kept (:data:`_FILES`); ``width`` (the per-frame width in
+    the system's description), the frame count and the file size are checked then: a file that
+    changed since the description raises :class:`~mdloader.errors.StaleDataError`, one that
+    vanished or cannot be read, another :class:`~mdloader.errors.DataError` naming the system
+    and the file. Later reads are one ``pread`` per run of consecutive rows: a file truncated
+    since is a short read (:class:`~mdloader.errors.CorruptFileError`); a file replaced by
+    another (a rename onto its path) is not seen, the kept descriptor reads the file opened.
     """
     path = os.path.join(loc.path, set_name, stem + ".npy")
-    arr = _MAPS.get(path, lambda: _open_map(path, loc, set_nframes, width))
-    if not _still_mapped_file(path, loc):  # replaced: map the new file (and check it) anew
-        _MAPS.discard(path)
-        arr = _MAPS.get(path, lambda: _open_map(path, loc, set_nframes, width))
-    try:
-        return as_rows(arr, rows, set_nframes)
-    except ValueError:  # a map kept from an older description of a replaced file: map it anew
-        _MAPS.discard(path)
-        return as_rows(_MAPS.get(path, lambda: _open_map(path, loc, set_nframes, width)), rows,
-                       set_nframes)
+    held = _FILES.get(path, lambda: _open_array(path, loc, set_nframes, width))
+    if width is not None and held.count != set_nframes * width:
+        # kept from an older description of a file since described again: open it anew
+        _FILES.discard(path)
+        held = _FILES.get(path, lambda: _open_array(path, loc, set_nframes, width))
+    count = held.count
+    if count == 0 or held.fortran or set_nframes < 1 or count % set_nframes:
+        return as_rows(_whole(held, path, loc), rows, set_nframes)
+    rows = np.asarray(rows, dtype=np.int64)
+    if len(rows) and (rows.min() < 0 or rows.max() >= set_nframes):
+        raise IndexError(f"rows {rows.tolist()} out of range [0, {set_nframes}) of {path}")
+    return _pread_rows(held, path, loc, rows, count // set_nframes)
 
 
-def _still_mapped_file(path: str, loc: Location) -> bool:
-    """Whether ``path`` is still the file this process mapped, at its full size; ``False``
-    when it was replaced by another file.
-
-    Reading a map past the end of a file truncated since it was mapped raises SIGBUS, which
-    kills the process (a DataLoader worker: torch then blames the shared memory). One ``stat``
-    before each read turns a file that shrank or vanished into an error naming it; a
-    truncation between the ``stat`` and the copy of the rows can still raise SIGBUS.
-    """
-    known = _MAPPED.get(path)
-    if known is None:
-        return True
-    try:
-        now = FileStamp.of(os.stat(path))
-    except FileNotFoundError as exc:
-        _forget(path)
-        raise MissingDataError("the npy file is gone (moved or deleted while it was read)",
-                               system=loc.address, file=path) from exc
-    except OSError as exc:
-        _forget(path)
-        raise UnreadableFileError("cannot read the npy file", system=loc.address, file=path,
-                                  found=f"{type(exc).__name__}: {exc.strerror or exc}") from exc
-    if now.ino != known.ino:
-        return False
-    if now.size < known.size:
-        _forget(path)
-        raise CorruptFileError("the npy file shrank while it was read (truncated during "
-                               "training?)", system=loc.address, file=path,
-                               expected=f"{known.size} bytes, as when it was opened",
-                               found=f"{now.size} bytes")
-    return True
-
-
-def _bound_stamps(keep: str) -> None:
-    """Keep the stamps of open maps (and of ``keep``, being mapped) only: as bounded as the maps."""
-    if len(_MAPPED) > 2 * max(len(_MAPS), 1) + 64:
-        for path in [p for p in _MAPPED if p != keep and _MAPS.peek(p) is None]:
-            del _MAPPED[path]
+def _pread_rows(held: OpenArray, path: str, loc: Location, rows: np.ndarray,
+                row_values: int) -> np.ndarray:
+    """Rows of a C-ordered array, one ``preadv`` per run of consecutive rows straight into the
+    result; a row beyond the file's end is a truncation."""
+    out = np.empty((len(rows), row_values), dtype=held.dtype)
+    row_bytes = row_values * held.dtype.itemsize
+    wanted = rows.tolist()
+    if wanted != sorted(set(wanted)):  # repeated or unordered: read each row once, in order
+        unique, inverse = np.unique(rows, return_inverse=True)
+        return _pread_rows(held, path, loc, unique, row_values)[inverse.reshape(-1)]
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    lo = 0
+    for hi in range(1, len(wanted) + 1):
+        if hi < len(wanted) and wanted[hi] == wanted[hi - 1] + 1:
+            continue
+        at = held.offset + wanted[lo] * row_bytes
+        size = (hi - lo) * row_bytes
+        try:
+            got = os.preadv(held.fd, [view[lo * row_bytes:hi * row_bytes]], at)
+        except OSError as exc:
+            _FILES.discard(path)
+            raise UnreadableFileError("cannot read the npy file", system=loc.address,
+                                      file=path, found=f"{type(exc).__name__}: "
+                                                       f"{exc.strerror or exc}") from exc
+        if got < size:
+            _FILES.discard(path)
+            raise CorruptFileError("the npy file shrank while it was read (truncated during "
+                                   "training?)", system=loc.address, file=path,
+                                   expected=f"{at + size} bytes for rows {wanted[lo]}-"
+                                            f"{wanted[hi - 1]} of shape {held.shape}",
+                                   found=f"{at + got} bytes")
+        lo = hi
+    return out
 
 
-def _forget(path: str) -> None:
-    _MAPS.discard(path)
-    _MAPPED.pop(path, None)
+def _whole(held: OpenArray, path: str, loc: Location) -> np.ndarray:
+    """The whole array (a Fortran-ordered file, a 0-D array, an empty one), read at once."""
+    count = held.count
+    flat = np.empty(count, dtype=held.dtype)
+    if count:
+        size = flat.nbytes
+        got = os.preadv(held.fd, [memoryview(flat.view(np.uint8))], held.offset)
+        if got < size:
+            _FILES.discard(path)
+            raise CorruptFileError("the npy file shrank while it was read (truncated during "
+                                   "training?)", system=loc.address, file=path,
+                                   expected=f"{held.offset + size} bytes",
+                                   found=f"{held.offset + got} bytes")
+    return flat.reshape(held.shape, order="F" if held.fortran else "C")
 
 
 def as_rows(arr: np.ndarray, rows: np.ndarray, set_nframes: int) -> np.ndarray:
@@ -277,38 +304,32 @@ def as_rows(arr: np.ndarray, rows: np.ndarray, set_nframes: int) -> np.ndarray:
     return np.asarray(arr[rows]).reshape(len(rows), -1)
 
 
-def _open_map(path: str, loc: Location, nframes: int, width: int | None) -> np.ndarray:
-    """Map ``path`` after checking that the file still holds every byte its header announces.
+def _open_array(path: str, loc: Location, nframes: int, width: int | None) -> OpenArray:
+    """Open ``path`` for reading rows, after checking that it still holds the frames and width
+    it was described with and every byte its header announces.
 
-    A map over a file shorter than its header says raises SIGBUS at the first read past the
-    end; the size check turns that into an error naming the file, and each later read checks
-    the file again (:func:`_still_mapped_file`).
+    The kernel is told the reads will be random (no read-ahead: a row read cold fetches the
+    pages it spans, not the file around it).
     """
     try:
-        fd = os.open(path, os.O_RDONLY | O_CLOEXEC)
+        fd = timed(os.open, path, os.O_RDONLY | O_CLOEXEC)
     except FileNotFoundError as exc:
         raise MissingDataError("the npy file is gone (moved or deleted after the build)",
                                system=loc.address, file=path) from exc
     except OSError as exc:
         raise UnreadableFileError("cannot read the npy file", system=loc.address, file=path,
                                   found=f"{type(exc).__name__}: {exc.strerror or exc}") from exc
-    try:  # one open: the map keeps its own descriptor
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         shape, dtype, offset, fortran = _mapped_header(loc, path, fd)
-        count = math.prod(shape)
         size = os.lseek(fd, 0, os.SEEK_END)
-        stamp = FileStamp.of(os.fstat(fd))
         _check_unchanged(loc, path, shape, nframes, width, size - offset,
-                         count * dtype.itemsize)
-        if count == 0:
-            return np.empty(shape, dtype=dtype)
-        # a plain ndarray over an mmap: np.memmap's Python-level hooks cost more per read
-        buffer = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-        _MAPPED[path] = stamp
-        _bound_stamps(keep=path)
-    finally:
+                         math.prod(shape) * dtype.itemsize)
+    except BaseException:
         os.close(fd)
-    return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(
-        shape, order="F" if fortran else "C")
+        raise
+    return OpenArray(fd, shape, dtype, offset, fortran)
 
 
 def _mapped_header(loc: Location, path: str, fd: int) -> tuple[tuple[int, ...], np.dtype, int,
@@ -345,9 +366,8 @@ def _check_unchanged(loc: Location, path: str, shape: tuple[int, ...], nframes: 
 
 
 def release() -> None:
-    """Close every map of this process (:func:`mdloader.data.formats.release_handles`)."""
-    _MAPS.clear()
-    _MAPPED.clear()
+    """Close every kept file of this process (:func:`mdloader.data.formats.release_handles`)."""
+    _FILES.clear()
 
 
 class NpyBackend(SetBackend):
@@ -376,7 +396,7 @@ class NpyBackend(SetBackend):
                         ) -> list[str] | None:
         """The folder, ``type.raw``, ``type_map.raw`` (when it has one), each ``set.*`` folder
         and its ``coord.npy`` (a set rewritten in place with other frames rewrites it); another
-        array rewritten in place is checked when it is read (:func:`read_rows`)."""
+        array changed is checked when a process first opens it (:func:`read_rows`)."""
         ends = self._ends.get(layout)
         if ends is None:
             extra = ("/type_map.raw",) if layout[0] else ()
@@ -399,11 +419,6 @@ NPY_FOLDERS = SetStorage(file_of=file_of, scan_system=scan_system, read_type_raw
 BACKEND = NpyBackend()
 
 
-def open_map_count() -> int:
-    """How many memory maps this process holds (for tests of the bound)."""
-    return len(_MAPS)
-
-
-def mapped_stamp_count() -> int:
-    """File stamps kept to check mapped files before each read (bounded with the maps)."""
-    return len(_MAPPED)
+def open_file_count() -> int:
+    """How many npy files this process keeps open (for tests of the bound)."""
+    return len(_FILES)

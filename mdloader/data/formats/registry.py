@@ -129,10 +129,10 @@ def address_sort_key(address: str) -> tuple[str, tuple[int, int]]:
 
 
 def release_handles() -> None:
-    """Close every memory map, HDF5 file and database this process keeps open.
+    """Close every npy file, HDF5 file and database this process keeps open.
 
     The next read reopens them, and opening checks a file again (an npy file shorter than its
-    header is an error there, where a map kept open over a shrunk file raises SIGBUS).
+    header, or replaced by one with other frames, is an error there).
     """
     for backend in backends():
         backend.release()

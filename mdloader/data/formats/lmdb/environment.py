@@ -5,7 +5,8 @@ frame, keyed by the zero-padded frame index (their values: :mod:`~mdloader.data.
 codec`). Messages name an entry ``<database>/data.mdb[<key>]`` (:func:`entry_of`).
 
 Frames are served by one read-only environment per database and process (no lock file, no
-readahead: training reads frames in shuffled order), opened on the first read through a bounded
+readahead: training reads frames in shuffled order; checked by an ``fstat`` of the file it
+reads, no path look-up per batch), opened on the first read through a bounded
 :class:`~mdloader.data.formats.handles.HandleCache` and reopened after a fork, since
 python-lmdb refuses a second open of a path its process holds. Rank 0 reads the metadata through
 :func:`metadata_view`, with readahead on, because that entry is one long sequential value.
@@ -31,14 +32,17 @@ DEFAULT_FRAME_FORMAT = "012d"
 
 
 class _Handle:
-    """An open environment and the long-lived read transaction that serves its frames."""
+    """An open environment, the long-lived read transaction that serves its frames, and a
+    descriptor of its ``data.mdb`` whose ``fstat`` checks it before each read (no path
+    look-up: the file opened is the one read, even after a rename replaced it)."""
 
-    def __init__(self, env: Any) -> None:
-        self.env = env
+    def __init__(self, env: Any, data_fd: int) -> None:
+        self.env, self.data_fd = env, data_fd
         self.txn = env.begin(buffers=True)
 
     def close(self) -> None:
         self.env.close()  # also ends the transaction
+        os.close(self.data_fd)
 
 
 _ENVS: HandleCache[_Handle] = HandleCache(lambda: int(cached("max_open_lmdb")),
@@ -85,11 +89,27 @@ def data_stamp(path: str) -> Stamp | None:
 
 def serving_txn(path: str, stamp: Stamp | None = None) -> Any:
     """The calling process's read transaction on ``path`` (opened on first use, cached, bounded),
-    after checking that ``data.mdb`` still has the ``stamp`` it had when described: a file
-    replaced would serve another data set's frames, one truncated would raise SIGBUS."""
+    after checking that ``data.mdb`` still has the ``stamp`` it had when described: when this
+    process opens it, by its path (a file replaced would serve another data set's frames);
+    before every later read, by an ``fstat`` of the file opened (one truncated would raise
+    SIGBUS, one rewritten in place would serve other frames)."""
+    handle = _ENVS.get(path, lambda: _serving(path, stamp))
+    if stamp is not None:
+        check_stamp(path, stamp, os.fstat(handle.data_fd))
+    return handle.txn
+
+
+def _serving(path: str, stamp: Stamp | None) -> _Handle:
     if stamp is not None:
         check_stamp(path, stamp)
-    return _ENVS.get(path, lambda: _Handle(_open(path, readahead=False))).txn
+    env = _open(path, readahead=False)
+    try:
+        return _Handle(env, os.open(os.path.join(path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as exc:
+        env.close()
+        raise MissingDataError("the LMDB database is gone (moved or deleted after it was "
+                               "described)", system=path,
+                               file=os.path.join(path, "data.mdb")) from exc
 
 
 #: Databases whose ``data.mdb`` changed status only (ctime) while this process reads them,
@@ -97,20 +117,29 @@ def serving_txn(path: str, stamp: Stamp | None = None) -> Any:
 _STATUS_ONLY: dict[str, FileStamp] = {}
 
 
-def check_stamp(path: str, stamp: Stamp) -> None:
+def check_stamp(path: str, stamp: Stamp, opened: os.stat_result | None = None) -> None:
     """Raise a :class:`StaleDataError` naming the database when its ``data.mdb`` was replaced,
-    truncated or rewritten since it was described with ``stamp``.
+    truncated or rewritten since it was described with ``stamp`` (``opened``: the ``fstat`` of
+    the file this process reads, instead of a look-up of its path).
 
     A change of status alone (the same inode, size and modification time, a new ctime: a
     ``chmod``, ``chown``, a hard link of a backup, or an older copy of the same size put back
     with ``cp -p``) is one warning per database and process, and reading goes on: ending a
-    training for a permission change would be worse than the rare copy it could be.
+    training for a permission change would be worse than the rare copy it could be. The file
+    opened, replaced by a rename or removed (no link left), is read on: one warning.
     """
-    now = data_stamp(path)
+    now = data_stamp(path) if opened is None else FileStamp.of(opened)
     if now == stamp or (now is not None and _STATUS_ONLY.get(path) == now):
         return
     stamp = FileStamp(*stamp)
     data_file = os.path.join(path, "data.mdb")
+    if now is not None and now.only_ctime_differs(stamp) and opened is not None \
+            and opened.st_nlink == 0:
+        _STATUS_ONLY[path] = now
+        log.warning("%s was replaced or removed while it is read: this process reads on the "
+                    "database it opened, the one described; a process that opens it anew "
+                    "stops naming it", data_file)
+        return
     if now is not None and now.only_ctime_differs(stamp):
         _STATUS_ONLY[path] = now
         log.warning("%s: its status changed while it is read (permissions, owner, links, or a "

@@ -203,13 +203,15 @@ def test_scanning_for_atom_counts_names_a_missing_frame(tmp_path: Path,
 
 
 # -- while a job runs: the database replaced or truncated ------------------------------------
-def test_a_database_replaced_while_open_is_an_error_naming_it(tmp_path: Path,
-                                                              sources: list[str]) -> None:
+def test_a_database_replaced_while_open_is_read_as_opened_then_an_error_naming_it(
+        tmp_path: Path, sources: list[str]) -> None:
     """``mdloader pack --overwrite`` of the database being trained on, same layout, new labels:
-    the job switched to the new labels at the next pass, silently mixing two data sets."""
+    the job switched to the new labels at the next pass, silently mixing two data sets. Now a
+    process that holds it open reads on the database it opened (no path look-up per batch);
+    one that opens it anew (another rank, a new worker) stops naming it."""
     db = _db(tmp_path, sources)
     ds = DeepmdDataSetForLoader(discover_systems(db)[0], ["O", "H"])
-    ds.get_batch([0, 1])
+    first = ds.get_batch([0, 1])["energy"]
     relabelled = [make_system(tmp_path / "new", "a", natoms=6, nframes=4, seed=9),
                   make_system(tmp_path / "new", "b", natoms=3, nframes=3, seed=8)]
     make_lmdb(db, relabelled)  # written aside, then renamed over the old one
@@ -217,8 +219,11 @@ def test_a_database_replaced_while_open_is_an_error_naming_it(tmp_path: Path,
                rf"the ones described \(described when this job started; the data changed while "
                rf"it ran: restart the job\); system: {db}; file: {db}/data.mdb; expected: inode "
                r"\d+, \d+ bytes, mtime \d+ ns; found: inode \d+, \d+ bytes, mtime \d+ ns$")
+    from mdloader.data.formats.lmdb import environment
     from mdloader.errors import StaleDataError
 
+    np.testing.assert_array_equal(ds.get_batch([0, 1])["energy"], first)  # the one opened
+    environment.forget(db)  # as a process that opens it now
     with pytest.raises(StaleDataError, match=message):
         ds.get_batch([0, 1])
     with pytest.raises(StaleDataError, match=message):
