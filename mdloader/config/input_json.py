@@ -30,6 +30,7 @@ from mdloader.config.argcheck import input_schema, schema_markdown
 from mdloader.config.unsupported import refuse_unsupported
 from mdloader.errors import ConfigError
 from mdloader.sampling.batching import parse_rule
+from mdloader.sampling.mixed import check_mixed_rule, is_mixed_rule
 from mdloader.sampling.probability import check_style
 from mdloader.sampling.spec import SamplingSpec
 
@@ -231,11 +232,15 @@ def _resolve_system(entry: str, base_dir: str) -> str:
     return os.path.normpath(head) + sep + tail
 
 
-def sampling_spec(raw: Mapping[str, Any], json_path: str) -> SamplingSpec:
+def sampling_spec(raw: Mapping[str, Any], json_path: str, *,
+                  mixed: bool = False) -> SamplingSpec:
     """The sampling keys of a data section of ``input.json`` (``raw``, at ``json_path``) as one
-    :class:`~mdloader.sampling.spec.SamplingSpec`, its rules checked."""
+    :class:`~mdloader.sampling.spec.SamplingSpec`, its rules checked; ``mixed``: ``mix:N`` is
+    served (``mdloader dp``'s feed reads it from an LMDB database), else it is refused."""
     batch = raw.get("batch_size", "auto")
-    if isinstance(batch, str):
+    if isinstance(batch, str) and mixed and is_mixed_rule(batch):
+        check_mixed_rule(batch, f"{json_path}.batch_size")
+    elif isinstance(batch, str):
         parse_rule(batch, key=f"{json_path}.batch_size")
     style = raw.get("auto_prob", "prob_sys_size")
     check_style(style, key=f"{json_path}.auto_prob")

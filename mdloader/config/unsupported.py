@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from mdloader.errors import ConfigError
+from mdloader.loading.mixed_stream import mixed_database
 from mdloader.sampling.batching import parse_rule
+from mdloader.sampling.mixed import check_mixed_rule, is_mixed_rule
 
 #: Keys of ``model.spin`` that only DeePMD-kit's TensorFlow spin model reads.
 TF_SPIN_KEYS = ("spin_norm", "virtual_len")
@@ -63,8 +65,9 @@ def refuse_under_deepmd(data: dict) -> None:
     """Raise one ConfigError naming the first key of ``data`` that ``mdloader dp`` would not act
     on: DeePMD-kit's ``validating.full_validation`` (it reads every system whole on rank 0
     through DeePMD-kit's own reader), a key only ``mdloader train`` reads
-    (:data:`MDLOADER_DATA_KEYS`), or a batch-size rule mdloader does not serve (``mix:N``, the
-    TensorFlow-only ``mixed:N``, an unknown or malformed rule), in any data section of any task.
+    (:data:`MDLOADER_DATA_KEYS`), or a batch-size rule mdloader does not serve (``mix:N`` on
+    anything but one LMDB database, the TensorFlow-only ``mixed:N``, an unknown or malformed
+    rule), in any data section of any task.
 
     The one place of these rules: ``mdloader dp`` calls it before any set-up, and
     ``mdloader check --for dp`` calls it, so both give the same line.
@@ -85,7 +88,25 @@ def refuse_under_deepmd(data: dict) -> None:
         batch = section.get("batch_size")
         if isinstance(batch, str):
             _refuse_tensorflow_rule(batch, f"{path}.batch_size")
-            parse_rule(batch, key=f"{path}.batch_size")
+            if is_mixed_rule(batch):
+                check_mixed_rule(batch, f"{path}.batch_size")
+                _refuse_epochs_with_mix(data, f"{path}.batch_size")
+                systems = section.get("systems")
+                mixed_database([systems] if isinstance(systems, str) else list(systems or []),
+                               f"{path}.batch_size")
+            else:
+                parse_rule(batch, key=f"{path}.batch_size")
+
+
+def _refuse_epochs_with_mix(data: dict, key: str) -> None:
+    """``num_epoch``/``num_epoch_dict`` beside a ``mix:N`` section, refused in one line: the
+    steps of an epoch would be counted from per-system batches, not from the mix:N passes."""
+    training = _section(data, "training")
+    for name in ("num_epoch", "num_epoch_dict"):
+        if training.get(name) is not None:
+            raise ConfigError(f"training.{name} with a mix:N batch size is not supported by "
+                              "mdloader dp (its epoch would not be a mix:N pass); give "
+                              "training.numb_steps instead", path=key)
 
 
 def data_sections(data: dict) -> list[tuple[str, dict]]:

@@ -39,12 +39,17 @@ from mdloader.loading.loader import (
     get_sampler_from_params,
     get_validation_sampler,
 )
-from mdloader.loading.mixed_stream import MixedLmdbBatches, is_mixed_rule, mixed_database
+from mdloader.loading.mixed_stream import MixedLmdbBatches, mixed_database
 from mdloader.loading.pool import WorkerPool
 from mdloader.loading.stalls import StallMeter
 from mdloader.sampling.elastic import merge_rank_states
 from mdloader.sampling.loop import TrainingLoop, requests
-from mdloader.sampling.mixed import MixedBatchSampler, is_mixed_state, merge_mixed_states
+from mdloader.sampling.mixed import (
+    MixedBatchSampler,
+    is_mixed_rule,
+    is_mixed_state,
+    merge_mixed_states,
+)
 from mdloader.sampling.order import SEED_MOD, AgreedSeed
 from mdloader.sampling.samplers import WeightedSystemSampler
 from mdloader.sampling.spec import SamplingSpec

@@ -22,14 +22,9 @@ from mdloader.loading.lmdb_names import LmdbDataReader, is_lmdb, to_cpu_tensors
 from mdloader.loading.worker_lifetime import bind_to_rank
 from mdloader.loading.worker_memory import settle_worker
 from mdloader.sampling import lmdb_batches as lb
-from mdloader.sampling.mixed import MixedBatchSampler
+from mdloader.sampling.mixed import MixedBatchSampler, is_mixed_rule
 from mdloader.transport import TransportBatch
 from mdloader.world import World
-
-
-def is_mixed_rule(batch_size: Any) -> bool:
-    """Whether a data section's ``batch_size`` is DeePMD-kit 3.2's ``mix:N``."""
-    return isinstance(batch_size, str) and batch_size.strip().partition(":")[0].strip() == "mix"
 
 
 def mixed_database(systems: Sequence[str], key: str) -> str:
@@ -97,4 +92,4 @@ class MixedLmdbBatches(Dataset):
                                  groups=self.reader.batch_groups())
 
 
-__all__ = ["MixedLmdbBatches", "is_mixed_rule", "mixed_database"]
+__all__ = ["MixedLmdbBatches", "mixed_database"]

@@ -80,6 +80,8 @@ class MixedBatchSampler:
         self._step = 0  # keys handed out in this generation
         self._cursor = (0, 0, 0)  # a pass, its start, and the generation step it starts at
         self._share: tuple[int, int, list[list[int]]] = (-1, -1, [])  # this rank's of a pass
+        self.weights: Any = None
+        """What a trainer's summary prints per system; the draw does not read it."""
 
     def with_seed(self, seed: int) -> MixedBatchSampler:
         """The same stream of this rank under another seed, from its start."""
@@ -193,6 +195,19 @@ class MixedBatchSampler:
         self._cursor = (epoch, read, 0)
 
 
+def is_mixed_rule(batch_size: Any) -> bool:
+    """Whether a data section's ``batch_size`` is DeePMD-kit 3.2's ``mix:N``."""
+    return isinstance(batch_size, str) and batch_size.strip().partition(":")[0].strip() == "mix"
+
+
+def check_mixed_rule(batch_size: str, key: str) -> lb.LmdbRule:
+    """``mix:N`` parsed, or refused in one line naming ``key`` (its JSON path)."""
+    try:
+        return lb.parse_lmdb_rule(batch_size.strip())
+    except ValueError as exc:
+        raise ConfigError(str(exc), path=key) from None
+
+
 def is_mixed_state(state: Any) -> bool:
     """Whether ``state`` is a state of a :class:`MixedBatchSampler`."""
     return isinstance(state, Mapping) and state.get("kind") == KIND
@@ -218,5 +233,6 @@ def merge_mixed_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {k: first[k] for k in ("version", *JOB_KEYS)}
 
 
-__all__ = ["KIND", "MixedBatchSampler", "STATE_VERSION", "is_mixed_state",
+__all__ = ["KIND", "MixedBatchSampler", "STATE_VERSION", "check_mixed_rule", "is_mixed_rule",
+           "is_mixed_state",
            "merge_mixed_states"]
