@@ -117,12 +117,15 @@ def test_under_mdloader_dp_a_key_only_mdloader_train_reads_is_refused_by_its_pat
 
 
 MIX_LINE = (r"Unsupported batch size rule: mix:4 \(DeePMD-kit 3\.2's LMDB rule for batches of "
-            r"mixed atom counts; mdloader does not implement mix:N yet: use a fixed batch size or "
-            r"'auto:N'")
+            r"mixed atom counts; mdloader train and DpLoaderSet do not implement mix:N yet: train "
+            r"it with mdloader dp on an LMDB database")
 
 
 @pytest.mark.parametrize("rule, message", [
-    ("mix:4", MIX_LINE),
+    ("mix:4", r"mix:N batches frames of different atom counts from one LMDB database "
+              r"\(DeePMD-kit 3\.2's rule\); these systems are sys: a batch of npy or HDF5 data "
+              r"comes from one system"),
+    ("mix:x", r"Unsupported batch_size 'mix:x'\. Expected 'mix:N' with N a positive integer"),
     ("mixed:4", r"the batch-size rule 'mixed:4' is TensorFlow-only"),
     ("max", r"Unsupported batch size rule: max \('max' needs ':N'"),
     ("often:2", r"Unsupported batch size rule: often:2$"),
@@ -142,6 +145,8 @@ def test_under_mdloader_dp_a_batch_rule_mdloader_does_not_serve_is_refused_by_it
     with pytest.raises(ConfigError, match=rf"^{prefix}\.{section}\.batch_size: {message}"):
         refuse_under_deepmd(data)
     holder[section]["batch_size"] = "filter:64"
+    refuse_under_deepmd(data)
+    holder[section].update(batch_size="mix:64", systems="train.lmdb")  # one LMDB database
     refuse_under_deepmd(data)
 
 
