@@ -7,7 +7,7 @@ cuts them). Pass ``e`` is drawn from ``seed + e`` (a new order every pass, the s
 rank); a rank reads its padded strided share of it (:func:`~mdloader.sampling.lmdb_batches.
 rank_batches`, DeePMD-kit's split), one batch a step, then the next pass. Every rank takes the
 same number of steps, so the position of a job in a pass is one integer, the global batches
-read: a state (:meth:`MixedBatchSampler.state_dict`) holds the pass and that integer, and a job
+read (:func:`rest_of_pass` splits the rest): a state (:meth:`MixedBatchSampler.state_dict`) holds the pass and that integer, and a job
 restored on any number of ranks reads exactly the rest of the pass, then the next passes as an
 uninterrupted job would.
 """
@@ -137,8 +137,8 @@ class MixedBatchSampler:
         """This rank's next batch: the database indices of its frames."""
         epoch, start, step = self._locate(self._step)
         if self._share[:2] != (epoch, start):
-            self._share = (epoch, start, lb.rank_batches(self.pass_batches(epoch)[start:],
-                                                         self.rank, self.world_size))
+            self._share = (epoch, start, rest_of_pass(self.pass_batches(epoch), start,
+                                                      self.rank, self.world_size))
         share = self._share[2]
         self._step += 1
         return tuple(int(i) for i in share[step])
@@ -195,6 +195,19 @@ class MixedBatchSampler:
         self._cursor = (epoch, read, 0)
 
 
+def rest_of_pass(batches: Sequence[list[int]], start: int, rank: int,
+                 world_size: int) -> list[list[int]]:
+    """Rank ``rank``'s share of a pass whose first ``start`` global batches were read: the rest,
+    padded to a multiple of ``world_size`` with the pass's first batches, strided. From
+    ``start`` = 0 it is DeePMD-kit's split (:func:`~mdloader.sampling.lmdb_batches.rank_batches`);
+    padding from the pass's start (not the rest's) makes a restart on the same ranks train the
+    padded tail an uninterrupted run trains."""
+    rest = list(batches[start:])
+    pad = -len(rest) % world_size
+    padded = rest + [batches[i % len(batches)] for i in range(pad)]
+    return padded[rank::world_size]
+
+
 def is_mixed_rule(batch_size: Any) -> bool:
     """Whether a data section's ``batch_size`` is DeePMD-kit 3.2's ``mix:N``."""
     return isinstance(batch_size, str) and batch_size.strip().partition(":")[0].strip() == "mix"
@@ -233,6 +246,6 @@ def merge_mixed_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {k: first[k] for k in ("version", *JOB_KEYS)}
 
 
-__all__ = ["KIND", "MixedBatchSampler", "STATE_VERSION", "check_mixed_rule", "is_mixed_rule",
+__all__ = ["KIND", "MixedBatchSampler", "STATE_VERSION", "rest_of_pass", "check_mixed_rule", "is_mixed_rule",
            "is_mixed_state",
            "merge_mixed_states"]

@@ -9,7 +9,7 @@ import pytest
 
 from mdloader.errors import StateDictError
 from mdloader.sampling import lmdb_batches as lb
-from mdloader.sampling.mixed import MixedBatchSampler, merge_mixed_states
+from mdloader.sampling.mixed import MixedBatchSampler, merge_mixed_states, rest_of_pass
 
 NLOCS = np.random.default_rng(5).integers(1, 9, size=41)
 RULE = lb.parse_lmdb_rule("mix:12")
@@ -47,7 +47,7 @@ def _uninterrupted(world: int, steps: int) -> list[list[tuple[int, ...]]]:
     return [[s.next_key() for _ in range(steps)] for s in samplers]
 
 
-@pytest.mark.parametrize("world, stop", [(1, 3), (2, 5), (3, 7), (2, 11)])
+@pytest.mark.parametrize("world, stop", [(1, 3), (2, 5), (3, 6), (3, 7), (2, 11), (3, 13)])
 def test_a_restored_rank_continues_with_the_batches_of_an_uninterrupted_run(
         world: int, stop: int) -> None:
     whole = _uninterrupted(world, stop + 20)
@@ -72,9 +72,13 @@ def test_a_job_restored_on_another_number_of_ranks_reads_exactly_the_rest(
     after = [_rank(r, new) for r in range(new)]
     for s in after:
         s.load_state_dict(merged)
-    rest = lb.rank_batches(_global(epoch)[read:], 0, new)
-    keys = [[list(s.next_key()) for _ in range(len(rest))] for s in after]
-    assert keys == [lb.rank_batches(_global(epoch)[read:], r, new) for r in range(new)]
+    rest = _global(epoch)[read:]
+    steps = -(-len(rest) // new)
+    keys = [[list(s.next_key()) for _ in range(steps)] for s in after]
+    assert keys == [rest_of_pass(_global(epoch), read, r, new) for r in range(new)]
+    # every batch of the rest once, then the pass's first batches fill the last step
+    order = [keys[r][k] for k in range(steps) for r in range(new)]
+    assert order == rest + _global(epoch)[:steps * new - len(rest)]
     # what the old ranks read is the pass's first ``read`` batches, step by step, rank by rank
     assert epoch == 0 and read == stop * old
     assert [list(taken[r][k]) for k in range(stop) for r in range(old)] == _global(0)[:read]
