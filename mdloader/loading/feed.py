@@ -507,4 +507,5 @@ def _among(forecast: Iterator[int], local: Mapping[int, int]) -> Iterator[int]:
             yield local[stream]
 
 
-__all__ = ["Feed", "PassKeys", "merge_stream_states", "mixed_stream", "ROLES", "Stream", "StreamSpec", "TrainingDraws", "stream_name"]
+__all__ = ["Feed", "PassKeys", "ROLES", "Stream", "StreamSpec", "TrainingDraws",
+           "merge_stream_states", "mixed_stream", "stream_name"]

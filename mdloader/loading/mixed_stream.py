@@ -22,7 +22,7 @@ from mdloader.loading.lmdb_names import LmdbDataReader, is_lmdb, to_cpu_tensors
 from mdloader.loading.worker_lifetime import bind_to_rank
 from mdloader.loading.worker_memory import settle_worker
 from mdloader.sampling import lmdb_batches as lb
-from mdloader.sampling.mixed import MixedBatchSampler, is_mixed_rule
+from mdloader.sampling.mixed import MixedBatchSampler
 from mdloader.transport import TransportBatch
 from mdloader.world import World
 
@@ -83,7 +83,7 @@ class MixedLmdbBatches(Dataset):
         return TransportBatch(batch) if in_worker else batch
 
     def sampler(self, *, seed: int, world: World, shuffle: bool = True) -> MixedBatchSampler:
-        """This rank's key source over the database (pass ``e`` drawn from ``seed + e``), its
+        """The key source of this rank over the database (pass ``e`` drawn from ``seed + e``), its
         groups split by label availability as DeePMD-kit's reader splits them: made once the
         data requirements are added."""
         return MixedBatchSampler(self.reader.frame_nlocs, self.rule, seed=seed,

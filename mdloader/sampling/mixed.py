@@ -7,9 +7,9 @@ cuts them). Pass ``e`` is drawn from ``seed + e`` (a new order every pass, the s
 rank); a rank reads its padded strided share of it (:func:`~mdloader.sampling.lmdb_batches.
 rank_batches`, DeePMD-kit's split), one batch a step, then the next pass. Every rank takes the
 same number of steps, so the position of a job in a pass is one integer, the global batches
-read (:func:`rest_of_pass` splits the rest): a state (:meth:`MixedBatchSampler.state_dict`) holds the pass and that integer, and a job
-restored on any number of ranks reads exactly the rest of the pass, then the next passes as an
-uninterrupted job would.
+read (:func:`rest_of_pass` splits the rest): a state (:meth:`MixedBatchSampler.state_dict`)
+holds the pass and that integer, and a job restored on any number of ranks reads exactly the
+rest of the pass, then the next passes as an uninterrupted job would.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class MixedBatchSampler:
         return self._step
 
     def next_key(self) -> tuple[int, ...]:
-        """This rank's next batch: the database indices of its frames."""
+        """The next batch of this rank: the database indices of its frames."""
         epoch, start, step = self._locate(self._step)
         if self._share[:2] != (epoch, start):
             self._share = (epoch, start, rest_of_pass(self.pass_batches(epoch), start,
@@ -161,7 +161,7 @@ class MixedBatchSampler:
         return epoch, min(start + step * self.world_size, self._length(epoch))
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
-        """This rank's state after ``consumed`` keys of this generation (default: the keys
+        """The state of this rank after ``consumed`` keys of this generation (default: the keys
         handed out; a feed passes the batches its trainer took, since workers read ahead)."""
         steps = self._step if consumed is None else int(consumed)
         if steps < 0:
@@ -246,6 +246,5 @@ def merge_mixed_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {k: first[k] for k in ("version", *JOB_KEYS)}
 
 
-__all__ = ["KIND", "MixedBatchSampler", "STATE_VERSION", "rest_of_pass", "check_mixed_rule", "is_mixed_rule",
-           "is_mixed_state",
-           "merge_mixed_states"]
+__all__ = ["KIND", "MixedBatchSampler", "STATE_VERSION", "check_mixed_rule", "is_mixed_rule",
+           "is_mixed_state", "merge_mixed_states", "rest_of_pass"]

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from support.deepmd_env import require_deepmd_python
+from support.deepmd_inputs import LR
 from support.deepmd_ref import DEEPMD_DP, run_job
 from support.deepmd_spy import dp_train, lcurve_rows, spied
 
@@ -31,7 +31,7 @@ def _config(database: str, save_freq: int = 100) -> dict:
                   "descriptor": {"type": "se_e2_a", "sel": [12, 24], "rcut_smth": 0.5,
                                  "rcut": 4.0, "neuron": [4, 8], "axis_neuron": 4, "seed": 1},
                   "fitting_net": {"neuron": [8, 8], "seed": 1}},
-        "learning_rate": {"type": "exp", "decay_steps": 50, "start_lr": 1e-3, "stop_lr": 1e-5},
+        "learning_rate": LR,  # one rate whatever numb_steps: a restart's rows are comparable
         "loss": {"type": "ener", "start_pref_e": 0.02, "limit_pref_e": 1, "start_pref_f": 1000,
                  "limit_pref_f": 1},
         "training": {"training_data": {"systems": database, "batch_size": RULE},
