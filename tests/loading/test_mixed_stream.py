@@ -99,3 +99,22 @@ def test_mix_reads_one_lmdb_database_and_names_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^training\.training_data\.batch_size: mix:N "
                                           r"batches frames .* from one LMDB database"):
         Feed.build([spec], seed=1, world=World(), labels=[], num_workers=0)
+
+
+def test_a_display_stream_of_a_mix_stream_draws_its_own_order(database: str) -> None:
+    """A multi-task display draws from a stream of its own: the same database and rule under
+    the display seed, saved beside the training stream."""
+    from mdloader.sampling.mixed import MixedBatchSampler
+    from mdloader.sampling.tasks import display_stream_seed
+
+    with _feed(database, 0) as feed:
+        feed.add_display_streams()
+        training, display = feed.stream(None, "training"), feed.stream(None, "display")
+        assert isinstance(display.sampler, MixedBatchSampler)
+        assert display.dataset is training.dataset
+        assert display.sampler.seed == display_stream_seed(training.sampler.seed)
+        assert display.sampler.pass_batches(0) != training.sampler.pass_batches(0)
+        feed.start(0, TrainingLoop(displays=False))
+        _draw(feed, 2)
+        state = feed.gather_state()
+    assert state["streams"]["display"]["seed"] == display.sampler.seed
