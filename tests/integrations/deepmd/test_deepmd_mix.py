@@ -1,8 +1,9 @@
 """``batch_size: "mix:N"`` under ``mdloader dp`` on an LMDB database written by ``mdloader
-pack``'s writer (frames of 3, 4 and 6 atoms): the same learning curve as ``dp --pt train`` at
-one rank (statistics over every frame, so that no sample differs), DeePMD-kit's batches at one
-and two gloo ranks, and a restart from a checkpoint, on the same or another number of ranks,
-that trains the batches of an uninterrupted run. Each launch is a tiny model for a few steps."""
+pack``'s writer (frames of 3, 4 and 6 atoms): the same learning curve, validation included, as
+``dp --pt train`` at one rank (statistics over every frame, so that no sample differs),
+DeePMD-kit's batches at one and two gloo ranks, and a restart from a checkpoint, on the same or
+another number of ranks, that trains the batches of an uninterrupted run. Each launch is a tiny
+model for a few steps."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def _config(database: str, save_freq: int = 100) -> dict:
         "loss": {"type": "ener", "start_pref_e": 0.02, "limit_pref_e": 1, "start_pref_f": 1000,
                  "limit_pref_f": 1},
         "training": {"training_data": {"systems": database, "batch_size": RULE},
+                     "validation_data": {"systems": database, "batch_size": "mix:8",
+                                         "numb_btch": 2},
                      "numb_steps": 3, "seed": SEED, "disp_freq": 1, "save_freq": save_freq},
     }
 
@@ -110,6 +113,7 @@ def test_two_gloo_ranks_train_deepmds_split_and_a_new_order_every_pass(
 def test_a_restart_trains_the_batches_of_an_uninterrupted_run(runs: SimpleNamespace) -> None:
     stream = runs.state["streams"]["training"]
     assert runs.state["next_step"] == 3 and stream["kind"] == "lmdb-mix"
+    assert runs.state["streams"]["validation"]["kind"] == "lmdb-mix"
     assert (stream["epoch"], stream["consumed"]) == (0, 6)
     whole = [_fids(spy) for spy in spied(runs.whole, 2)]
     assert [_fids(spy) for spy in runs.restarted] == [rank[3:] for rank in whole]
