@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -31,6 +31,7 @@ from mdloader.data.formats.base import SystemMeta
 from mdloader.data.system import inspect_system
 from mdloader.errors import ConfigError, MdloaderError
 from mdloader.sampling.batching import parse_rule
+from mdloader.sampling.mixed import check_mixed_rule, is_mixed_rule
 from mdloader.sampling.plan import LoaderPlan
 
 
@@ -313,9 +314,13 @@ def flat_notes(meta: SystemMeta) -> list[str]:
 def _plan(data: DataConfig, metas: list[SystemMeta], section: SectionReport,
           problems: list[Problem]) -> None:
     """Batch sizes, batches (one rank) and probabilities, as the training loader computes them."""
+    spec = data.sampling
+    if is_mixed_rule(spec.batch_size):  # the rows give the statistics' per-system sizes
+        rule = check_mixed_rule(str(spec.batch_size), spec.key("batch_size"))
+        spec = replace(spec, batch_size=f"max:{rule.value}")
     try:
         plan = LoaderPlan.build([m.natoms for m in metas], [m.nframes for m in metas],
-                                data.sampling, seed=None).with_spec_probabilities()
+                                spec, seed=None).with_spec_probabilities()
     except MdloaderError as exc:
         problems.append(Problem(section.name, str(exc), config=isinstance(exc, ConfigError)))
         return
@@ -499,5 +504,5 @@ def load_for(path: str, target: str | None = None) -> Config | JobConfig:
         target = "dp" if is_multitask(data) else "train"
     if target == "dp":
         refuse_under_deepmd(data)
-        return load_job(path)
+        return load_job(path, mixed=True)
     return load_config(path)

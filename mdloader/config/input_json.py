@@ -30,6 +30,7 @@ from mdloader.config.argcheck import input_schema, schema_markdown
 from mdloader.config.unsupported import refuse_unsupported
 from mdloader.errors import ConfigError
 from mdloader.sampling.batching import parse_rule
+from mdloader.sampling.mixed import check_mixed_rule, is_mixed_rule
 from mdloader.sampling.probability import check_style
 from mdloader.sampling.spec import SamplingSpec
 
@@ -112,12 +113,13 @@ class Config:
     source: str | None = None
 
 
-def load_config(path: str | os.PathLike[str]) -> Config:
-    """Read, check and normalise ``input.json``; relative systems resolve against its folder."""
+def load_config(path: str | os.PathLike[str], *, mixed: bool = False) -> Config:
+    """Read, check and normalise ``input.json``; relative systems resolve against its folder
+    (``mixed``: as :func:`parse_config`)."""
     path = os.fspath(path)
     data = read_input_json(path)
     base = os.path.dirname(os.path.abspath(path))
-    return parse_config(data, base_dir=base, source=os.path.abspath(path))
+    return parse_config(data, base_dir=base, source=os.path.abspath(path), mixed=mixed)
 
 
 def read_input_json(path: str) -> Any:
@@ -134,15 +136,17 @@ def read_input_json(path: str) -> Any:
                           f"column {exc.colno}") from exc
 
 
-def parse_config(data: Any, *, base_dir: str = ".", source: str | None = None) -> Config:
-    """Check a parsed ``input.json`` (a dict) and build the frozen :class:`Config`."""
+def parse_config(data: Any, *, base_dir: str = ".", source: str | None = None,
+                 mixed: bool = False) -> Config:
+    """Check a parsed ``input.json`` (a dict) and build the frozen :class:`Config`; ``mixed``:
+    a ``mix:N`` batch size is read (``mdloader dp`` serves it), else refused."""
     if not isinstance(data, dict):
         raise ConfigError(f"the input must be a JSON object, found {type(data).__name__}")
     refuse_unsupported(data)
     schema = input_schema()
     _reject_alias_clashes(schema, data, "")
     normed = _run_dargs(schema, data)
-    return _frozen_config(normed, base_dir=base_dir, source=source)
+    return _frozen_config(normed, base_dir=base_dir, source=source, mixed=mixed)
 
 
 def _run_dargs(schema: Argument, data: dict) -> dict:
@@ -231,11 +235,15 @@ def _resolve_system(entry: str, base_dir: str) -> str:
     return os.path.normpath(head) + sep + tail
 
 
-def sampling_spec(raw: Mapping[str, Any], json_path: str) -> SamplingSpec:
+def sampling_spec(raw: Mapping[str, Any], json_path: str, *,
+                  mixed: bool = False) -> SamplingSpec:
     """The sampling keys of a data section of ``input.json`` (``raw``, at ``json_path``) as one
-    :class:`~mdloader.sampling.spec.SamplingSpec`, its rules checked."""
+    :class:`~mdloader.sampling.spec.SamplingSpec`, its rules checked; ``mixed``: ``mix:N`` is
+    served (``mdloader dp``'s feed reads it from an LMDB database), else it is refused."""
     batch = raw.get("batch_size", "auto")
-    if isinstance(batch, str):
+    if isinstance(batch, str) and mixed and is_mixed_rule(batch):
+        check_mixed_rule(batch, f"{json_path}.batch_size")
+    elif isinstance(batch, str):
         parse_rule(batch, key=f"{json_path}.batch_size")
     style = raw.get("auto_prob", "prob_sys_size")
     check_style(style, key=f"{json_path}.auto_prob")
@@ -247,14 +255,15 @@ def sampling_spec(raw: Mapping[str, Any], json_path: str) -> SamplingSpec:
         balance_cost=raw.get("balance_cost", "atoms"), json_path=json_path)
 
 
-def _data_config(raw: Mapping[str, Any], base_dir: str, json_path: str) -> DataConfig:
+def _data_config(raw: Mapping[str, Any], base_dir: str, json_path: str,
+                 mixed: bool = False) -> DataConfig:
     systems = raw["systems"]
     entries = [systems] if isinstance(systems, str) else list(systems)
     patterns = raw.get("rglob_patterns")
     index = raw.get("index_file")
     return DataConfig(
         systems=tuple(_resolve_system(s, base_dir) for s in entries),
-        sampling=sampling_spec(raw, json_path),
+        sampling=sampling_spec(raw, json_path, mixed=mixed),
         rglob_patterns=tuple(patterns) if patterns is not None else None,
         numb_btch=int(raw.get("numb_btch", 1)),
         index_file=(os.path.normpath(os.path.join(base_dir, os.path.expanduser(index)))
@@ -268,7 +277,8 @@ def _sub_config(cls: type, raw: Mapping[str, Any]) -> Any:
     return cls(**{k: raw[k] for k in names if k in raw})
 
 
-def _frozen_config(normed: dict, *, base_dir: str, source: str | None) -> Config:
+def _frozen_config(normed: dict, *, base_dir: str, source: str | None,
+                   mixed: bool = False) -> Config:
     training = normed["training"]
     if training.get("numb_steps") is not None and training.get("numb_epoch") is not None:
         raise ConfigError("numb_steps and numb_epoch are mutually exclusive; give one",
@@ -280,8 +290,8 @@ def _frozen_config(normed: dict, *, base_dir: str, source: str | None) -> Config
     loss = normed.get("loss", {})
     return Config(
         training_data=_data_config(training["training_data"], base_dir,
-                                   "training.training_data"),
-        validation_data=(_data_config(valid, base_dir, "training.validation_data")
+                                   "training.training_data", mixed),
+        validation_data=(_data_config(valid, base_dir, "training.validation_data", mixed)
                          if valid is not None else None),
         type_map=tuple(type_map) if type_map is not None else None,
         seed=training.get("seed"),

@@ -150,21 +150,21 @@ def is_multitask(data: Any) -> bool:
             or (isinstance(training, dict) and "data_dict" in training))
 
 
-def load_job(path: str | os.PathLike[str]) -> Config | JobConfig:
+def load_job(path: str | os.PathLike[str], *, mixed: bool = False) -> Config | JobConfig:
     """Read an ``input.json``: a :class:`Config` for a single-task one, a :class:`JobConfig`
-    for a multi-task one."""
+    for a multi-task one (``mixed``: ``mix:N`` is read, as ``mdloader dp`` reads it)."""
     from mdloader.config.input_json import load_config, read_input_json
 
     path = os.fspath(path)
     data = read_input_json(path)
     if not is_multitask(data):
-        return load_config(path)
+        return load_config(path, mixed=mixed)
     return parse_multitask(data, base_dir=os.path.dirname(os.path.abspath(path)),
-                           source=os.path.abspath(path))
+                           source=os.path.abspath(path), mixed=mixed)
 
 
 def parse_multitask(data: Mapping[str, Any], *, base_dir: str = ".",
-                    source: str | None = None) -> JobConfig:
+                    source: str | None = None, mixed: bool = False) -> JobConfig:
     """Check a parsed multi-task ``input.json`` and build its :class:`JobConfig`."""
     model = _dict_at(data, "model")
     training = _dict_at(data, "training")
@@ -194,7 +194,7 @@ def parse_multitask(data: Mapping[str, Any], *, base_dir: str = ".",
         if name not in data_dict:
             raise ConfigError("the task has no data", path=f"training.data_dict.{name}")
         resolved, uses = _resolve_shared({**copy.deepcopy(defaults), **branch}, shared, name)
-        config = _task_config(data, name, resolved, base_dir, source)
+        config = _task_config(data, name, resolved, base_dir, source, mixed)
         tasks.append(Task(name, config, resolved, uses))
     return JobConfig(tuple(tasks), model_prob=training.get("model_prob") or None,
                      num_epoch_dict=training.get("num_epoch_dict") or None, source=source)
@@ -233,7 +233,7 @@ def _resolve_shared(branch: dict, shared: Mapping[str, Any], task: str
 
 
 def _task_config(data: Mapping[str, Any], name: str, model: Mapping[str, Any], base_dir: str,
-                 source: str | None) -> Config:
+                 source: str | None, mixed: bool = False) -> Config:
     """The task as a single-task input, checked by the same schema; errors keep the paths of
     the multi-task file."""
     training = {k: v for k, v in data["training"].items() if k not in JOB_TRAINING_KEYS}
@@ -249,7 +249,7 @@ def _task_config(data: Mapping[str, Any], name: str, model: Mapping[str, Any], b
     if isinstance(loss, dict):
         single["loss"] = loss
     try:
-        config = parse_config(single, base_dir=base_dir, source=source)
+        config = parse_config(single, base_dir=base_dir, source=source, mixed=mixed)
     except ConfigError as exc:
         raise ConfigError(exc.message, path=_task_path(exc.path, name)) from None
     prefix = f"training.data_dict.{name}."

@@ -12,7 +12,9 @@ from typing import Any
 
 from mdloader import settings
 from mdloader.errors import ConfigError
+from mdloader.loading.mixed_stream import mixed_database
 from mdloader.sampling.batching import parse_rule
+from mdloader.sampling.mixed import check_mixed_rule, is_mixed_rule
 
 #: Keys of ``model.spin`` that only DeePMD-kit's TensorFlow spin model reads.
 TF_SPIN_KEYS = ("spin_norm", "virtual_len")
@@ -76,8 +78,8 @@ def refuse_under_deepmd(data: dict, task_draw: str | None = None) -> None:
     only ``mdloader train`` reads (:data:`MDLOADER_DATA_KEYS`), a balance key
     (:data:`BALANCE_KEYS`) outside ``training_data`` or, in a multi-task input, under per-rank
     task draws (``task_draw``: the ``MDLOADER_TASK_DRAW`` setting, read when ``None``), or a
-    batch-size rule mdloader does not serve (``mix:N``, the TensorFlow-only ``mixed:N``, an
-    unknown or malformed rule), in any data section of any task.
+    batch-size rule mdloader does not serve (``mix:N`` on anything but one LMDB database, the
+    TensorFlow-only ``mixed:N``, an unknown or malformed rule), in any data section of any task.
 
     The one place of these rules: ``mdloader dp`` calls it before any set-up, and
     ``mdloader check --for dp`` calls it, so both give the same line.
@@ -94,7 +96,25 @@ def refuse_under_deepmd(data: dict, task_draw: str | None = None) -> None:
         batch = section.get("batch_size")
         if isinstance(batch, str):
             _refuse_tensorflow_rule(batch, f"{path}.batch_size")
-            parse_rule(batch, key=f"{path}.batch_size")
+            if is_mixed_rule(batch):
+                check_mixed_rule(batch, f"{path}.batch_size")
+                _refuse_epochs_with_mix(data, f"{path}.batch_size")
+                systems = section.get("systems")
+                mixed_database([systems] if isinstance(systems, str) else list(systems or []),
+                               f"{path}.batch_size")
+            else:
+                parse_rule(batch, key=f"{path}.batch_size")
+
+
+def _refuse_epochs_with_mix(data: dict, key: str) -> None:
+    """``num_epoch``/``num_epoch_dict`` beside a ``mix:N`` section, refused in one line: the
+    steps of an epoch would be counted from per-system batches, not from the mix:N passes."""
+    training = _section(data, "training")
+    for name in ("num_epoch", "num_epoch_dict"):
+        if training.get(name) is not None:
+            raise ConfigError(f"training.{name} with a mix:N batch size is not supported by "
+                              "mdloader dp (its epoch would not be a mix:N pass); give "
+                              "training.numb_steps instead", path=key)
 
 
 def full_validation_runs(data: dict) -> bool:
@@ -131,6 +151,12 @@ def refuse_full_validation(data: dict) -> None:
     if int(training.get("zero_stage", 0)) >= 2:
         raise ConfigError("validating.full_validation only supports single-task energy "
                           "training with training.zero_stage < 2.")
+    batch = _section(training, "validation_data").get("batch_size")
+    if isinstance(batch, str) and is_mixed_rule(batch):
+        raise ConfigError("a full validation reads the validation systems frame by frame, "
+                          "not in mix:N batches: give the validation data a batch size of its "
+                          "own (e.g. 1, or 'auto'), or set validating.full_validation to false",
+                          path="training.validation_data.batch_size")
 
 
 def _refuse_balance(section: dict, path: str, multitask: bool, task_draw: str | None) -> None:

@@ -39,10 +39,17 @@ from mdloader.loading.loader import (
     get_sampler_from_params,
     get_validation_sampler,
 )
+from mdloader.loading.mixed_stream import MixedLmdbBatches, mixed_database
 from mdloader.loading.pool import WorkerPool
 from mdloader.loading.stalls import StallMeter
 from mdloader.sampling.elastic import merge_rank_states
 from mdloader.sampling.loop import TrainingLoop, requests
+from mdloader.sampling.mixed import (
+    MixedBatchSampler,
+    is_mixed_rule,
+    is_mixed_state,
+    merge_mixed_states,
+)
 from mdloader.sampling.order import SEED_MOD, AgreedSeed
 from mdloader.sampling.samplers import WeightedSystemSampler
 from mdloader.sampling.spec import SamplingSpec
@@ -66,14 +73,16 @@ def stream_name(task: str | None, role: str) -> str:
 
 class Stream:
     """One stream of a feed: a loader set, its sampler, the batches it handed out, and an
-    optional check of each batch (:data:`BatchCheck`).
+    optional check of each batch (:data:`BatchCheck`). A ``mix:N`` stream's loader set is a
+    :class:`~mdloader.loading.mixed_stream.MixedLmdbBatches` and its sampler a
+    :class:`~mdloader.sampling.mixed.MixedBatchSampler`.
 
     An endless iterator once its feed has started. ``consumed`` is the position of the next
     batch in the sampler's stream: what a checkpoint saves, since workers read ahead.
     """
 
-    def __init__(self, task: str | None, role: str, dataset: DpLoaderSet,
-                 sampler: WeightedSystemSampler) -> None:
+    def __init__(self, task: str | None, role: str, dataset: DpLoaderSet | MixedLmdbBatches,
+                 sampler: WeightedSystemSampler | MixedBatchSampler) -> None:
         if role not in ROLES:
             raise ConfigError(f"a stream's role is one of {', '.join(ROLES)}, got {role!r}")
         self.task, self.role = task, role
@@ -228,6 +237,9 @@ class Feed:
         streams = []
         for spec in specs:
             offset = AgreedSeed((job_seed.value + spec.seed_offset) % SEED_MOD, job_seed.given)
+            if is_mixed_rule(spec.sampling.batch_size):
+                streams.append(mixed_stream(spec, offset.value, world, labels, type_map))
+                continue
             data = DpLoaderSet(job.view(spec.section), type_map=type_map, seed=offset,
                                spec=spec.sampling, world=world)
             data.add_data_requirement(labels)
@@ -253,6 +265,11 @@ class Feed:
             if role != "training" or (task, "display") in self.streams:
                 continue
             sampler = training.sampler
+            if isinstance(sampler, MixedBatchSampler):
+                self.streams[(task, "display")] = Stream(
+                    task, "display", training.dataset,
+                    sampler.with_seed(display_stream_seed(sampler.seed)))
+                continue
             plan = dataclasses.replace(sampler.plan, seed=display_stream_seed(sampler.plan.seed))
             display = WeightedSystemSampler.of_plan(plan, sampler.rule, rank=sampler.rank,
                                                     num_samples=sampler.num_samples,
@@ -400,6 +417,10 @@ class Feed:
                               "(the feed has not started, or the task has no validation data)")
         keys, (pool, index) = self._passes[task]
         data = self.stream(task, "validation").dataset
+        if isinstance(data, MixedLmdbBatches):
+            raise ConfigError(f"a full validation pass of {stream_name(task, 'validation')} "
+                              "reads its systems frame by frame; its batch_size mix:N is not "
+                              "supported there")
         count = keys.start(list(get_validation_sampler(data)))
         pool.ask(index, count)
         done = 0
@@ -420,7 +441,7 @@ class Feed:
         states = gather_to_main(mine, context="gathering the loader states")
         if states is None:
             return None
-        merged = {name: merge_rank_states([s[name] for s in states]) for name in mine}
+        merged = {name: merge_stream_states([s[name] for s in states]) for name in mine}
         return feed_state.document(merged, next_step=self.step,
                                    world_size=self.world.world_size, seed=self.seed.value)
 
@@ -458,6 +479,27 @@ class Feed:
         self.close()
 
 
+def mixed_stream(spec: StreamSpec, seed: int, world: World, labels: Sequence[Any],
+                 type_map: Sequence[str] | None) -> Stream:
+    """The ``mix:N`` stream of ``spec``: its one LMDB database's batches as DeePMD-kit 3.2's
+    trainer receives them, keys drawn from ``seed``."""
+    key = spec.sampling.key("batch_size")
+    data = MixedLmdbBatches(mixed_database(spec.section.systems, key), type_map,
+                            str(spec.sampling.batch_size))
+    data.add_data_requirement(labels)
+    sampler = data.sampler(seed=seed, world=world, shuffle=spec.sampling.shuffle)
+    return Stream(spec.section.task, spec.section.role, data, sampler)
+
+
+def merge_stream_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The job state of one stream from every rank's: a ``mix:N`` stream's
+    (:func:`~mdloader.sampling.mixed.merge_mixed_states`) or any other
+    (:func:`~mdloader.sampling.elastic.merge_rank_states`)."""
+    if states and all(is_mixed_state(s) for s in states):
+        return merge_mixed_states(states)
+    return merge_rank_states(states)
+
+
 def _among(forecast: Iterator[int], local: Mapping[int, int]) -> Iterator[int]:
     """The streams of ``forecast`` that are in ``local``, as ``local`` numbers them."""
     for stream in forecast:
@@ -465,4 +507,5 @@ def _among(forecast: Iterator[int], local: Mapping[int, int]) -> Iterator[int]:
             yield local[stream]
 
 
-__all__ = ["Feed", "PassKeys", "ROLES", "Stream", "StreamSpec", "TrainingDraws", "stream_name"]
+__all__ = ["Feed", "PassKeys", "ROLES", "Stream", "StreamSpec", "TrainingDraws",
+           "merge_stream_states", "mixed_stream", "stream_name"]

@@ -559,7 +559,7 @@ def is_lmdb(systems: str) -> bool:
     return systems.endswith(".lmdb") or Path(systems, "data.mdb").is_file()
 
 
-def _to_torch(batch: dict[str, Any]) -> dict[str, Any]:
+def to_cpu_tensors(batch: dict[str, Any]) -> dict[str, Any]:
     """Convert numpy arrays to CPU tensors; flags, ``fid`` and ``None`` as they are."""
     out: dict[str, Any] = {}
     for key, value in batch.items():
@@ -600,7 +600,7 @@ class LmdbBatchDataLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         reader = self.dataset.reader
         for indices in self.sampler:
-            batch = _to_torch(reader.decode_batch(indices))
+            batch = to_cpu_tensors(reader.decode_batch(indices))
             if self._pin_memory:
                 batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v
                          for k, v in batch.items()}
@@ -719,6 +719,6 @@ class LmdbDataset(Dataset):
 __all__ = [
     "LmdbDataReader", "LmdbBatchSampler", "DistributedLmdbBatchSampler", "SameNlocBatchSampler",
     "DistributedSameNlocBatchSampler", "LmdbDataset", "LmdbBatchDataLoader", "collate_frames",
-    "compute_block_targets", "is_lmdb",
+    "compute_block_targets", "is_lmdb", "to_cpu_tensors",
     "PHANTOM_ATOM_TYPE",
 ]

@@ -15,7 +15,7 @@ from support.inputs import write_input
 from mdloader.cli.main import main
 from mdloader.config.unsupported import refuse_under_deepmd
 from mdloader.errors import ConfigError
-from mdloader.testing import make_system
+from mdloader.testing import make_lmdb, make_system
 
 
 def _single(tmp_path: Path) -> dict:
@@ -57,7 +57,8 @@ def _mix(data: dict) -> str:
     holder = data["training"].get("data_dict", {}).get("b", data["training"])
     holder["training_data"]["batch_size"] = "mix:4"
     path = "training.data_dict.b" if "data_dict" in data["training"] else "training"
-    return f"{path}.training_data.batch_size: Unsupported batch size rule: mix:4 (DeePMD-kit"
+    return (f"{path}.training_data.batch_size: mix:N batches frames of different atom counts "
+            "from one LMDB database")
 
 
 def _train_only_key(data: dict) -> str:
@@ -142,14 +143,40 @@ def test_check_for_train_refuses_a_multitask_input_as_mdloader_train_does(
     assert _check(capsys, path, "--for", "dp")[0] == 0
 
 
-def test_mix_is_refused_by_every_verdict(tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
-    """mdloader implements no ``mix:N``: refused under ``train`` too, in the same line."""
+def test_mix_is_refused_by_every_verdict_on_npy_data(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """On npy systems a batch comes from one system: ``dp`` refuses ``mix:N`` in its line,
+    ``train`` (the default for a single-task input) in its own."""
     data = _single(tmp_path)
     _mix(data)
     path = str(write_input(tmp_path, data))
-    for extra in ((), ("--for", "train"), ("--for", "dp")):
-        assert _check(capsys, path, *extra) == (2, [_dp_line(data)]), extra
+    assert _check(capsys, path, "--for", "dp") == (2, [_dp_line(data)])
+    train = ("mdloader: error: training.training_data.batch_size: Unsupported batch size rule: "
+             "mix:4 (DeePMD-kit 3.2's LMDB rule for batches of mixed atom counts; mdloader "
+             "train and DpLoaderSet do not implement mix:N yet: train it with mdloader dp on "
+             "an LMDB database")
+    for extra in ((), ("--for", "train")):
+        code, err = _check(capsys, path, *extra)
+        assert code == 2 and len(err) == 1 and err[0].startswith(train), (extra, err)
+
+
+def test_mix_on_one_lmdb_database_passes_for_dp_only(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``mdloader dp`` trains ``mix:N`` on an LMDB database: ``--for dp`` passes it, with the
+    statistics' per-system sizes (``max:N``) in its table; ``--for train`` refuses it."""
+    data = _single(tmp_path)
+    systems = [make_system(tmp_path / "src", f"s{n}", natoms=n, nframes=3, seed=n,
+                           keys=("energy", "force")) for n in (3, 5)]
+    data["training"]["training_data"] = {"systems": make_lmdb(tmp_path / "t.lmdb", systems),
+                                         "batch_size": "mix:10"}
+    path = str(write_input(tmp_path, data))
+    assert _check(capsys, path, "--for", "dp") == (0, [])
+    code, err = _check(capsys, path, "--for", "train")
+    assert code == 2 and "mdloader train and DpLoaderSet do not implement mix:N" in err[0], err
+    data["training"]["num_epoch"] = 2
+    path = str(write_input(tmp_path, data))
+    code, err = _check(capsys, path, "--for", "dp")
+    assert (code, err) == (2, [_dp_line(data)]) and "training.num_epoch with a mix:N" in err[0]
 
 
 def test_batch_size_of_system_paths_is_refused_by_its_option(

@@ -171,12 +171,15 @@ def test_a_multi_task_balance_window_needs_the_same_task_on_every_rank(
 
 
 MIX_LINE = (r"Unsupported batch size rule: mix:4 \(DeePMD-kit 3\.2's LMDB rule for batches of "
-            r"mixed atom counts; mdloader does not implement mix:N yet: use a fixed batch size or "
-            r"'auto:N'")
+            r"mixed atom counts; mdloader train and DpLoaderSet do not implement mix:N yet: train "
+            r"it with mdloader dp on an LMDB database")
 
 
 @pytest.mark.parametrize("rule, message", [
-    ("mix:4", MIX_LINE),
+    ("mix:4", r"mix:N batches frames of different atom counts from one LMDB database "
+              r"\(DeePMD-kit 3\.2's rule\); these systems are sys: a batch of npy or HDF5 data "
+              r"comes from one system"),
+    ("mix:x", r"Unsupported batch_size 'mix:x'\. Expected 'mix:N' with N a positive integer"),
     ("mixed:4", r"the batch-size rule 'mixed:4' is TensorFlow-only"),
     ("max", r"Unsupported batch size rule: max \('max' needs ':N'"),
     ("often:2", r"Unsupported batch size rule: often:2$"),
@@ -197,6 +200,8 @@ def test_under_mdloader_dp_a_batch_rule_mdloader_does_not_serve_is_refused_by_it
         refuse_under_deepmd(data)
     holder[section]["batch_size"] = "filter:64"
     refuse_under_deepmd(data)
+    holder[section].update(batch_size="mix:64", systems="train.lmdb")  # one LMDB database
+    refuse_under_deepmd(data)
 
 
 @pytest.mark.parametrize("multitask", [False, True])
@@ -214,3 +219,14 @@ def test_mix_is_refused_by_its_full_path_when_the_input_is_read(multitask: bool)
         prefix = "training.data_dict.water"
     with pytest.raises(ConfigError, match=rf"^{prefix}\.training_data\.batch_size: {MIX_LINE}"):
         (parse_multitask if multitask else parse_config)(data)
+
+
+def test_a_full_validation_of_mix_batches_is_refused_before_any_set_up() -> None:
+    """The full pass reads the validation systems frame by frame: mix:N batches there used to
+    be refused only when the first pass began, after the whole set-up."""
+    data = {"training": {"training_data": {"systems": ["train.lmdb"]},
+                         "validation_data": {"systems": ["valid.lmdb"], "batch_size": "mix:8"}},
+            "validating": {"full_validation": True}}
+    with pytest.raises(ConfigError, match=r"^training\.validation_data\.batch_size: a full "
+                                          r"validation reads the validation systems frame by"):
+        refuse_under_deepmd(data)

@@ -42,6 +42,7 @@ from mdloader.loading.feed import Feed, Stream
 from mdloader.loading.loader import DpLoaderSet, agree_seed
 from mdloader.loading.pool import lost_worker_error
 from mdloader.sampling.loop import TrainingLoop
+from mdloader.sampling.mixed import MixedBatchSampler
 from mdloader.sampling.samplers import WeightedSystemSampler
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ def trainer_feed(trainer: Any, training: dict[str, Any]) -> Feed:
             sampler, data = getattr(loader, "sampler", None), getattr(loader, "dataset", None)
             if isinstance(sampler, WeightedSystemSampler) and isinstance(data, DpLoaderSet):
                 streams.append(Stream(task, role, data, sampler))
+            elif isinstance(sampler, MixedBatchSampler) and getattr(data, "mixed", None):
+                streams.append(Stream(task, role, data.mixed, sampler))  # mix:N
     job = current_job()
     world = current_world()
     seed = (job.job_seed() if job is not None

@@ -27,6 +27,7 @@ from mdloader.integrations.deepmd.shims import cpu_ddp, trainer_dist, trainer_to
 from mdloader.integrations.deepmd.stopping import stop_signals
 from mdloader.integrations.deepmd.systems import (
     DeepmdDpLoaderSet,
+    deepmd_sampler_from_params,
     defer_discovery,
     forget_job,
     mdloader_nbor_stat,
@@ -35,7 +36,7 @@ from mdloader.integrations.deepmd.systems import (
     recording_normalize,
     recording_shared_params,
 )
-from mdloader.loading.loader import get_sampler_from_params, get_weighted_sampler
+from mdloader.loading.loader import get_weighted_sampler
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
     table: dict[tuple[str, str], Any] = {
         (seam.DATALOADER, "DpLoaderSet"): DeepmdDpLoaderSet,
         (seam.DATALOADER, "get_weighted_sampler"): get_weighted_sampler,
-        (seam.DATALOADER, "get_sampler_from_params"): get_sampler_from_params,
+        (seam.DATALOADER, "get_sampler_from_params"): deepmd_sampler_from_params,
         (MAIN, "DpLoaderSet"): DeepmdDpLoaderSet,
         (MAIN, "process_systems"): defer_discovery,
         (MAIN, "dist"): trainer_dist(_original(mods, MAIN, "dist")),
@@ -68,7 +69,7 @@ def patches(mods: dict[str, types.ModuleType]) -> dict[tuple[str, str], Any]:
         (UPDATE_SEL, "BaseUpdateSel.get_nbor_stat"): mdloader_nbor_stat(
             _original(mods, UPDATE_SEL, "BaseUpdateSel.get_nbor_stat")),
         (TRAINING, "DpLoaderSet"): DeepmdDpLoaderSet,
-        (TRAINING, "get_sampler_from_params"): get_sampler_from_params,
+        (TRAINING, "get_sampler_from_params"): deepmd_sampler_from_params,
         (TRAINING, "Trainer._run_stat_on_chief"): mdloader_run_stat_on_chief(
             _original(mods, TRAINING, "Trainer._run_stat_on_chief")),
         (TRAINING, "dp_random"): hooks.SCHEDULED_TASKS,

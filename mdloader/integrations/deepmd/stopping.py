@@ -148,6 +148,11 @@ def nonfinite_batch(stream: Stream, batch: Mapping[str, Any],
         ok = torch.isfinite(value.reshape(value.shape[0], -1)).all(dim=1)
         fids = [int(f) for f in batch.get("fid", [])]
         bad = [fid for fid, fine in zip(fids, ok.tolist()) if not fine]
+        if not hasattr(stream.dataset, "systems"):  # a mix:N batch: frames of one database
+            return NonFiniteError(
+                f"{key} holds NaN/inf in frames {bad} of the batch of training step {step} "
+                "(DeePMD-kit's loop would train on it)",
+                system=stream.dataset.reader.lmdb_path, found=f"batch frames {fids}")
         system = stream.dataset.systems[int(batch["sid"])]
         file = diagnostics.frame_file(system.meta, key, bad[0]) if bad else None
         return NonFiniteError(

@@ -24,15 +24,24 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from mdloader.config.input_json import sampling_spec
 from mdloader.config.unsupported import take_mdloader_keys
 from mdloader.distributed.group import current_world
 from mdloader.errors import ConfigError
 from mdloader.integrations.deepmd import seam
 from mdloader.loading.build import JobSystems, Section, build_job, build_systems
-from mdloader.loading.loader import DpLoaderSet, LazySystemBatches, agree_seed
+from mdloader.loading.loader import (
+    DpLoaderSet,
+    LazySystemBatches,
+    agree_seed,
+    get_sampler_from_params,
+)
+from mdloader.loading.mixed_stream import MixedLmdbBatches, mixed_database
 from mdloader.loading.statistics import neighbour_statistics
 from mdloader.loading.system_list import SystemDatasets
+from mdloader.sampling.mixed import check_mixed_rule, is_mixed_rule
 from mdloader.sampling.order import AgreedSeed, normalize_seed
 from mdloader.sampling.spec import SamplingSpec
 from mdloader.sampling.tasks import task_stream_seed
@@ -174,7 +183,8 @@ class DeepmdJob:
         """How the section at ``place`` samples, read from the input (``shuffle``:
         DeePMD-kit's argument)."""
         path = self.sections[place].key.rsplit(".", 1)[0]
-        spec = sampling_spec({**self.data[place], **self.mdloader_keys.get(path, {})}, path)
+        spec = sampling_spec({**self.data[place], **self.mdloader_keys.get(path, {})}, path,
+                             mixed=True)
         return dataclasses.replace(spec, shuffle=bool(shuffle))
 
     def training_set(self, task: str | None) -> DpLoaderSet | None:
@@ -280,24 +290,61 @@ class DeepmdDpLoaderSet(DpLoaderSet):
     :func:`~mdloader.sampling.tasks.task_stream_seed`); any other value builds its own systems
     (with the ``rglob_patterns`` it carries). DeePMD-kit's ``[rank, seed]`` convention is
     understood by the base class.
+
+    Under ``mix:N`` (one LMDB database) the trainer's batches come from :attr:`mixed`
+    (:class:`~mdloader.loading.mixed_stream.MixedLmdbBatches`, its sampler from
+    :func:`deepmd_sampler_from_params`); the loader set's own systems, one per LMDB group,
+    serve the statistics with ``max:N``'s batch sizes, DeePMD-kit's per-atom-count sizes
+    under ``mix:N``.
     """
 
     def __init__(self, systems: Any, batch_size: Any, type_map: Sequence[str] | None,
                  seed: Any = None, shuffle: bool = True, modifier: Any = None) -> None:
         job, place = current_job(), place_of(systems)
+        self.mixed: MixedLmdbBatches | None = None
         if job is not None and place in job.sections:
             if modifier is not None:
                 raise ConfigError("data modifiers are not supported by mdloader",
                                   path="model.modifier")
+            spec = job.sampling(place, shuffle)
+            mixed = is_mixed_rule(spec.batch_size)
+            if mixed:
+                key = spec.key("batch_size")
+                database = mixed_database(job.sections[place].systems, key)
+                rule = check_mixed_rule(str(spec.batch_size), key)
+                spec = dataclasses.replace(spec, batch_size=f"max:{rule.value}")
+                batch_size = spec.batch_size
             super().__init__(job.datasets(place), batch_size, type_map,
-                             job.stream_seed(place, seed), shuffle,
-                             spec=job.sampling(place, shuffle))
+                             job.stream_seed(place, seed), shuffle, spec=spec)
+            if mixed:
+                self.mixed = MixedLmdbBatches(database, type_map, str(rule))
             job.loader_sets[place] = self
         else:
+            if is_mixed_rule(batch_size):
+                raise ConfigError("mix:N is read from the input of a run of mdloader dp; "
+                                  "outside one, use mdloader.LmdbDataset", path="batch_size")
             super().__init__(list(systems) if isinstance(systems, DeferredSystems) else systems,
                              batch_size, type_map, seed, shuffle, modifier,
                              rglob_patterns=getattr(systems, "patterns", None))
         self.dataloaders = LoaderSetBatches(self)
+
+    def add_data_requirement(self, data_requirement: Sequence[Any]) -> None:
+        super().add_data_requirement(data_requirement)
+        if self.mixed is not None:
+            self.mixed.add_data_requirement(data_requirement)
+
+
+def deepmd_sampler_from_params(data: Any, params: Mapping[str, Any], **kwargs: Any) -> Any:
+    """DeePMD-kit's ``get_sampler_from_params``: a ``mix:N`` loader set's key source
+    (:class:`~mdloader.sampling.mixed.MixedBatchSampler`, pass ``e`` drawn from the stream
+    seed plus ``e`` as DeePMD-kit's LMDB sampler draws it), else mdloader's stateful sampler."""
+    mixed = getattr(data, "mixed", None)
+    if mixed is not None:
+        sampler = mixed.sampler(seed=data.seed, world=data.world, shuffle=data.plan.spec.shuffle)
+        # what DeePMD-kit's summary prints per system (LMDB group): its share of the frames
+        sampler.weights = torch.tensor(data.probabilities("prob_sys_size"), device="cpu")
+        return sampler
+    return get_sampler_from_params(data, params, **kwargs)
 
 
 def not_lmdb(systems: Any) -> bool:
