@@ -169,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     _meta, rows = agg.load_many(args.results)
     with open(args.readme, encoding="utf-8") as fh:
         readme = fh.read()
-    filled = fill_readme(readme, readme_figures(rows))
+    from benchmarks.fs_traffic import report as fs_traffic_report
+
+    filled = fill_readme(readme, {**readme_figures(rows), **fs_traffic_report.readme_figures()})
     if filled != readme:
         with open(args.readme, "w", encoding="utf-8") as fh:
             fh.write(filled)

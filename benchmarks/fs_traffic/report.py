@@ -186,3 +186,28 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+#: The results file of frames of 1 536 atoms (a row larger than a page).
+LARGE = os.path.join(os.path.dirname(DEFAULT), "atoms1536.jsonl")
+
+
+def readme_figures() -> dict[str, str]:
+    """The README's figures of this family: per batch at steady state, with 2 workers, the soft
+    ``ulimit -n`` of 1024, the tree evicted every pass (no figure without results)."""
+    figures: dict[str, str] = {}
+    for name, path in (("small", DEFAULT), ("large", LARGE)):
+        if not os.path.isfile(path):
+            continue
+        _meta, recs = load(path)
+        for fmt in ("npy", "hdf5"):
+            md, dp = (recs.get((impl, (fmt, "1024", 2, "per-pass"))) for impl in (MD, DP))
+            if md is None or dp is None:
+                continue
+            if name == "small":
+                figures[f"fs_{fmt}_lookups_dp"] = number(dp["per_batch"]["lookups"])
+                figures[f"fs_{fmt}_lookups_md"] = number(md["per_batch"]["lookups"])
+                figures[f"fs_{fmt}_opens_md"] = number(md["per_batch"]["opens"])
+            figures[f"fs_{fmt}_payload_md_{name}"] = _over_payload(md)
+            figures[f"fs_{fmt}_payload_dp_{name}"] = _over_payload(dp)
+    return figures
