@@ -20,6 +20,8 @@ from benchmarks.aggregate import number, ratio
 
 DEFAULT = os.path.join(RESULTS, "fs_traffic", "fs_traffic.jsonl")
 MD, DP = "mdloader", "deepmd"
+#: mdloader with MDLOADER_DIRECT_READS=1 (``run --direct``), and how its rows name the format.
+DIRECT, DIRECT_ROW = "mdloader-direct", "{}, direct reads"
 WINDOWS = {"cold": "cold once", "per-pass": "cold every pass"}
 Key = tuple[str, str, int, str]  # (format, nofile asked, workers, window)
 
@@ -99,6 +101,20 @@ def _left(rec: dict[str, Any] | None) -> str:
     return f"{100 * rec['resident_after_evict_bytes'] / max(rec['tree_bytes'], 1):.0f} %"
 
 
+def _rows(recs: dict[tuple[str, Key], dict[str, Any]]
+          ) -> list[tuple[Key, str, dict[str, Any] | None, dict[str, Any] | None]]:
+    """(key, format as the row names it, mdloader's record, DeePMD-kit's) of each row: a key's
+    row, then its row of mdloader with direct reads beside the same DeePMD-kit record."""
+    out = []
+    for key in _keys(recs):
+        md, dp, direct = recs.get((MD, key)), recs.get((DP, key)), recs.get((DIRECT, key))
+        if md is not None or dp is not None:
+            out.append((key, key[0], md, dp))
+        if direct is not None:
+            out.append((key, DIRECT_ROW.format(key[0]), direct, dp))
+    return out
+
+
 def table(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[str]:
     """Per batch, mdloader / DeePMD-kit: calls under the tree, bytes requested by reads, bytes
     from storage and their ratio to the frames' bytes, and the tree left cached by an eviction."""
@@ -107,11 +123,10 @@ def table(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[str]:
              "storage ÷ payload | storage ÷ pages the rows span (mdloader) | tree left cached "
              "after eviction |",
              "|---|---|---:|---|---|---|---|---|---|---|---|---|---|"]
-    for key in _keys(recs):
-        md, dp = recs.get((MD, key)), recs.get((DP, key))
-        any_rec = next(r for r in (md, dp) if r is not None)  # every key has a record
+    for key, fmt, md, dp in _rows(recs):
+        any_rec = next(r for r in (md, dp) if r is not None)  # every row has a record
         lines.append(
-            f"| {key[0]} | {_nofile(any_rec)} | {key[2]} | {WINDOWS.get(key[3], key[3])} | "
+            f"| {fmt} | {_nofile(any_rec)} | {key[2]} | {WINDOWS.get(key[3], key[3])} | "
             f"{_both(md, dp, 'lookups')} | {_opens(md)} / {_opens(dp)} | "
             f"{_both(md, dp, 'fstats')} | {_both(md, dp, 'reads')} | "
             f"{_both(md, dp, 'bytes_requested', 1024)} | "
@@ -134,12 +149,11 @@ def calls_table(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[str]:
                  sorted(rec["by_call"].items(), key=lambda kv: -kv[1]) if c / n >= 0.005]
         return ", ".join(parts) or "none"
 
-    for key in _keys(recs):
+    for key, fmt, md, dp in _rows(recs):
         if key[3] != "cold":
             continue
-        md, dp = recs.get((MD, key)), recs.get((DP, key))
-        any_rec = next(r for r in (md, dp) if r is not None)  # every key has a record
-        lines.append(f"| {key[0]} | {_nofile(any_rec)} | {key[2]} | {named(md)} | {named(dp)} |")
+        any_rec = next(r for r in (md, dp) if r is not None)  # every row has a record
+        lines.append(f"| {fmt} | {_nofile(any_rec)} | {key[2]} | {named(md)} | {named(dp)} |")
     return lines
 
 
