@@ -108,3 +108,20 @@ def test_an_open_again_by_the_same_process_is_a_reopen_whatever_its_thread() -> 
     it for the first time in its process: not one."""
     counts = trace.count(REOPEN_LOG.splitlines(), ROOT)["w2-cold"]
     assert (counts["opens"], counts["reopens"]) == (3, 1)
+
+
+def test_the_warm_case_with_and_without_direct_reads_lands_in_the_section(tmp_path: Path) -> None:
+    """``warm --direct --out``: one record per format and mode, appended, and their table."""
+    from benchmarks.fs_traffic import warm
+
+    out = tmp_path / "fs.jsonl"
+    out.write_text(json.dumps({"kind": "meta", "nsys": 3}) + "\n")
+    assert warm.main(["--nsys", "3", "--formats", "npy", "--warmup", "2", "--batches", "3",
+                      "--repeats", "2", "--data-base", str(tmp_path / "data"), "--direct",
+                      "--out", str(out)]) == 0
+    meta, _recs = report.load(str(out))
+    assert [(r["format"], r["direct_reads"], len(r["ms_per_batch"])) for r in meta["warm"]] == [
+        ("npy", False, 2), ("npy", True, 2)]
+    text = report.section(str(out))
+    assert re.search(r"\| npy \| page cache \| [\d.]+ \([\d.]+–[\d.]+\) \|", text), text
+    assert re.search(r"\| npy \| direct \(O_DIRECT\) \| [\d.]+ ", text), text

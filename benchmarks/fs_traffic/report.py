@@ -27,8 +27,9 @@ Key = tuple[str, str, int, str]  # (format, nofile asked, workers, window)
 
 
 def load(path: str) -> tuple[dict[str, Any], dict[tuple[str, Key], dict[str, Any]]]:
-    """The run's header and its records by (loader, key); failed launches in the header."""
-    meta: dict[str, Any] = {"failed": []}
+    """The run's header and its records by (loader, key); failed launches and the warm case's
+    records (:mod:`benchmarks.fs_traffic.warm`) in the header."""
+    meta: dict[str, Any] = {"failed": [], "warm": []}
     recs = {}
     with open(path) as fh:
         for line in fh:
@@ -40,6 +41,8 @@ def load(path: str) -> tuple[dict[str, Any], dict[tuple[str, Key], dict[str, Any
             elif rec.get("kind") == "error":
                 meta["failed"].append(f"{rec['impl']} {rec['format']} ulimit -n "
                                       f"{rec['nofile_asked']}")
+            elif rec.get("kind") == "warm":
+                meta["warm"].append(rec)
             elif rec.get("kind") == "fs_traffic":
                 key = (rec["format"], rec["nofile_asked"], rec["workers"], rec["window"])
                 recs[(rec["impl"], key)] = rec
@@ -157,6 +160,19 @@ def calls_table(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[str]:
     return lines
 
 
+def warm_table(warm: list[dict[str, Any]]) -> list[str]:
+    """The warm case, mdloader through the page cache and with direct reads: time per batch."""
+    lines = ["| format | reads | ms per batch, median (range) | 1-minute load |",
+             "|---|---|---|---:|"]
+    for rec in warm:
+        runs = sorted(rec["ms_per_batch"])
+        median = runs[len(runs) // 2]
+        lines.append(f"| {rec['format']} | "
+                     f"{'direct (O_DIRECT)' if rec['direct_reads'] else 'page cache'} | "
+                     f"{median:.3f} ({runs[0]:.3f}–{runs[-1]:.3f}) | {rec['loadavg_1min']:.1f} |")
+    return lines
+
+
 def section(path: str | None = None) -> str:
     """The markdown of the section's results: ``path``, else every results file of the family
     (:data:`DEFAULT` first), one after the other (a note when there are none yet)."""
@@ -186,8 +202,15 @@ def section(path: str | None = None) -> str:
         head += f" Not run (not importable): {', '.join(meta['skipped'])}."
     if meta["failed"]:
         head += f" **Failed**: {'; '.join(meta['failed'])}."
-    return "\n".join([head, "", *table(recs), "", "Calls per batch under the data tree by "
-                      "name (cold once):", "", *calls_table(recs)])
+    parts = [head, "", *table(recs), "", "Calls per batch under the data tree by name (cold "
+             "once):", "", *calls_table(recs)]
+    if meta["warm"]:
+        first = meta["warm"][0]
+        parts += ["", f"Warm case (`benchmarks.fs_traffic.warm`: the tree in the page cache, "
+                  f"mdloader's feed without workers, {first['warmup']} batches of warm-up, then "
+                  f"{first['repeats']} runs of {first['batches']} batches):", "",
+                  *warm_table(meta["warm"])]
+    return "\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
