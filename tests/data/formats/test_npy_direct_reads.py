@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def supports_direct(folder: Path) -> bool:
     except OSError:
         return False
     try:
-        buffer = npy._aligned_buffer(4096)
+        buffer = memoryview(mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE))  # page-aligned
         for block in npy.DIRECT_ALIGNMENTS:
             try:
                 return os.preadv(fd, [buffer[:block]], block) == block
