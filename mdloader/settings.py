@@ -157,6 +157,13 @@ SETTINGS: dict[str, Setting] = {
         "MDLOADER_MAX_OPEN_FILES", _open_file_share, int, 1, "file",
         "npy files one process keeps open, each a file descriptor read with pread (default: "
         "DeePMD-kit's rule, the soft ulimit -n less 128, after raising it to the hard limit)."),
+    "direct_reads": Setting(
+        "MDLOADER_DIRECT_READS", lambda: "0", str, None, "mode",
+        "1: npy rows are read with O_DIRECT, around the page cache, at the file system's block "
+        "size (a data set larger than the node's memory: bytes from storage near the rows "
+        "asked for, not whole 4 KiB pages); 0: through the page cache (a warm data set stays "
+        "in memory). A file system that refuses O_DIRECT is read through the page cache.",
+        choices=("0", "1")),
     "num_workers": Setting(
         "NUM_WORKERS", lambda: min(4, os.cpu_count() or 1), int, 0, "worker",
         "DataLoader worker processes per rank (DeePMD-kit's variable, with its default); it "

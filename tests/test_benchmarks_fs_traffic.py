@@ -52,20 +52,21 @@ PER_BATCH = {*trace.COUNTED, "bytes_requested", "bytes_from_storage", "bytes_of_
 
 def test_a_tiny_run_writes_every_field(tmp_path: Path) -> None:
     """mdloader alone (a DeePMD-kit launch would double the time), 3 systems, npy and LMDB,
-    one limit, workers 0: the records and the section have their fields."""
+    one limit, workers 0, and again with direct reads (``--direct``): the records and the
+    section have their fields, the direct launch its own rows."""
     impls = "mdloader"
     out = tmp_path / "fs.jsonl"
     args = ["--nsys", "3", "--warmup", "2", "--batches", "4", "--pass-batches", "2", "--tail",
             "2", "--formats", "npy,hdf5,lmdb", "--workers", "0", "--nofile", "1024", "--impls",
             impls, "--data-base", str(tmp_path / "data"), "--out", str(out), "--no-report",
-            "--timeout", "60"]
+            "--timeout", "60", "--direct"]
     traced = run.strace_usable()
     assert run.main(args if traced else [*args, "--no-strace"]) == 0
     meta, recs = report.load(str(out))
     assert meta["failed"] == []
     assert {"started", "cpus", "nsys", "fs_tool", "payload_bytes_per_frame"} <= set(meta)
-    expected = {(i, (f, "1024", 0, w)) for i in impls.split(",") for f in ("npy", "hdf5", "lmdb")
-                for w in ("cold", "per-pass")}
+    expected = {(i, (f, "1024", 0, w)) for i in [*impls.split(","), run.DIRECT]
+                for f in ("npy", "hdf5", "lmdb") for w in ("cold", "per-pass")}
     assert set(recs) == expected
     for rec in recs.values():
         assert set(rec) == FIELDS
@@ -79,7 +80,8 @@ def test_a_tiny_run_writes_every_field(tmp_path: Path) -> None:
     text = report.section(str(out))
     for row in (r"\| npy \| 1,024( → [\d,]+)? \| 0 \| cold once \|",
                 r"\| npy \| 1,024( → [\d,]+)? \| 0 \| cold every pass \|",
-                r"\| lmdb \| 1,024( → [\d,]+)? \| 0 \| cold once \|"):
+                r"\| lmdb \| 1,024( → [\d,]+)? \| 0 \| cold once \|",
+                r"\| npy, direct reads \| 1,024( → [\d,]+)? \| 0 \| cold every pass \|"):
         assert re.search(row, text), row
 
 
@@ -106,3 +108,20 @@ def test_an_open_again_by_the_same_process_is_a_reopen_whatever_its_thread() -> 
     it for the first time in its process: not one."""
     counts = trace.count(REOPEN_LOG.splitlines(), ROOT)["w2-cold"]
     assert (counts["opens"], counts["reopens"]) == (3, 1)
+
+
+def test_the_warm_case_with_and_without_direct_reads_lands_in_the_section(tmp_path: Path) -> None:
+    """``warm --direct --out``: one record per format and mode, appended, and their table."""
+    from benchmarks.fs_traffic import warm
+
+    out = tmp_path / "fs.jsonl"
+    out.write_text(json.dumps({"kind": "meta", "nsys": 3}) + "\n")
+    assert warm.main(["--nsys", "3", "--formats", "npy", "--warmup", "2", "--batches", "3",
+                      "--repeats", "2", "--data-base", str(tmp_path / "data"), "--direct",
+                      "--out", str(out)]) == 0
+    meta, _recs = report.load(str(out))
+    assert [(r["format"], r["direct_reads"], len(r["ms_per_batch"])) for r in meta["warm"]] == [
+        ("npy", False, 2), ("npy", True, 2)]
+    text = report.section(str(out))
+    assert re.search(r"\| npy \| page cache \| [\d.]+ \([\d.]+–[\d.]+\) \|", text), text
+    assert re.search(r"\| npy \| direct \(O_DIRECT\) \| [\d.]+ ", text), text

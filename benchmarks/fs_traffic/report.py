@@ -20,13 +20,16 @@ from benchmarks.aggregate import number, ratio
 
 DEFAULT = os.path.join(RESULTS, "fs_traffic", "fs_traffic.jsonl")
 MD, DP = "mdloader", "deepmd"
+#: mdloader with MDLOADER_DIRECT_READS=1 (``run --direct``), and how its rows name the format.
+DIRECT, DIRECT_ROW = "mdloader-direct", "{}, direct reads"
 WINDOWS = {"cold": "cold once", "per-pass": "cold every pass"}
 Key = tuple[str, str, int, str]  # (format, nofile asked, workers, window)
 
 
 def load(path: str) -> tuple[dict[str, Any], dict[tuple[str, Key], dict[str, Any]]]:
-    """The run's header and its records by (loader, key); failed launches in the header."""
-    meta: dict[str, Any] = {"failed": []}
+    """The run's header and its records by (loader, key); failed launches and the warm case's
+    records (:mod:`benchmarks.fs_traffic.warm`) in the header."""
+    meta: dict[str, Any] = {"failed": [], "warm": []}
     recs = {}
     with open(path) as fh:
         for line in fh:
@@ -38,6 +41,8 @@ def load(path: str) -> tuple[dict[str, Any], dict[tuple[str, Key], dict[str, Any
             elif rec.get("kind") == "error":
                 meta["failed"].append(f"{rec['impl']} {rec['format']} ulimit -n "
                                       f"{rec['nofile_asked']}")
+            elif rec.get("kind") == "warm":
+                meta["warm"].append(rec)
             elif rec.get("kind") == "fs_traffic":
                 key = (rec["format"], rec["nofile_asked"], rec["workers"], rec["window"])
                 recs[(rec["impl"], key)] = rec
@@ -99,6 +104,20 @@ def _left(rec: dict[str, Any] | None) -> str:
     return f"{100 * rec['resident_after_evict_bytes'] / max(rec['tree_bytes'], 1):.0f} %"
 
 
+def _rows(recs: dict[tuple[str, Key], dict[str, Any]]
+          ) -> list[tuple[Key, str, dict[str, Any] | None, dict[str, Any] | None]]:
+    """(key, format as the row names it, mdloader's record, DeePMD-kit's) of each row: a key's
+    row, then its row of mdloader with direct reads beside the same DeePMD-kit record."""
+    out = []
+    for key in _keys(recs):
+        md, dp, direct = recs.get((MD, key)), recs.get((DP, key)), recs.get((DIRECT, key))
+        if md is not None or dp is not None:
+            out.append((key, key[0], md, dp))
+        if direct is not None:
+            out.append((key, DIRECT_ROW.format(key[0]), direct, dp))
+    return out
+
+
 def table(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[str]:
     """Per batch, mdloader / DeePMD-kit: calls under the tree, bytes requested by reads, bytes
     from storage and their ratio to the frames' bytes, and the tree left cached by an eviction."""
@@ -107,11 +126,10 @@ def table(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[str]:
              "storage ÷ payload | storage ÷ pages the rows span (mdloader) | tree left cached "
              "after eviction |",
              "|---|---|---:|---|---|---|---|---|---|---|---|---|---|"]
-    for key in _keys(recs):
-        md, dp = recs.get((MD, key)), recs.get((DP, key))
-        any_rec = next(r for r in (md, dp) if r is not None)  # every key has a record
+    for key, fmt, md, dp in _rows(recs):
+        any_rec = next(r for r in (md, dp) if r is not None)  # every row has a record
         lines.append(
-            f"| {key[0]} | {_nofile(any_rec)} | {key[2]} | {WINDOWS.get(key[3], key[3])} | "
+            f"| {fmt} | {_nofile(any_rec)} | {key[2]} | {WINDOWS.get(key[3], key[3])} | "
             f"{_both(md, dp, 'lookups')} | {_opens(md)} / {_opens(dp)} | "
             f"{_both(md, dp, 'fstats')} | {_both(md, dp, 'reads')} | "
             f"{_both(md, dp, 'bytes_requested', 1024)} | "
@@ -134,12 +152,24 @@ def calls_table(recs: dict[tuple[str, Key], dict[str, Any]]) -> list[str]:
                  sorted(rec["by_call"].items(), key=lambda kv: -kv[1]) if c / n >= 0.005]
         return ", ".join(parts) or "none"
 
-    for key in _keys(recs):
+    for key, fmt, md, dp in _rows(recs):
         if key[3] != "cold":
             continue
-        md, dp = recs.get((MD, key)), recs.get((DP, key))
-        any_rec = next(r for r in (md, dp) if r is not None)  # every key has a record
-        lines.append(f"| {key[0]} | {_nofile(any_rec)} | {key[2]} | {named(md)} | {named(dp)} |")
+        any_rec = next(r for r in (md, dp) if r is not None)  # every row has a record
+        lines.append(f"| {fmt} | {_nofile(any_rec)} | {key[2]} | {named(md)} | {named(dp)} |")
+    return lines
+
+
+def warm_table(warm: list[dict[str, Any]]) -> list[str]:
+    """The warm case, mdloader through the page cache and with direct reads: time per batch."""
+    lines = ["| format | reads | ms per batch, median (range) | 1-minute load |",
+             "|---|---|---|---:|"]
+    for rec in warm:
+        runs = sorted(rec["ms_per_batch"])
+        median = runs[len(runs) // 2]
+        lines.append(f"| {rec['format']} | "
+                     f"{'direct (O_DIRECT)' if rec['direct_reads'] else 'page cache'} | "
+                     f"{median:.3f} ({runs[0]:.3f}–{runs[-1]:.3f}) | {rec['loadavg_1min']:.1f} |")
     return lines
 
 
@@ -172,8 +202,15 @@ def section(path: str | None = None) -> str:
         head += f" Not run (not importable): {', '.join(meta['skipped'])}."
     if meta["failed"]:
         head += f" **Failed**: {'; '.join(meta['failed'])}."
-    return "\n".join([head, "", *table(recs), "", "Calls per batch under the data tree by "
-                      "name (cold once):", "", *calls_table(recs)])
+    parts = [head, "", *table(recs), "", "Calls per batch under the data tree by name (cold "
+             "once):", "", *calls_table(recs)]
+    if meta["warm"]:
+        first = meta["warm"][0]
+        parts += ["", f"Warm case (`benchmarks.fs_traffic.warm`: the tree in the page cache, "
+                  f"mdloader's feed without workers, {first['warmup']} batches of warm-up, then "
+                  f"{first['repeats']} runs of {first['batches']} batches):", "",
+                  *warm_table(meta["warm"])]
+    return "\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:

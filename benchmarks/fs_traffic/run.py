@@ -11,6 +11,8 @@ One command::
     python -m benchmarks.fs_traffic.run --nsys 10000 --formats npy --workers 2 --nofile 1024 \
         --warmup 200 --out RESULTS/fs_traffic/n10000.jsonl    # re-opens: the steady state
     python -m benchmarks.fs_traffic.run --nsys 100000 --out RESULTS/fs_traffic/n100000.jsonl
+    python -m benchmarks.fs_traffic.run --formats npy --nofile 1024 --direct \
+        --out RESULTS/fs_traffic/direct.jsonl    # MDLOADER_DIRECT_READS=1 rows beside
 
 (``RESULTS``: ``benchmarks/results``.) The data: ``--nsys`` water systems of 192 atoms and 8
 frames (:func:`benchmarks.data.ensure_water`), also as one HDF5 file and one LMDB database
@@ -28,6 +30,9 @@ pass of ``--pass-batches`` batches). After each eviction the harness measures ho
 tree is still in the page cache (``mincore``): pages a process keeps mapped cannot be evicted
 this way. Records go to a JSON-lines file; :mod:`benchmarks.fs_traffic.report` prints the
 table and writes its section of ``docs/benchmarks.md``.
+
+``--direct`` adds a third launch, mdloader with ``MDLOADER_DIRECT_READS=1`` (rows read with
+O_DIRECT) on the same draws, whose records are labelled ``mdloader-direct``.
 
 Without a usable ``strace`` (not installed, or ptrace not permitted) the run still measures the
 bytes from storage, and the call columns stay empty (``fs_tool`` says so).
@@ -58,6 +63,7 @@ from benchmarks.startup.evict import evict
 
 DEFAULT = os.path.join(RESULTS, "fs_traffic", "fs_traffic.jsonl")
 PAYLOAD_KEYS = ("coord", "box", "energy", "force")
+DIRECT = "mdloader-direct"  # the label of mdloader's records with MDLOADER_DIRECT_READS=1
 STRACE = ["strace", "-f", "-y", "-ttt", "-s", "0", "--seccomp-bpf", "-e",
           f"trace={trace.TRACED}"]
 
@@ -88,6 +94,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "same files would keep them in the page cache")
     p.add_argument("--timeout", type=float, default=300, help="per launch")
     p.add_argument("--no-strace", action="store_true", help="bytes from storage only")
+    p.add_argument("--direct", action="store_true",
+                   help="also run mdloader with MDLOADER_DIRECT_READS=1 (O_DIRECT rows), "
+                   f"records labelled {DIRECT!r}")
     p.add_argument("--out", default=DEFAULT)
     p.add_argument("--no-report", action="store_true",
                    help="print the table only; leave docs/benchmarks.md as it is")
@@ -222,9 +231,10 @@ def floors_of(fmt: str, address: str, draws_dir: str, run: dict[str, Any], args:
 
 
 def launch(python: str, impl: str, fmt: str, address: str, draws: str, nofile: str,
-           args: argparse.Namespace, traced: bool) -> dict[str, Any]:
+           args: argparse.Namespace, traced: bool, direct: bool = False) -> dict[str, Any]:
     """One measured interpreter, the harness evicting the tree when it asks; its result, the
-    trace's counts per window and the residency after each eviction."""
+    trace's counts per window and the residency after each eviction. ``direct``: mdloader
+    with ``MDLOADER_DIRECT_READS=1``."""
     tree = tree_of(fmt, address)
     log = tempfile.NamedTemporaryFile(prefix="mdl-fst-", suffix=".strace", delete=False)
     log.close()
@@ -235,7 +245,8 @@ def launch(python: str, impl: str, fmt: str, address: str, draws: str, nofile: s
     if traced:
         cmd = [*STRACE, "-o", log.name, *cmd]
     err = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=rank_env(), stdin=subprocess.PIPE,
+    env = rank_env(MDLOADER_DIRECT_READS="1" if direct else "0")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=err, text=True,
                             start_new_session=True)
     timer = threading.Timer(args.timeout, lambda: os.killpg(proc.pid, 9))
@@ -265,9 +276,11 @@ def launch(python: str, impl: str, fmt: str, address: str, draws: str, nofile: s
 
 
 def records(run: dict[str, Any], payload: int, frames: float, tree: int, fs_tool: str,
-            floors: dict[tuple[int, str], float] | None = None) -> list[dict[str, Any]]:
+            floors: dict[tuple[int, str], float] | None = None,
+            loader: str | None = None) -> list[dict[str, Any]]:
     """One record per window of a launch (each configuration of workers has two), every figure
-    per batch; ``floors``: :func:`page_floor` by (workers, window)."""
+    per batch; ``floors``: :func:`page_floor` by (workers, window); ``loader``: the loader's
+    name in the records (default: the launch's ``impl``)."""
     out = []
     resident = iter(run["resident"])  # one eviction before a window and every later pass
     for config in run["configs"]:
@@ -281,7 +294,7 @@ def records(run: dict[str, Any], payload: int, frames: float, tree: int, fs_tool
             pages = (None if floors is None else
                      floors.get((config["workers"], label)))
             out.append({
-                "kind": "fs_traffic", "impl": run["impl"], "format": run["format"],
+                "kind": "fs_traffic", "impl": loader or run["impl"], "format": run["format"],
                 "workers": config["workers"], "nofile": run["nofile"],
                 "nofile_asked": run["nofile_asked"], "window": label, "batches": n,
                 "pass_batches": run["pass_batches"], "frames_per_batch": frames,
@@ -320,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                "cpus": os.cpu_count(), "nsys": args.nsys, "nframes": args.nframes,
                "natoms": 192 * args.cells ** 3,
                "formats": formats, "workers": args.workers, "nofile": args.nofile,
-               "impls": impls, "skipped": [i for i in pythons if i not in impls],
+               "impls": impls + ([DIRECT] if args.direct and "mdloader" in impls else []),
+               "skipped": [i for i in pythons if i not in impls],
                "warmup": args.warmup, "batches": args.batches,
                "pass_batches": args.pass_batches, "fs_tool": fs_tool,
                "payload_bytes_per_frame": payload, "batch_size": "auto"})
@@ -330,19 +344,27 @@ def main(argv: list[str] | None = None) -> int:
                 draws = os.path.join(tmp, f"{fmt}-{nofile}")
                 os.makedirs(draws)
                 floors = None
-                for impl in impls:  # mdloader first: DeePMD-kit replays its draws
-                    run = launch(pythons[impl], impl, fmt, data[fmt], draws, nofile, args,
-                                 traced)
-                    where = f"{impl:8s} {fmt:4s} ulimit -n {nofile:5s}"
+                # mdloader first: DeePMD-kit replays its draws; mdloader with direct reads last,
+                # drawing the same batches (the same seed) into a folder of its own
+                launches = [(impl, impl) for impl in impls]
+                if args.direct and "mdloader" in impls:
+                    launches.append(("mdloader", DIRECT))
+                for impl, label in launches:
+                    direct = label == DIRECT
+                    where_draws = draws + "-direct" if direct else draws
+                    os.makedirs(where_draws, exist_ok=True)
+                    run = launch(pythons[impl], impl, fmt, data[fmt], where_draws, nofile, args,
+                                 traced, direct=direct)
+                    where = f"{label:15s} {fmt:4s} ulimit -n {nofile:5s}"
                     if "error" in run:
-                        write({"kind": "error", "impl": impl, "format": fmt,
+                        write({"kind": "error", "impl": label, "format": fmt,
                                "nofile_asked": nofile, **run})
                         print(f"  {where} FAILED", flush=True)
                         break
                     frames = run["configs"][0]["frames_per_batch"] or frames
                     if impl == "mdloader":
-                        floors = floors_of(fmt, data[fmt], draws, run, args)
-                    for rec in records(run, payload, frames, tree, fs_tool, floors):
+                        floors = floors_of(fmt, data[fmt], where_draws, run, args)
+                    for rec in records(run, payload, frames, tree, fs_tool, floors, label):
                         write(rec)
                     print(f"  {where} ok ({time.monotonic() - t_start:.0f} s)", flush=True)
     from benchmarks.fs_traffic import report

@@ -92,6 +92,11 @@ class HandleCache(Generic[H]):
     def __len__(self) -> int:
         return len(self._handles) if self._pid == os.getpid() else 0
 
+    def values(self) -> list[H]:
+        """The handles this process holds, oldest use first."""
+        self._check_pid()
+        return list(self._handles.values())
+
     def _check_pid(self) -> None:
         if self._pid != os.getpid():  # inherited from the parent: never use them
             inherited, self._handles = self._handles, OrderedDict()

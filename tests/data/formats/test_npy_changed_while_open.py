@@ -27,6 +27,13 @@ from mdloader.world import World
 FORCE = [{"key": "force", "ndof": 3, "atomic": True, "must": True}]
 
 
+@pytest.fixture(params=["0", "1"], ids=["page-cache", "direct"])
+def reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``MDLOADER_DIRECT_READS`` of the test: rows through the page cache, or O_DIRECT."""
+    monkeypatch.setenv("MDLOADER_DIRECT_READS", request.param)
+    return request.param
+
+
 @pytest.fixture
 def system(tmp_path: Path) -> DeepmdDataSetForLoader:
     release_handles()
@@ -42,7 +49,8 @@ def _force(ds: DeepmdDataSetForLoader) -> Path:
     return Path(ds.system) / "set.000" / "force.npy"
 
 
-def test_a_file_truncated_while_open_is_named(system: DeepmdDataSetForLoader) -> None:
+def test_a_file_truncated_while_open_is_named(reads: str, system: DeepmdDataSetForLoader) -> None:
+    """Also with O_DIRECT: the aligned read around the row comes back short."""
     target = _force(system)
     os.truncate(target, target.stat().st_size // 3)
     with pytest.raises(CorruptFileError, match="shrank while it was read") as info:
@@ -87,7 +95,8 @@ def test_a_file_rewritten_in_place_with_the_same_shape_is_read_as_it_is_now(
     assert np.all(system.get_frames([2])[0]["force"] == 5.0)
 
 
-def test_truncation_in_a_child_process_is_an_error_not_a_bus_error(tmp_path: Path) -> None:
+def test_truncation_in_a_child_process_is_an_error_not_a_bus_error(tmp_path: Path,
+                                                                   reads: str) -> None:
     """Through a memory map the child died of SIGBUS (exit -7)."""
     path = Path(make_system(tmp_path, "sys", natoms=6, nframes=4000, keys=("energy", "force")))
     code = (
@@ -107,6 +116,19 @@ def test_truncation_in_a_child_process_is_an_error_not_a_bus_error(tmp_path: Pat
     assert "force.npy" in done.stdout
 
 
+def _takes_o_direct(folder: Path) -> bool:
+    """Whether ``folder``'s file system lets a file be opened with O_DIRECT."""
+    probe = folder / "o_direct.probe"
+    probe.write_bytes(b"\0" * 4096)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+    return True
+
+
 def _feed(root: Path, workers: int) -> Feed:
     spec = StreamSpec(Section.of(None, "training", [str(root)]), SamplingSpec(batch_size=2))
     feed = Feed.build([spec], seed=3, world=World(), labels=LABELS, num_workers=workers)
@@ -121,9 +143,10 @@ def _next(feed: Feed) -> dict:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_file_truncated_mid_training_is_one_error_naming_it(tmp_path: Path,
-                                                              workers: int) -> None:
-    """Under the feed both trainers read, with and without DataLoader workers."""
+def test_a_file_truncated_mid_training_is_one_error_naming_it(tmp_path: Path, workers: int,
+                                                              reads: str) -> None:
+    """Under the feed both trainers read, with and without DataLoader workers, through the
+    page cache and with O_DIRECT."""
     release_handles()
     for i in range(3):
         make_system(tmp_path / "data", f"s{i}", natoms=6, nframes=40, seed=i)
@@ -131,6 +154,8 @@ def test_a_file_truncated_mid_training_is_one_error_naming_it(tmp_path: Path,
     try:
         for _ in range(30):  # every file is open in every reading process by now
             _next(feed)
+        if workers == 0 and reads == "1" and _takes_o_direct(tmp_path):
+            assert npy.direct_file_count() == npy.open_file_count() > 0
         targets = sorted((tmp_path / "data").glob("s*/set.000/force.npy"))
         for target in targets:
             os.truncate(target, 128 + 8)  # the header and one value: every row is short
