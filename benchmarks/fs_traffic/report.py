@@ -225,8 +225,10 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-#: The results file of frames of 1 536 atoms (a row larger than a page).
+#: The results file of frames of 1 536 atoms (a row larger than a page), and that of the npy
+#: rows read with ``MDLOADER_DIRECT_READS=1``.
 LARGE = os.path.join(os.path.dirname(DEFAULT), "atoms1536.jsonl")
+DIRECT_RESULTS = os.path.join(os.path.dirname(DEFAULT), "npy_direct.jsonl")
 
 
 def readme_figures() -> dict[str, str]:
@@ -247,4 +249,9 @@ def readme_figures() -> dict[str, str]:
                 figures[f"fs_{fmt}_opens_md"] = number(md["per_batch"]["opens"])
             figures[f"fs_{fmt}_payload_md_{name}"] = _over_payload(md)
             figures[f"fs_{fmt}_payload_dp_{name}"] = _over_payload(dp)
+    if os.path.isfile(DIRECT_RESULTS):
+        _meta, recs = load(DIRECT_RESULTS)
+        direct = recs.get((DIRECT, ("npy", "1024", 2, "per-pass")))
+        if direct is not None:
+            figures["fs_npy_payload_direct_small"] = _over_payload(direct)
     return figures
