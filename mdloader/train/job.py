@@ -30,6 +30,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -52,6 +53,7 @@ from mdloader.loading.feed import Feed, StreamSpec
 from mdloader.loading.loader import default_num_workers
 from mdloader.loading.pool import lost_worker_error
 from mdloader.sampling.loop import TrainingLoop
+from mdloader.sampling.mixed import is_mixed_rule
 from mdloader.threads import set_torch_threads
 from mdloader.train.guards import check_boxes, nonfinite_weights
 from mdloader.train.io import (
@@ -120,6 +122,11 @@ def train(config: Config, *, output: str = ".", restart: str | None = None,
     if full_validation and config.validation_data is None:
         raise ConfigError("--full-validation needs validation data",
                           path="training.validation_data")
+    if full_validation and is_mixed_rule(config.validation_data.sampling.batch_size):
+        raise ConfigError("a full validation reads the validation systems frame by frame, not "
+                          "in mix:N batches: give the validation data a batch size of its own "
+                          "(e.g. 1, or 'auto'), or train without --full-validation",
+                          path="training.validation_data.batch_size")
     if stop_after is not None and stop_after < 1:
         raise ConfigError(f"must be a positive step, got {stop_after}", path="--stop-after")
     if numb_steps is not None and numb_steps < 0:
@@ -153,12 +160,20 @@ class _Trainer:
         set_torch_threads(workers, world=world)
         self.feed = Feed.build(_stream_specs(config), seed=config.seed, world=world,
                                labels=LABELS, num_workers=workers,
-                               pin_memory=self.device.type == "cuda", type_map=config.type_map)
+                               pin_memory=self.device.type == "cuda", type_map=config.type_map,
+                               systems_views=True)
         self.train_stream = self.feed.stream(None, "training")
-        self.train_set, sampler = self.train_stream.dataset, self.train_stream.sampler
-        self.numb_steps = resolve_numb_steps(config, numb_steps, self.train_set.index,
-                                             sampler.weights.numpy())
-        self.train_set.print_summary("training", sampler.weights.tolist())
+        self.train_set, weights = self.train_stream.systems()
+        sampler = self.train_stream.sampler
+        if self.train_stream.systems_view is None:
+            self.numb_steps = resolve_numb_steps(config, numb_steps, self.train_set.index,
+                                                 sampler.weights.numpy())
+        else:  # mix:N: an epoch is a pass of the stream's batches
+            self.numb_steps = resolve_numb_steps(config, numb_steps,
+                                                 [sampler.steps_in_pass(0)], np.ones(1))
+        self.train_set.print_summary("training", weights)
+        self.database = (None if self.train_stream.systems_view is None  # mix:N batches
+                         else config.training_data.systems[0])
         self.numb_steps_given = numb_steps is not None or config.numb_steps is not None
         self.valid = None if config.validation_data is None else Validation(
             self.feed, numb_btch=config.validation_data.numb_btch)
@@ -189,7 +204,7 @@ class _Trainer:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.schedule.start_lr)
         self.stepper = Stepper(self.model, ddp_model, self.optimizer, self.loss_fn,
                                self.train_set.systems, device=self.device, nonfinite=nonfinite,
-                               rank=self.world.rank)
+                               rank=self.world.rank, database=self.database)
         self.start = 0 if restart is None else self._restore(restart)
 
     def run(self, restart: str | None, stop_after: int | None) -> TrainResult:
