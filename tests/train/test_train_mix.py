@@ -204,3 +204,14 @@ def test_a_nan_force_in_a_padded_batch_names_the_database_entry(tmp_path: Path) 
     message = str(caught.value)
     assert "force holds NaN/inf in frames [6]" in message, message
     assert caught.value.system == database and "nan.lmdb" in str(caught.value.file), message
+
+
+def test_numb_epoch_counts_mix_passes(data: Path, tmp_path: Path) -> None:
+    """``numb_epoch`` 1 trains one ``mix:N`` pass: DeePMD-kit's pass 0, each batch once."""
+    raw = _raw()
+    del raw["training"]["numb_steps"]
+    raw["training"]["numb_epoch"] = 1
+    raw["training"]["save_freq"] = 100
+    result = train(parse_config(raw, base_dir=str(data), mixed=True), output=str(tmp_path),
+                   num_workers=0, options=SMALL)
+    assert [list(b[2]) for b in result.batches] == _deepmd_batches(data)
