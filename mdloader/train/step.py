@@ -78,8 +78,11 @@ class Stepper:
         self.database = database
         self.check_every = int(resolve("stop_check_steps", check_every, argument="check_every"))
 
-    def forward(self, model: Any, batch: dict[str, Any], create_graph: bool
-                ) -> dict[str, torch.Tensor]:
+    def forward(self, model: Any, batch: dict[str, Any], create_graph: bool,
+                systems: Sequence[DeepmdDataSetForLoader] | None = None,
+                database: str | None = None) -> dict[str, torch.Tensor]:
+        """The model on ``batch``; a box too small for the cutoff names the batch's system of
+        ``systems`` (or its ``database`` under ``mix:N``), the training data's by default."""
         box = batch["box"]
         try:
             return model(to_device(batch["coord"], self.device),
@@ -89,8 +92,9 @@ class Stepper:
         except DataError as exc:  # a box too small for the cutoff (boxes read with the frames)
             if exc.system is not None or box is None:
                 raise
-            raise small_box_in_batch(
-                exc, batch, batch_source(self.systems, batch, self.database)) from exc
+            if systems is None:
+                systems, database = self.systems, self.database
+            raise small_box_in_batch(exc, batch, batch_source(systems, batch, database)) from exc
 
     def labels(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Energy and force as float64 on the device; for a padded ``mix:N`` batch (some
@@ -101,10 +105,13 @@ class Stepper:
             labels["real"] = to_device(atype >= 0, self.device)
         return labels
 
-    def predict(self, batch: dict[str, Any]) -> tuple[dict[str, torch.Tensor],
-                                                        dict[str, torch.Tensor]]:
-        """Predictions without the DDP wrapper (validation), and the labels."""
-        pred = self.forward(self.model, batch, create_graph=False)
+    def predict(self, batch: dict[str, Any],
+                systems: Sequence[DeepmdDataSetForLoader] | None = None,
+                database: str | None = None) -> tuple[dict[str, torch.Tensor],
+                                                      dict[str, torch.Tensor]]:
+        """Predictions without the DDP wrapper (validation: ``systems`` and ``database`` are
+        the validation data's, for errors), and the labels."""
+        pred = self.forward(self.model, batch, False, systems, database)
         return {k: v.detach() for k, v in pred.items()}, self.labels(batch)
 
     def step(self, batch: dict[str, Any], lr: float, done: int, stop_requested: bool

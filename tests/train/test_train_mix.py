@@ -215,3 +215,20 @@ def test_numb_epoch_counts_mix_passes(data: Path, tmp_path: Path) -> None:
     result = train(parse_config(raw, base_dir=str(data), mixed=True), output=str(tmp_path),
                    num_workers=0, options=SMALL)
     assert [list(b[2]) for b in result.batches] == _deepmd_batches(data)
+
+
+def test_a_small_box_in_a_validation_batch_names_the_validation_database(tmp_path: Path) -> None:
+    """LMDB boxes are checked as they are read: a validation batch's box under ``2 * rcut`` names
+    the validation database and the frame's entry, not the training data."""
+    big = [make_system(tmp_path / "src", f"b{n}", natoms=n, nframes=3, seed=n,
+                       keys=("energy", "force")) for n in (8, 9)]
+    make_lmdb(tmp_path / "train.lmdb", big)
+    small = [make_system(tmp_path / "vsrc", "v3", natoms=3, nframes=3, seed=1,
+                         keys=("energy", "force"))]
+    valid = make_lmdb(tmp_path / "valid.lmdb", small)
+    raw = _raw(steps=4)
+    raw["training"]["validation_data"]["batch_size"] = "mix:6"
+    with pytest.raises(mdloader.errors.DataError, match="too small") as caught:
+        train(parse_config(raw, base_dir=str(tmp_path), mixed=True), output=str(tmp_path / "o"),
+              num_workers=0, options=ModelOptions(rcut=2.45, nbasis=4, hidden=(8,)))
+    assert caught.value.system == valid and "valid.lmdb" in str(caught.value.file)
