@@ -107,7 +107,8 @@ def _train_rank(rank: int, world_size: int, data: str, out: str, kwargs: dict):
 def test_two_gloo_ranks_train_deepmds_split_and_restart_exactly(data: Path,
                                                                  tmp_path: Path) -> None:
     """Rank ``r`` trains DeePMD-kit's batches ``r, r + 2, ...``; a restart at step 4 on two ranks
-    trains what the uninterrupted run trained, and ends on the same weights."""
+    trains what the uninterrupted run trained, and ends on the same weights; on one rank it
+    continues elastically from the same state."""
     whole = values(run_ranks(_train_rank, 2, str(data), str(tmp_path / "whole"), {},
                              timeout=150, daemon=False))
     batches = _deepmd_batches(data)
@@ -127,6 +128,23 @@ def test_two_gloo_ranks_train_deepmds_split_and_restart_exactly(data: Path,
             for run in ("whole", "part")]
     for name, value in ends[0].items():
         torch.testing.assert_close(ends[1][name], value, rtol=1e-12, atol=1e-12)
+    ckpt = str(tmp_path / "part" / "model.ckpt-4.pt")
+    one = train(_config(data), output=str(tmp_path / "one"), num_workers=0, options=SMALL,
+                restart=ckpt)  # elastic: the rest of the job on one rank
+    assert [list(b[2]) for b in one.batches] == _resumed_keys(data, ckpt, 4)
+
+
+def _resumed_keys(data: Path, ckpt: str, count: int) -> list[list[int]]:
+    """The first ``count`` keys of one rank's mix:N key source resumed from ``ckpt``."""
+    from mdloader.loading.mixed_stream import MixedLmdbBatches
+    from mdloader.train.job import LABELS
+    from mdloader.world import World
+
+    batches = MixedLmdbBatches(str(data / "train.lmdb"), TYPE_MAP, "mix:12")
+    batches.add_data_requirement(LABELS)
+    sampler = batches.sampler(seed=SEED, world=World())
+    sampler.load_state_dict(load_checkpoint(ckpt)["loader_state"]["streams"]["training"])
+    return [list(sampler.next_key()) for _ in range(count)]
 
 
 def test_the_padded_loss_divides_each_frame_by_its_own_atoms() -> None:
