@@ -494,7 +494,8 @@ def load_for(path: str, target: str | None = None) -> Config | JobConfig:
     """The input.json at ``path`` as ``mdloader <target>`` reads it, refused in the line that
     command gives: ``dp`` through :func:`~mdloader.config.unsupported.refuse_under_deepmd`
     (what ``mdloader dp`` refuses before any set-up), ``train`` through
-    :func:`~mdloader.config.input_json.load_config` (one task). ``None``: ``dp`` for a
+    :func:`~mdloader.config.input_json.load_config` (one task; ``mix:N`` on one LMDB
+    database). ``None``: ``dp`` for a
     multi-task input, the only command that trains one, else ``train``."""
     from mdloader.config.input_json import load_config, read_input_json
     from mdloader.config.multitask import is_multitask, load_job
@@ -505,4 +506,4 @@ def load_for(path: str, target: str | None = None) -> Config | JobConfig:
     if target == "dp":
         refuse_under_deepmd(data)
         return load_job(path, mixed=True)
-    return load_config(path)
+    return load_config(path, mixed=True)

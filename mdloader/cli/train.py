@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from mdloader.config.input_json import load_config
     from mdloader.train.job import ModelOptions, train
 
-    result = train(load_config(args.input), output=args.output, restart=args.restart,
+    result = train(load_config(args.input, mixed=True), output=args.output, restart=args.restart,
                    numb_steps=args.numb_steps, stop_after=args.stop_after,
                    num_workers=args.num_workers, options=ModelOptions(rcut=args.rcut),
                    full_validation=args.full_validation, nonfinite=args.nonfinite)

@@ -29,6 +29,7 @@ from dargs.dargs import ArgumentError, ArgumentKeyError, ArgumentTypeError, Argu
 from mdloader.config.argcheck import input_schema, schema_markdown
 from mdloader.config.unsupported import refuse_unsupported
 from mdloader.errors import ConfigError
+from mdloader.loading.mixed_stream import mixed_database
 from mdloader.sampling.batching import parse_rule
 from mdloader.sampling.mixed import check_mixed_rule, is_mixed_rule
 from mdloader.sampling.probability import check_style
@@ -261,8 +262,12 @@ def _data_config(raw: Mapping[str, Any], base_dir: str, json_path: str,
     entries = [systems] if isinstance(systems, str) else list(systems)
     patterns = raw.get("rglob_patterns")
     index = raw.get("index_file")
+    resolved = tuple(_resolve_system(s, base_dir) for s in entries)
+    batch = raw.get("batch_size")
+    if mixed and isinstance(batch, str) and is_mixed_rule(batch):  # one LMDB database only
+        mixed_database(resolved, f"{json_path}.batch_size")
     return DataConfig(
-        systems=tuple(_resolve_system(s, base_dir) for s in entries),
+        systems=resolved,
         sampling=sampling_spec(raw, json_path, mixed=mixed),
         rglob_patterns=tuple(patterns) if patterns is not None else None,
         numb_btch=int(raw.get("numb_btch", 1)),

@@ -46,6 +46,7 @@ from mdloader.sampling.elastic import merge_rank_states
 from mdloader.sampling.loop import TrainingLoop, requests
 from mdloader.sampling.mixed import (
     MixedBatchSampler,
+    check_mixed_rule,
     is_mixed_rule,
     is_mixed_state,
     merge_mixed_states,
@@ -75,7 +76,9 @@ class Stream:
     """One stream of a feed: a loader set, its sampler, the batches it handed out, and an
     optional check of each batch (:data:`BatchCheck`). A ``mix:N`` stream's loader set is a
     :class:`~mdloader.loading.mixed_stream.MixedLmdbBatches` and its sampler a
-    :class:`~mdloader.sampling.mixed.MixedBatchSampler`.
+    :class:`~mdloader.sampling.mixed.MixedBatchSampler`; its :attr:`systems_view`, when the
+    feed was built with ``systems_views``, the same systems as a ``max:N`` loader set (one
+    system per LMDB group): what a trainer's statistics, summaries and checks read.
 
     An endless iterator once its feed has started. ``consumed`` is the position of the next
     batch in the sampler's stream: what a checkpoint saves, since workers read ahead.
@@ -90,9 +93,22 @@ class Stream:
         self.dataset, self.sampler = dataset, sampler
         self.consumed = sampler.position
         self.check: BatchCheck | None = None
+        self.systems_view: DpLoaderSet | None = None
         self.meter: StallMeter | None = None
         self._pool: WorkerPool | None = None
         self._index = -1
+
+    def systems(self) -> tuple[DpLoaderSet, list[float]]:
+        """The loader set of the stream's systems (a ``mix:N`` stream's :attr:`systems_view`)
+        and the probability of each (under ``mix:N`` its share of the frames, as DeePMD-kit's
+        summary prints it)."""
+        if self.systems_view is not None:
+            view = self.systems_view
+            return view, [float(p) for p in view.probabilities("prob_sys_size")]
+        if not isinstance(self.dataset, DpLoaderSet):
+            raise ConfigError(f"the mix:N stream {self.name} was built without its systems "
+                              "(Feed.build(..., systems_views=True))")
+        return self.dataset, self.sampler.weights.tolist()
 
     def attach(self, pool: WorkerPool | None, index: int = -1) -> None:
         """Read through ``pool``, as its stream ``index`` (``None``: not read any more)."""
@@ -229,16 +245,28 @@ class Feed:
     @classmethod
     def build(cls, specs: Sequence[StreamSpec], *, seed: int | Sequence[int] | None,
               world: World, labels: Sequence[Any], num_workers: int,
-              pin_memory: bool = False, type_map: Sequence[str] | None = None) -> Feed:
+              pin_memory: bool = False, type_map: Sequence[str] | None = None,
+              systems_views: bool = False) -> Feed:
         """The feed of ``specs``: every section in one build and one broadcast, a loader set
-        reading ``labels`` and a sampler per stream (a collective)."""
+        reading ``labels`` and a sampler per stream (a collective); ``systems_views``: a
+        ``mix:N`` stream also gets its systems as a ``max:N`` loader set
+        (:attr:`Stream.systems_view`), as ``mdloader dp`` keeps them for the statistics."""
         job_seed = agree_seed(seed, world)
         job = build_job([s.section for s in specs])
         streams = []
         for spec in specs:
             offset = AgreedSeed((job_seed.value + spec.seed_offset) % SEED_MOD, job_seed.given)
             if is_mixed_rule(spec.sampling.batch_size):
-                streams.append(mixed_stream(spec, offset.value, world, labels, type_map))
+                stream = mixed_stream(spec, offset.value, world, labels, type_map)
+                if systems_views:
+                    rule = check_mixed_rule(str(spec.sampling.batch_size),
+                                            spec.sampling.key("batch_size"))
+                    view = dataclasses.replace(spec.sampling, batch_size=f"max:{rule.value}")
+                    stream.systems_view = DpLoaderSet(job.view(spec.section),
+                                                      type_map=type_map, seed=offset,
+                                                      spec=view, world=world)
+                    stream.systems_view.add_data_requirement(labels)
+                streams.append(stream)
                 continue
             data = DpLoaderSet(job.view(spec.section), type_map=type_map, seed=offset,
                                spec=spec.sampling, world=world)

@@ -78,10 +78,10 @@ RULES: dict[str, Callable[[np.ndarray, int], BatchPlan]] = {
 #: Rules DeePMD-kit knows that mdloader does not implement, and what to write instead: each is
 #: refused by :func:`parse_rule` in one line (under ``mdloader dp`` before any set-up).
 NOT_IMPLEMENTED = {
-    "mix": "DeePMD-kit 3.2's LMDB rule for batches of mixed atom counts; mdloader train and "
-           "DpLoaderSet do not implement mix:N yet: train it with mdloader dp on an LMDB "
-           "database, or use a fixed batch size or 'auto:N' (or 'max:N'), whose batches keep "
-           "one atom count",
+    "mix": "DeePMD-kit 3.2's LMDB rule for batches of mixed atom counts; DpLoaderSet does "
+           "not implement mix:N (its batches come from one system): train it with mdloader "
+           "train or mdloader dp on an LMDB database, read it with mdloader.LmdbDataset, or "
+           "use a fixed batch size or 'auto:N' (or 'max:N'), whose batches keep one atom count",
 }
 
 

@@ -9,12 +9,14 @@
   an error too. LMDB frames hold their box with everything else, so reading their boxes would
   read the whole database: they are checked as they are read (finite, volume > 0), and a box
   under ``2 * rcut`` is named with its system and frame at the step that draws it
-  (:func:`small_box_in_batch`).
+  (:func:`small_box_in_batch`). A ``mix:N`` batch's frames are named by their database and
+  database entries (:func:`batch_source`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,7 @@ import torch
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.data.formats import backend_of, diagnostics
+from mdloader.data.formats.base import SystemMeta
 from mdloader.data.formats.geometry import degenerate_boxes
 from mdloader.distributed.collectives import fail_together
 from mdloader.errors import DataError, NonFiniteError
@@ -29,6 +32,25 @@ from mdloader.train.model import box_heights, box_too_small
 from mdloader.world import World
 
 CHECKED_KEYS = ("coord", "box", "energy", "force")
+
+
+@dataclass(frozen=True)
+class DatabaseFrames:
+    """What a ``mix:N`` batch's errors name: its LMDB database (the batch crosses the groups
+    the loader set calls systems) and a group's metadata, which maps a frame id (a database
+    index) to its database entry."""
+
+    system: str
+    meta: SystemMeta
+
+
+def batch_source(systems: Sequence[DeepmdDataSetForLoader], batch: dict[str, Any],
+                 database: str | None = None) -> DeepmdDataSetForLoader | DatabaseFrames:
+    """The system a batch's errors name: ``systems[sid]``, or under ``mix:N`` (``database``
+    given) the database."""
+    if database is not None:
+        return DatabaseFrames(database, systems[0].meta)
+    return systems[int(batch["sid"])]
 
 
 def frame_file(system: DeepmdDataSetForLoader, key: str, fid: int) -> str | None:

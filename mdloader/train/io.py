@@ -294,7 +294,11 @@ def restart_note(path: str, loader_state: dict[str, Any], world_size: int) -> st
     note = f"restarted from {path} at step {loader_state['next_step']}"
     saved = int(loader_state["world_size"])
     if saved != world_size:
-        rows = loader_state["streams"]["training"]["generations"]
+        training = loader_state["streams"]["training"]
+        if "generations" not in training:  # a mix:N stream: one pass, split anew
+            return note + (f" on {world_size} rank(s), written by {saved}: elastic resume (the "
+                           "rest of the current mix:N pass is split over the new ranks)")
+        rows = training["generations"]
         note += (f" on {world_size} rank(s), written by {saved}: elastic resume (the samplers "
                  f"first serve what the {saved} rank(s) left of their current passes; "
                  f"{len(rows)} generation(s) in the state)")

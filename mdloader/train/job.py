@@ -12,7 +12,9 @@ Rank 0 writes ``lcurve.out`` and the checkpoints; ``restart`` resumes model, opt
 loader streams: on the same number of ranks the batches after the restart are exactly those an
 uninterrupted run would have drawn, on another number the job resumes elastically
 (:mod:`mdloader.train.io`). Validation is in :mod:`mdloader.train.validation`, one step in
-:mod:`mdloader.train.step`.
+:mod:`mdloader.train.step`. Under ``batch_size: "mix:N"`` (one LMDB database) the batches are
+DeePMD-kit 3.2's padded ``mix:N`` batches, and the statistics, box checks and summary read the
+stream's ``max:N`` view of the same systems (:attr:`~mdloader.loading.feed.Stream.systems_view`).
 
 Failures: before the first step every box is checked against the cutoff
 (:mod:`mdloader.train.guards`); a SIGTERM or SIGUSR1 stops every rank after the same step with a
@@ -23,6 +25,7 @@ line on every rank (:mod:`mdloader.distributed.failure`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -30,12 +33,13 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from mdloader import logs
-from mdloader.config.input_json import Config
+from mdloader.config.input_json import Config, DataConfig
 from mdloader.data.formats import release_handles
 from mdloader.data.schema import DataRequirementItem
 from mdloader.distributed.collectives import (
@@ -48,10 +52,11 @@ from mdloader.distributed.failure import Activity
 from mdloader.distributed.group import process_group, use_device
 from mdloader.errors import ConfigError, StateDictError, WriteError
 from mdloader.loading import feed_state
-from mdloader.loading.feed import Feed, StreamSpec
+from mdloader.loading.feed import Feed, Stream, StreamSpec
 from mdloader.loading.loader import default_num_workers
 from mdloader.loading.pool import lost_worker_error
 from mdloader.sampling.loop import TrainingLoop
+from mdloader.sampling.mixed import is_mixed_rule
 from mdloader.threads import set_torch_threads
 from mdloader.train.guards import check_boxes, nonfinite_weights
 from mdloader.train.io import (
@@ -120,6 +125,11 @@ def train(config: Config, *, output: str = ".", restart: str | None = None,
     if full_validation and config.validation_data is None:
         raise ConfigError("--full-validation needs validation data",
                           path="training.validation_data")
+    if full_validation and is_mixed_rule(config.validation_data.sampling.batch_size):
+        raise ConfigError("a full validation reads the validation systems frame by frame, not "
+                          "in mix:N batches: give the validation data a batch size of its own "
+                          "(e.g. 1, or 'auto'), or train without --full-validation",
+                          path="training.validation_data.batch_size")
     if stop_after is not None and stop_after < 1:
         raise ConfigError(f"must be a positive step, got {stop_after}", path="--stop-after")
     if numb_steps is not None and numb_steps < 0:
@@ -153,12 +163,19 @@ class _Trainer:
         set_torch_threads(workers, world=world)
         self.feed = Feed.build(_stream_specs(config), seed=config.seed, world=world,
                                labels=LABELS, num_workers=workers,
-                               pin_memory=self.device.type == "cuda", type_map=config.type_map)
+                               pin_memory=self.device.type == "cuda", type_map=config.type_map,
+                               systems_views=True)
         self.train_stream = self.feed.stream(None, "training")
-        self.train_set, sampler = self.train_stream.dataset, self.train_stream.sampler
-        self.numb_steps = resolve_numb_steps(config, numb_steps, self.train_set.index,
-                                             sampler.weights.numpy())
-        self.train_set.print_summary("training", sampler.weights.tolist())
+        self.train_set, weights = self.train_stream.systems()
+        sampler = self.train_stream.sampler
+        if self.train_stream.systems_view is None:
+            self.numb_steps = resolve_numb_steps(config, numb_steps, self.train_set.index,
+                                                 sampler.weights.numpy())
+        else:  # mix:N: an epoch is a pass of the stream's batches
+            self.numb_steps = resolve_numb_steps(config, numb_steps,
+                                                 [sampler.steps_in_pass(0)], np.ones(1))
+        self.train_set.print_summary("training", weights)
+        self.database = self._database(self.train_stream, config.training_data)
         self.numb_steps_given = numb_steps is not None or config.numb_steps is not None
         self.valid = None if config.validation_data is None else Validation(
             self.feed, numb_btch=config.validation_data.numb_btch)
@@ -189,8 +206,17 @@ class _Trainer:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.schedule.start_lr)
         self.stepper = Stepper(self.model, ddp_model, self.optimizer, self.loss_fn,
                                self.train_set.systems, device=self.device, nonfinite=nonfinite,
-                               rank=self.world.rank)
+                               rank=self.world.rank, database=self.database)
+        self.predict = self.stepper.predict if self.valid is None else functools.partial(
+            self.stepper.predict, systems=self.valid.systems, database=self._database(
+                self.valid.stream, self.config.validation_data))
         self.start = 0 if restart is None else self._restore(restart)
+
+    @staticmethod
+    def _database(stream: Stream, data: DataConfig | None) -> str | None:
+        """The LMDB database of a ``mix:N`` stream, as the input names it (its errors name
+        it), else ``None``."""
+        return None if stream.systems_view is None or data is None else data.systems[0]
 
     def run(self, restart: str | None, stop_after: int | None) -> TrainResult:
         """Open the logs and train from the start step (a restart's: its checkpoint's)."""
@@ -320,7 +346,7 @@ class _Trainer:
         self.activity.doing = f"the full validation at step {done}"
         if self.world.is_main:
             log.info("full validation at step %d: started", done)
-        full = self.valid.full(self.stepper.predict, done,  # type: ignore[union-attr]
+        full = self.valid.full(self.predict, done,  # type: ignore[union-attr]
                                stop=lambda: signals.requested)
         if full is None:
             if self.world.is_main:
@@ -341,7 +367,7 @@ class _Trainer:
         if self.valid is not None:
             self.activity.doing = f"the validation at step {done}"
             result.last_valid = self.valid.partial(
-                self.stepper.predict, lambda pred, label: self.loss_fn(pred, label, lr))
+                self.predict, lambda pred, label: self.loss_fn(pred, label, lr))
         if self.lcurve is not None:
             self.lcurve.write(done, lr, result.last_train, result.last_valid)
             bar.set_postfix(rmse_f=f"{result.last_train['rmse_f']:.3g}", lr=f"{lr:.1e}")

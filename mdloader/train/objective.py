@@ -73,13 +73,35 @@ class EnergyForceLoss:
 
     def __call__(self, pred: dict[str, torch.Tensor], label: dict[str, torch.Tensor],
                  lr: float) -> tuple[torch.Tensor, dict[str, float]]:
-        """Loss and the squared errors lcurve needs (``mse_e`` per atom, ``mse_f``)."""
+        """Loss and the squared errors lcurve needs (``mse_e`` per atom, ``mse_f``).
+
+        A padded ``mix:N`` batch carries ``label["real"]`` (``[frames, atoms]``, False on the
+        padded slots): then, as DeePMD-kit's masked loss, each frame's energy error is divided
+        by its own atom count and the force error averaged over the real atoms only; on a batch
+        without padding both equal the plain form."""
         pref_e, pref_f = self.prefactors(lr)
+        if "real" in label:
+            return self._masked(pred, label, pref_e, pref_f)
         natoms = label["force"].shape[1]
         l2_e = torch.mean(torch.square(pred["energy"] - label["energy"].reshape(-1, 1)))
         l2_f = torch.mean(torch.square(pred["force"] - label["force"]))
         loss = pref_e * l2_e / natoms + pref_f * l2_f
         metrics = {"mse": float(loss.detach()), "mse_e": float(l2_e.detach()) / natoms ** 2,
+                   "mse_f": float(l2_f.detach())}
+        return loss, metrics
+
+    @staticmethod
+    def _masked(pred: dict[str, torch.Tensor], label: dict[str, torch.Tensor], pref_e: float,
+                pref_f: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of a padded batch: per-frame atom counts, padded atoms left out."""
+        real = label["real"]
+        natoms = real.sum(dim=1).to(torch.float64)  # [frames]
+        se = torch.square(pred["energy"].reshape(-1) - label["energy"].reshape(-1))
+        l2_e, mse_e = torch.mean(se / natoms), torch.mean(se / natoms ** 2)
+        sf = torch.square(pred["force"] - label["force"]) * real.unsqueeze(-1)
+        l2_f = torch.sum(sf) / (3 * torch.sum(natoms))
+        loss = pref_e * l2_e + pref_f * l2_f
+        metrics = {"mse": float(loss.detach()), "mse_e": float(mse_e.detach()),
                    "mse_f": float(l2_f.detach())}
         return loss, metrics
 

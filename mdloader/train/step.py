@@ -31,7 +31,7 @@ from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.distributed.collectives import any_rank, fail_together
 from mdloader.errors import ConfigError, DataError, NonFiniteError
 from mdloader.settings import resolve
-from mdloader.train.guards import nonfinite_loss, small_box_in_batch
+from mdloader.train.guards import batch_source, nonfinite_loss, small_box_in_batch
 from mdloader.transport import to_device
 
 log = logging.getLogger(__name__)
@@ -61,21 +61,28 @@ class Stepper:
         ``"stop"`` or ``"skip"`` (see the module docstring).
     check_every
         Steps between two exchanges of the stop flag (``$MDLOADER_STOP_CHECK_STEPS``).
+    database
+        The LMDB database of ``mix:N`` batches (their errors name it), else ``None``.
     """
 
     def __init__(self, model: torch.nn.Module, ddp_model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, loss: Callable[..., Any],
                  systems: Sequence[DeepmdDataSetForLoader], *, device: torch.device,
-                 nonfinite: str = "stop", rank: int = 0, check_every: int | None = None) -> None:
+                 nonfinite: str = "stop", rank: int = 0, check_every: int | None = None,
+                 database: str | None = None) -> None:
         if nonfinite not in NONFINITE:
             raise ConfigError(f"must be one of {list(NONFINITE)}, got {nonfinite!r}",
                               path="--nonfinite")
         self.model, self.ddp_model, self.optimizer, self.loss = model, ddp_model, optimizer, loss
         self.systems, self.device, self.nonfinite, self.rank = systems, device, nonfinite, rank
+        self.database = database
         self.check_every = int(resolve("stop_check_steps", check_every, argument="check_every"))
 
-    def forward(self, model: Any, batch: dict[str, Any], create_graph: bool
-                ) -> dict[str, torch.Tensor]:
+    def forward(self, model: Any, batch: dict[str, Any], create_graph: bool,
+                systems: Sequence[DeepmdDataSetForLoader] | None = None,
+                database: str | None = None) -> dict[str, torch.Tensor]:
+        """The model on ``batch``; a box too small for the cutoff names the batch's system of
+        ``systems`` (or its ``database`` under ``mix:N``), the training data's by default."""
         box = batch["box"]
         try:
             return model(to_device(batch["coord"], self.device),
@@ -85,15 +92,26 @@ class Stepper:
         except DataError as exc:  # a box too small for the cutoff (boxes read with the frames)
             if exc.system is not None or box is None:
                 raise
-            raise small_box_in_batch(exc, batch, self.systems[int(batch["sid"])]) from exc
+            if systems is None:
+                systems, database = self.systems, self.database
+            raise small_box_in_batch(exc, batch, batch_source(systems, batch, database)) from exc
 
     def labels(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return {k: to_device(batch[k], self.device, torch.float64) for k in ("energy", "force")}
+        """Energy and force as float64 on the device; for a padded ``mix:N`` batch (some
+        ``atype < 0``, checked on the host copy) also ``real``, the mask of its real atoms."""
+        labels = {k: to_device(batch[k], self.device, torch.float64) for k in ("energy", "force")}
+        atype = torch.as_tensor(batch["atype"])
+        if bool((atype < 0).any()):
+            labels["real"] = to_device(atype >= 0, self.device)
+        return labels
 
-    def predict(self, batch: dict[str, Any]) -> tuple[dict[str, torch.Tensor],
-                                                        dict[str, torch.Tensor]]:
-        """Predictions without the DDP wrapper (validation), and the labels."""
-        pred = self.forward(self.model, batch, create_graph=False)
+    def predict(self, batch: dict[str, Any],
+                systems: Sequence[DeepmdDataSetForLoader] | None = None,
+                database: str | None = None) -> tuple[dict[str, torch.Tensor],
+                                                      dict[str, torch.Tensor]]:
+        """Predictions without the DDP wrapper (validation: ``systems`` and ``database`` are
+        the validation data's, for errors), and the labels."""
+        pred = self.forward(self.model, batch, False, systems, database)
         return {k: v.detach() for k, v in pred.items()}, self.labels(batch)
 
     def step(self, batch: dict[str, Any], lr: float, done: int, stop_requested: bool
@@ -127,7 +145,8 @@ class Stepper:
         """Stop every rank with the line of the first rank whose loss was not finite (or of
         gradients that overflowed), or log what every rank skipped."""
         mine = None if math.isfinite(loss) else nonfinite_loss(
-            batch, self.systems[int(batch["sid"])], loss=loss, step=done, rank=self.rank)
+            batch, batch_source(self.systems, batch, self.database), loss=loss, step=done,
+            rank=self.rank)
         diverged = NonFiniteError(f"the gradients are not finite at step {done}, the losses "
                                   "are: the model diverged (try a smaller "
                                   "learning_rate.start_lr)")

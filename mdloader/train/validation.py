@@ -65,9 +65,10 @@ class Validation:
     def __init__(self, feed: Feed, *, numb_btch: int) -> None:
         self.feed = feed
         self.stream = feed.stream(None, "validation")
-        self.stream.dataset.print_summary("validation", self.stream.sampler.weights.tolist())
+        data, weights = self.stream.systems()
+        data.print_summary("validation", weights)
         self.numb_btch = int(numb_btch)
-        self.systems = self.stream.dataset.systems
+        self.systems = data.systems
 
     def partial(self, predict: Predict,
                 loss: Callable[..., tuple[Any, dict[str, float]]]) -> dict[str, float]:

@@ -151,19 +151,19 @@ def test_mix_is_refused_by_every_verdict_on_npy_data(tmp_path: Path,
     _mix(data)
     path = str(write_input(tmp_path, data))
     assert _check(capsys, path, "--for", "dp") == (2, [_dp_line(data)])
-    train = ("mdloader: error: training.training_data.batch_size: Unsupported batch size rule: "
-             "mix:4 (DeePMD-kit 3.2's LMDB rule for batches of mixed atom counts; mdloader "
-             "train and DpLoaderSet do not implement mix:N yet: train it with mdloader dp on "
-             "an LMDB database")
+    train = ("mdloader: error: training.training_data.batch_size: mix:N batches frames of "
+             "different atom counts from one LMDB database (DeePMD-kit 3.2's rule); these "
+             "systems are ")
     for extra in ((), ("--for", "train")):
         code, err = _check(capsys, path, *extra)
         assert code == 2 and len(err) == 1 and err[0].startswith(train), (extra, err)
 
 
-def test_mix_on_one_lmdb_database_passes_for_dp_only(tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """``mdloader dp`` trains ``mix:N`` on an LMDB database: ``--for dp`` passes it, with the
-    statistics' per-system sizes (``max:N``) in its table; ``--for train`` refuses it."""
+def test_mix_on_one_lmdb_database_passes_for_both_trainers(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``mdloader dp`` and ``mdloader train`` train ``mix:N`` on an LMDB database: ``--for dp``
+    and ``--for train`` pass it, with the statistics' per-system sizes (``max:N``) in the
+    table; ``num_epoch`` beside it is refused for dp."""
     data = _single(tmp_path)
     systems = [make_system(tmp_path / "src", f"s{n}", natoms=n, nframes=3, seed=n,
                            keys=("energy", "force")) for n in (3, 5)]
@@ -171,8 +171,7 @@ def test_mix_on_one_lmdb_database_passes_for_dp_only(tmp_path: Path,
                                          "batch_size": "mix:10"}
     path = str(write_input(tmp_path, data))
     assert _check(capsys, path, "--for", "dp") == (0, [])
-    code, err = _check(capsys, path, "--for", "train")
-    assert code == 2 and "mdloader train and DpLoaderSet do not implement mix:N" in err[0], err
+    assert _check(capsys, path, "--for", "train") == (0, [])
     data["training"]["num_epoch"] = 2
     path = str(write_input(tmp_path, data))
     code, err = _check(capsys, path, "--for", "dp")

@@ -171,8 +171,8 @@ def test_a_multi_task_balance_window_needs_the_same_task_on_every_rank(
 
 
 MIX_LINE = (r"Unsupported batch size rule: mix:4 \(DeePMD-kit 3\.2's LMDB rule for batches of "
-            r"mixed atom counts; mdloader train and DpLoaderSet do not implement mix:N yet: train "
-            r"it with mdloader dp on an LMDB database")
+            r"mixed atom counts; DpLoaderSet does not implement mix:N \(its batches come from one "
+            r"system\): train it with mdloader train or mdloader dp on an LMDB database")
 
 
 @pytest.mark.parametrize("rule, message", [
@@ -206,8 +206,10 @@ def test_under_mdloader_dp_a_batch_rule_mdloader_does_not_serve_is_refused_by_it
 
 @pytest.mark.parametrize("multitask", [False, True])
 def test_mix_is_refused_by_its_full_path_when_the_input_is_read(multitask: bool) -> None:
-    """``mdloader train``, ``check``, ``bench``, ``stat`` and ``index`` read the input through
-    the same configuration: the same line, the task's path in a multi-task input."""
+    """Where mix:N is not served (``mdloader bench``, ``stat``, ``index``, DpLoaderSet) the
+    input is read through the same configuration: the same line, the task's path in a
+    multi-task input. ``mdloader train`` and ``check`` read it on one LMDB database
+    (tests/train/test_train_mix.py)."""
     from mdloader.config.multitask import parse_multitask
 
     data = _input()
