@@ -156,8 +156,9 @@ def _data_args(validation: bool) -> list[Argument]:
         _arg("batch_size", [list[int], int, str], "Frames per batch: one integer for all "
              "systems, one per system, or a rule (`auto[:N]`: at least N atoms per batch, "
              "`max:N`: at most N atoms, `filter:N`: as `max:N` after dropping systems with "
-             "more than N atoms).", default="auto", check=_check_batch_size,
-             expect=_EXPECT_BATCH),
+             "more than N atoms, `mix:N`: on one LMDB database, frames of any atom count up "
+             "to N atoms per batch, padded as DeePMD-kit 3.2 pads them).", default="auto",
+             check=_check_batch_size, expect=_EXPECT_BATCH),
         _arg("auto_prob", str, "How often each system is drawn: `prob_uniform`, "
              "`prob_sys_size` (proportional to its number of batches), or "
              "`prob_sys_size;a:b:w;...` (block [a, b) gets weight w).",
