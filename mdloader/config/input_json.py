@@ -28,8 +28,8 @@ from dargs.dargs import ArgumentError, ArgumentKeyError, ArgumentTypeError, Argu
 
 from mdloader.config.argcheck import input_schema, schema_markdown
 from mdloader.config.unsupported import refuse_unsupported
+from mdloader.data.formats.lmdb.address import mixed_database
 from mdloader.errors import ConfigError
-from mdloader.loading.mixed_stream import mixed_database
 from mdloader.sampling.batching import parse_rule
 from mdloader.sampling.mixed import check_mixed_rule, is_mixed_rule
 from mdloader.sampling.probability import check_style

@@ -11,8 +11,8 @@ import copy
 from typing import Any
 
 from mdloader import settings
+from mdloader.data.formats.lmdb.address import mixed_database
 from mdloader.errors import ConfigError
-from mdloader.loading.mixed_stream import mixed_database
 from mdloader.sampling.batching import parse_rule
 from mdloader.sampling.mixed import check_mixed_rule, is_mixed_rule
 

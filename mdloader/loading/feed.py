@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mdloader.data.formats.lmdb.address import mixed_database
 from mdloader.distributed.collectives import gather_to_main
 from mdloader.errors import ConfigError, MdloaderError, StateDictError
 from mdloader.loading import feed_state
@@ -39,7 +40,7 @@ from mdloader.loading.loader import (
     get_sampler_from_params,
     get_validation_sampler,
 )
-from mdloader.loading.mixed_stream import MixedLmdbBatches, mixed_database
+from mdloader.loading.mixed_stream import MixedLmdbBatches
 from mdloader.loading.pool import WorkerPool
 from mdloader.loading.stalls import StallMeter
 from mdloader.sampling.elastic import merge_rank_states

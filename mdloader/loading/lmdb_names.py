@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, Sampler
 
 from mdloader.data.formats.base import Location
 from mdloader.data.formats.lmdb import codec
-from mdloader.data.formats.lmdb.address import group_address
+from mdloader.data.formats.lmdb.address import group_address, is_lmdb
 from mdloader.data.formats.lmdb.fields import canonical
 from mdloader.data.formats.lmdb.groups import describe_group, read_groups
 from mdloader.data.formats.lmdb.reader import LmdbGroupReader
@@ -552,11 +552,6 @@ def compute_block_targets(auto_prob_style: str, nsystems: int,
         log.info("compute_block_targets: dropping empty blocks (all systems have 0 frames, "
                  "likely after filter:N): %s; the other weights are renormalised", empty)
     return lb.block_targets(auto_prob_style, system_nframes[:nsystems])
-
-
-def is_lmdb(systems: str) -> bool:
-    """Whether ``systems`` names an LMDB database (``*.lmdb``, or a folder with data.mdb)."""
-    return systems.endswith(".lmdb") or Path(systems, "data.mdb").is_file()
 
 
 def to_cpu_tensors(batch: dict[str, Any]) -> dict[str, Any]:

@@ -17,26 +17,13 @@ from typing import Any
 
 from torch.utils.data import Dataset, get_worker_info
 
-from mdloader.errors import ConfigError
-from mdloader.loading.lmdb_names import LmdbDataReader, is_lmdb, to_cpu_tensors
+from mdloader.loading.lmdb_names import LmdbDataReader, to_cpu_tensors
 from mdloader.loading.worker_lifetime import bind_to_rank
 from mdloader.loading.worker_memory import settle_worker
 from mdloader.sampling import lmdb_batches as lb
 from mdloader.sampling.mixed import MixedBatchSampler
 from mdloader.transport import TransportBatch
 from mdloader.world import World
-
-
-def mixed_database(systems: Sequence[str], key: str) -> str:
-    """The one LMDB database a ``mix:N`` section reads (``key``: its ``batch_size`` path)."""
-    if len(systems) != 1 or not is_lmdb(str(systems[0])):
-        raise ConfigError(f"mix:N batches frames of different atom counts from one LMDB "
-                          f"database (DeePMD-kit 3.2's rule); these systems are "
-                          f"{', '.join(map(str, systems)) or 'none'}: a batch of npy or HDF5 "
-                          "data comes from one system, use a fixed batch size or 'auto:N' "
-                          "there, or write the systems into one database with mdloader pack",
-                          path=key)
-    return str(systems[0])
 
 
 class MixedLmdbBatches(Dataset):
@@ -92,4 +79,4 @@ class MixedLmdbBatches(Dataset):
                                  groups=self.reader.batch_groups())
 
 
-__all__ = ["MixedLmdbBatches", "mixed_database"]
+__all__ = ["MixedLmdbBatches"]

@@ -28,6 +28,7 @@ import torch
 
 from mdloader.config.input_json import sampling_spec
 from mdloader.config.unsupported import take_mdloader_keys
+from mdloader.data.formats.lmdb.address import mixed_database
 from mdloader.distributed.group import current_world
 from mdloader.errors import ConfigError
 from mdloader.integrations.deepmd import seam
@@ -38,7 +39,7 @@ from mdloader.loading.loader import (
     agree_seed,
     get_sampler_from_params,
 )
-from mdloader.loading.mixed_stream import MixedLmdbBatches, mixed_database
+from mdloader.loading.mixed_stream import MixedLmdbBatches
 from mdloader.loading.statistics import neighbour_statistics
 from mdloader.loading.system_list import SystemDatasets
 from mdloader.sampling.mixed import check_mixed_rule, is_mixed_rule
