@@ -138,3 +138,22 @@ def test_forked_workers_read_with_their_own_descriptors(
         assert int(got[-1]["direct_files"]) == 1
         _same(buffered, got[:-1])
     _same(buffered, frames(address))  # the parent's descriptor still reads
+
+
+def test_only_contiguous_unfiltered_datasets_of_numbers_have_an_offset(tmp_path: Path) -> None:
+    """Compact, external, not yet written and string datasets are left to h5py."""
+    values = np.arange(12, dtype=np.float64).reshape(3, 4)
+    with h5py.File(tmp_path / "layouts.h5", "w") as fh:
+        fh.create_dataset("contiguous", data=values)
+        plist = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        plist.set_layout(h5py.h5d.COMPACT)
+        space = h5py.h5s.create_simple(values.shape)
+        h5py.h5d.create(fh.id, b"compact", h5py.h5t.IEEE_F64LE, space, plist).write(
+            h5py.h5s.ALL, h5py.h5s.ALL, values)
+        fh.create_dataset("external", data=values,
+                          external=[(str(tmp_path / "raw.bin"), 0, values.nbytes)])
+        fh.create_dataset("unwritten", shape=(3, 4), dtype=np.float64)
+        fh.create_dataset("names", data=np.array([b"O", b"H"]))
+        offsets = {name: hdf5.direct_offset(fh[name]) for name in fh}
+    assert offsets.pop("contiguous") is not None
+    assert offsets == dict.fromkeys(("compact", "external", "unwritten", "names"))
