@@ -159,10 +159,12 @@ SETTINGS: dict[str, Setting] = {
         "DeePMD-kit's rule, the soft ulimit -n less 128, after raising it to the hard limit)."),
     "direct_reads": Setting(
         "MDLOADER_DIRECT_READS", lambda: "0", str, None, "mode",
-        "1: npy rows are read with O_DIRECT, around the page cache, at the file system's block "
-        "size (a data set larger than the node's memory: bytes from storage near the rows "
-        "asked for, not whole 4 KiB pages); 0: through the page cache (a warm data set stays "
-        "in memory). A file system that refuses O_DIRECT is read through the page cache.",
+        "1: npy rows, and rows of contiguous, unfiltered HDF5 datasets, are read with "
+        "O_DIRECT, around the page cache, at the file system's block size (a data set larger "
+        "than the node's memory: bytes from storage near the rows asked for, not whole 4 KiB "
+        "pages); 0: through the page cache (a warm data set stays in memory). A file system "
+        "that refuses O_DIRECT, and a chunked or compressed HDF5 dataset, are read through the "
+        "page cache.",
         choices=("0", "1")),
     "num_workers": Setting(
         "NUM_WORKERS", lambda: min(4, os.cpu_count() or 1), int, 0, "worker",

@@ -490,13 +490,14 @@ def test_readme_figures_come_from_the_benchmark_results() -> None:
     """The README's numbers are filled in by ``python -m benchmarks.report`` from the same
     results as docs/benchmarks.md, so they cannot drift apart (like the reference pages)."""
     from benchmarks import aggregate
+    from benchmarks.fs_traffic import report as fs_traffic_report
     from benchmarks.report import BENCH_MARK, fill_readme
     from benchmarks.startup.report import readme_figures
 
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     _, rows = aggregate.load_many(sorted(str(p) for p in
                                          (REPO / "benchmarks" / "results").glob("*.jsonl")))
-    figures = readme_figures(rows)
+    figures = {**readme_figures(rows), **fs_traffic_report.readme_figures()}  # as report.py
     assert len(BENCH_MARK.findall(readme)) >= 20
     assert readme == fill_readme(readme, figures), (
         "README.md is out of date: run python -m benchmarks.report benchmarks/results/*.jsonl")

@@ -13,6 +13,8 @@ One command::
     python -m benchmarks.fs_traffic.run --nsys 100000 --out RESULTS/fs_traffic/n100000.jsonl
     python -m benchmarks.fs_traffic.run --formats npy --nofile 1024 --direct \
         --out RESULTS/fs_traffic/direct.jsonl    # MDLOADER_DIRECT_READS=1 rows beside
+    python -m benchmarks.fs_traffic.run --formats hdf5 --nofile 1024 --direct \
+        --out RESULTS/fs_traffic/hdf5_direct.jsonl    # contiguous HDF5 datasets by offset
 
 (``RESULTS``: ``benchmarks/results``.) The data: ``--nsys`` water systems of 192 atoms and 8
 frames (:func:`benchmarks.data.ensure_water`), also as one HDF5 file and one LMDB database
@@ -31,8 +33,9 @@ tree is still in the page cache (``mincore``): pages a process keeps mapped cann
 this way. Records go to a JSON-lines file; :mod:`benchmarks.fs_traffic.report` prints the
 table and writes its section of ``docs/benchmarks.md``.
 
-``--direct`` adds a third launch, mdloader with ``MDLOADER_DIRECT_READS=1`` (rows read with
-O_DIRECT) on the same draws, whose records are labelled ``mdloader-direct``.
+``--direct`` adds a third launch, mdloader with ``MDLOADER_DIRECT_READS=1`` (npy rows and rows
+of contiguous, unfiltered HDF5 datasets read with O_DIRECT) on the same draws, whose records are
+labelled ``mdloader-direct``.
 
 Without a usable ``strace`` (not installed, or ptrace not permitted) the run still measures the
 bytes from storage, and the call columns stay empty (``fs_tool`` says so).

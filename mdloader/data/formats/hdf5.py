@@ -8,11 +8,14 @@ An address is ``file.h5#/group`` (``file.h5`` alone, or ``file.h5#/``, for the f
 ``/<grp>/set.000/coord.npy`` ... Files are opened on first use and cached per process (bounded);
 nothing here is ever pickled, and a forked worker reopens its own handles, because HDF5 handles
 are not fork-safe. Frame reads fetch only the requested rows (DeePMD-kit reads the whole dataset
-for every frame).
+for every frame). With ``MDLOADER_DIRECT_READS=1`` a contiguous, unfiltered dataset's rows are read
+by their byte offset with ``O_DIRECT`` (:mod:`mdloader.data.formats.direct`) from one more kept
+descriptor of the file; a chunked, filtered, compact or external dataset is read by h5py.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -20,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from mdloader.data.formats.base import Listing, Location
+from mdloader.data.formats.direct import read_at, start_direct, wanted
 from mdloader.data.formats.handles import HandleCache
-from mdloader.data.formats.npy import as_rows
+from mdloader.data.formats.npy import O_CLOEXEC, as_rows
 from mdloader.data.formats.patterns import matches
 from mdloader.data.formats.sets import SetBackend, SetStorage
 from mdloader.data.layout import frames_and_width
@@ -37,9 +41,28 @@ from mdloader.settings import cached
 _FILES: HandleCache[Any] = HandleCache(lambda: int(cached("max_open_h5")),
                                       close=lambda handle: handle.close(),
                                       valid=lambda handle: bool(handle.id.valid))
-# (dataset, shape) by its address; invalid once its file is closed
-_DATASETS: HandleCache[tuple[Any, tuple[int, ...]]] = HandleCache(
+# (dataset, shape, byte offset of its data for direct reads or None) by its address; invalid
+# once its file is closed
+_DATASETS: HandleCache[tuple[Any, tuple[int, ...], int | None]] = HandleCache(
     lambda: DATASETS_KEPT, valid=lambda kept: bool(kept[0].id.valid), counted=False)
+
+
+class KeptDescriptor:
+    """A descriptor of an HDF5 file that reads rows with O_DIRECT (``device``: its device;
+    ``None`` once its file system refused, then h5py reads)."""
+
+    __slots__ = ("fd", "device")
+
+    def __init__(self, fd: int, device: int | None) -> None:
+        self.fd, self.device = fd, device
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+# a forked worker closes its copies of the parent's descriptors: each process reads its own
+_DIRECT_FILES: HandleCache[KeptDescriptor] = HandleCache(
+    lambda: int(cached("max_open_h5")), close=KeptDescriptor.close, close_inherited=True)
 
 
 def open_file(path: str, address: str | None = None) -> Any:
@@ -77,6 +100,7 @@ def release() -> None:
     """Close every HDF5 file of this process (:func:`mdloader.data.formats.release_handles`)."""
     _FILES.clear()
     _DATASETS.clear()
+    _DIRECT_FILES.clear()
 
 
 def file_of(loc: Location, set_name: str | None, name: str) -> str:
@@ -144,7 +168,7 @@ def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray, set_nfr
     dataset."""
     where = file_of(loc, set_name, stem + ".npy")
     try:
-        dset, shape = _DATASETS.get(where, lambda: _dataset(loc, set_name, stem))
+        dset, shape, offset = _DATASETS.get(where, lambda: _dataset(loc, set_name, stem))
         found = frames_and_width(shape, set_nframes)
         if width is not None and found != (set_nframes, width):
             raise StaleDataError("the dataset changed after the system was described",
@@ -154,6 +178,10 @@ def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray, set_nfr
                                        f"(shape {shape})")
         if len(shape) == 0 or shape[0] != set_nframes:  # one-frame 0-D/1-D, or stored flat
             return as_rows(np.asarray(dset[()]), rows, set_nframes)
+        if offset is not None:
+            held = _DIRECT_FILES.get(loc.path, lambda: _open_direct(loc))
+            if held.device is not None:
+                return _direct_rows(held, loc, where, dset.dtype, shape, offset, rows)
         # h5py wants increasing, unique indices: read those, then put them back in order.
         uniq, inverse = np.unique(rows, return_inverse=True)
         block = dset[uniq[0]:uniq[0] + 1] if len(uniq) == 1 else dset[uniq.tolist()]
@@ -171,10 +199,85 @@ def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray, set_nfr
     return np.asarray(block)[inverse].reshape(len(rows), -1)
 
 
-def _dataset(loc: Location, set_name: str, stem: str) -> tuple[Any, tuple[int, ...]]:
-    """A set's dataset and its shape, looked up once per process and kept."""
+def _dataset(loc: Location, set_name: str, stem: str
+             ) -> tuple[Any, tuple[int, ...], int | None]:
+    """A set's dataset, its shape and, under ``MDLOADER_DIRECT_READS=1``, the byte offset of its
+    data when it can be read by offset (:func:`direct_offset`); looked up once per process."""
     dset = _group(loc)[set_name][stem + ".npy"]
-    return dset, tuple(int(n) for n in dset.shape)
+    return dset, tuple(int(n) for n in dset.shape), direct_offset(dset) if wanted() else None
+
+
+def direct_offset(dset: Any) -> int | None:
+    """The byte offset in its file of a dataset stored as one contiguous, unfiltered run of
+    numbers, written in full; ``None`` for any other (chunked, filtered, compact, external,
+    not yet written, or of strings or compound values), which h5py reads."""
+    import h5py
+
+    if dset.chunks is not None or dset.dtype.kind not in "biuf" or dset.dtype.fields:
+        return None
+    plist = dset.id.get_create_plist()
+    if (plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters()
+            or plist.get_external_count()):
+        return None
+    offset = dset.id.get_offset()
+    if offset is None or dset.id.get_storage_size() != math.prod(dset.shape) * dset.dtype.itemsize:
+        return None
+    return int(offset)
+
+
+def _open_direct(loc: Location) -> KeptDescriptor:
+    """One more descriptor of the HDF5 file, switched to O_DIRECT (h5py's own descriptor keeps
+    reading metadata and the datasets it reads through the page cache)."""
+    try:
+        fd = os.open(loc.path, os.O_RDONLY | O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise MissingDataError("the HDF5 file is gone (moved or deleted after the build)",
+                               system=loc.address, file=loc.path) from exc
+    except OSError as exc:
+        raise UnreadableFileError("cannot read the HDF5 file", system=loc.address,
+                                  file=loc.path, found=f"{type(exc).__name__}: "
+                                                       f"{exc.strerror or exc}") from exc
+    try:
+        return KeptDescriptor(fd, start_direct(fd, loc.path))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _direct_rows(held: KeptDescriptor, loc: Location, where: str, dtype: np.dtype,
+                 shape: tuple[int, ...], offset: int, rows: np.ndarray) -> np.ndarray:
+    """Rows of a contiguous dataset at byte ``offset`` of the file, one direct read per run of
+    consecutive rows straight into the result; a row beyond the file's end is a truncation."""
+    row_values = math.prod(shape[1:])
+    row_bytes = row_values * dtype.itemsize
+    uniq, inverse = np.unique(np.asarray(rows, dtype=np.int64), return_inverse=True)
+    if len(uniq) and (uniq[0] < 0 or uniq[-1] >= shape[0]):
+        raise IndexError(f"rows {uniq.tolist()} out of range [0, {shape[0]})")
+    out = np.empty((len(uniq), row_values), dtype=dtype)
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    wanted_rows = uniq.tolist()
+    lo = 0
+    for hi in range(1, len(wanted_rows) + 1):
+        if hi < len(wanted_rows) and wanted_rows[hi] == wanted_rows[hi - 1] + 1:
+            continue
+        at, size = offset + wanted_rows[lo] * row_bytes, (hi - lo) * row_bytes
+        try:
+            got = read_at(held, loc.path, view[lo * row_bytes:hi * row_bytes], at)
+        except OSError as exc:
+            _DIRECT_FILES.discard(loc.path)
+            raise UnreadableFileError("cannot read the dataset (the file changed after the "
+                                      "build?)", system=loc.address, file=where,
+                                      found=f"{type(exc).__name__}: "
+                                            f"{exc.strerror or exc}") from exc
+        if got < size:
+            _DIRECT_FILES.discard(loc.path)
+            raise CorruptFileError("the HDF5 file shrank while it was read (truncated during "
+                                   "training?)", system=loc.address, file=where,
+                                   expected=f"{at + size} bytes for rows {wanted_rows[lo]}-"
+                                            f"{wanted_rows[hi - 1]} of shape {shape}",
+                                   found=f"{at + got} bytes")
+        lo = hi
+    return out[inverse.reshape(-1)]
 
 
 _SUFFIXES = (".h5", ".hdf5", ".hdf")
@@ -242,3 +345,8 @@ HDF5_GROUPS = SetStorage(file_of=file_of, scan_system=scan_system, read_type_raw
                          read_type_map=read_type_map, set_shapes=set_shapes,
                          read_rows=read_rows)
 BACKEND = Hdf5Backend(HDF5_GROUPS)
+
+
+def direct_file_count() -> int:
+    """How many HDF5 files this process reads rows of with O_DIRECT (for tests)."""
+    return sum(held.device is not None for held in _DIRECT_FILES.values())

@@ -9,14 +9,12 @@ in a bounded per-process cache (:func:`read_rows`): after a file's first read in
 batch makes no path lookup, no open and no ``stat`` on the shared file system, asks the kernel
 for no read-ahead, and a file truncated under it is a short read, an error naming it (a read
 through a memory map would die of SIGBUS). With ``MDLOADER_DIRECT_READS=1`` the kept descriptor
-reads with ``O_DIRECT`` (:func:`_direct_read`): storage sends the blocks a row spans, not the 4 KiB
-pages the page cache fetches, for a data set larger than the node's memory.
+reads with ``O_DIRECT`` (:mod:`mdloader.data.formats.direct`): storage sends the blocks a row
+spans, not the 4 KiB pages the page cache fetches, for a data set larger than the node's memory.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import io
 import logging
 import math
@@ -27,6 +25,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from mdloader.data.formats.base import Listing, Location, interned
+from mdloader.data.formats.direct import read_at, start_direct, wanted
 from mdloader.data.formats.handles import HandleCache
 from mdloader.data.formats.sets import SetBackend, SetStorage
 from mdloader.data.layout import frames_and_width
@@ -42,13 +41,6 @@ from mdloader.settings import cached
 log = logging.getLogger(__name__)
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-O_DIRECT = getattr(os, "O_DIRECT", 0)
-#: Block sizes a direct read is tried at, smallest first: 512 B on most devices, 4 KiB on
-#: devices of 4 KiB logical sectors. The first one a file system accepts is kept for it.
-DIRECT_ALIGNMENTS = (512, 4096)
-_MEMORY_ALIGNMENT = 4096  # a buffer at a page boundary satisfies every block size above
-_direct_block: dict[int, int] = {}  # device -> the block size its direct reads accepted
-_direct_refused: set[int] = set()  # devices that refused O_DIRECT (told once per process)
 
 
 class OpenArray:
@@ -275,7 +267,7 @@ def _pread_rows(held: OpenArray, path: str, loc: Location, rows: np.ndarray,
         at = held.offset + wanted[lo] * row_bytes
         size = (hi - lo) * row_bytes
         try:
-            got = _read_at(held, path, view[lo * row_bytes:hi * row_bytes], at)
+            got = read_at(held, path, view[lo * row_bytes:hi * row_bytes], at)
         except OSError as exc:
             _FILES.discard(path)
             raise UnreadableFileError("cannot read the npy file", system=loc.address,
@@ -298,7 +290,7 @@ def _whole(held: OpenArray, path: str, loc: Location) -> np.ndarray:
     flat = np.empty(count, dtype=held.dtype)
     if count:
         size = flat.nbytes
-        got = _read_at(held, path, memoryview(flat.view(np.uint8)), held.offset)
+        got = read_at(held, path, memoryview(flat.view(np.uint8)), held.offset)
         if got < size:
             _FILES.discard(path)
             raise CorruptFileError("the npy file shrank while it was read (truncated during "
@@ -306,76 +298,6 @@ def _whole(held: OpenArray, path: str, loc: Location) -> np.ndarray:
                                    expected=f"{held.offset + size} bytes",
                                    found=f"{held.offset + got} bytes")
     return flat.reshape(held.shape, order="F" if held.fortran else "C")
-
-
-def _read_at(held: OpenArray, path: str, view: memoryview, at: int) -> int:
-    """Fill ``view`` from byte ``at`` of the file; the bytes read (fewer: the file ends)."""
-    if held.device is None:
-        return os.preadv(held.fd, [view], at)
-    return _direct_read(held, path, view, at)
-
-
-def _direct_read(held: OpenArray, path: str, view: memoryview, at: int) -> int:
-    """:func:`_read_at` through O_DIRECT: the blocks around ``[at, at + len(view))`` into a
-    page-aligned buffer, then sliced. The block size is learnt per device from the first read
-    (EINVAL at 512 B: 4 KiB); a device that refuses both is read through the page cache."""
-    size = len(view)
-    while held.device is not None:
-        block = _direct_block.get(held.device, DIRECT_ALIGNMENTS[0])
-        start = at - at % block
-        span = -(-(at + size - start) // block) * block
-        buffer = _aligned_buffer(span)
-        try:
-            got = os.preadv(held.fd, [buffer], start)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            larger = [b for b in DIRECT_ALIGNMENTS if b > block]
-            if larger:
-                _direct_block[held.device] = larger[0]
-            else:
-                _leave_direct(held, path, f"reads at {block} B blocks failed: {exc.strerror}")
-            continue
-        _direct_block.setdefault(held.device, block)
-        got = max(0, min(size, got - (at - start)))
-        view[:got] = buffer[at - start:at - start + got]
-        return got
-    return os.preadv(held.fd, [view], at)
-
-
-def _aligned_buffer(size: int) -> memoryview:
-    """``size`` bytes of private memory at a page boundary (what O_DIRECT reads into); a fresh
-    one per read, so threads and forked workers never share it."""
-    raw = np.empty(size + _MEMORY_ALIGNMENT, dtype=np.uint8)
-    skip = -raw.ctypes.data % _MEMORY_ALIGNMENT
-    return memoryview(raw[skip:skip + size])
-
-
-def _leave_direct(held: OpenArray, path: str, why: str) -> None:
-    """Read ``held`` through the page cache from now on; the first file of a device that
-    refuses O_DIRECT says so once per process."""
-    device, held.device = held.device, None
-    fcntl.fcntl(held.fd, fcntl.F_SETFL, fcntl.fcntl(held.fd, fcntl.F_GETFL) & ~O_DIRECT)
-    if device not in _direct_refused:
-        _direct_refused.add(device)  # type: ignore[arg-type]
-        log.warning("MDLOADER_DIRECT_READS=1, but the file system of %s refuses O_DIRECT (%s): "
-                    "its files are read through the page cache", path, why)
-
-
-def _start_direct(fd: int, path: str) -> int | None:
-    """Switch an open descriptor to O_DIRECT (``MDLOADER_DIRECT_READS=1``); its device, or
-    ``None`` when the file system refuses (tmpfs before Linux 6.6: EINVAL), said once."""
-    device = os.fstat(fd).st_dev
-    if device in _direct_refused or not O_DIRECT:
-        return None
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
-    except OSError as exc:
-        _direct_refused.add(device)
-        log.warning("MDLOADER_DIRECT_READS=1, but the file system of %s refuses O_DIRECT (%s): "
-                    "its files are read through the page cache", path, exc.strerror or exc)
-        return None
-    return device
 
 
 def as_rows(arr: np.ndarray, rows: np.ndarray, set_nframes: int) -> np.ndarray:
@@ -410,7 +332,7 @@ def _open_array(path: str, loc: Location, nframes: int, width: int | None) -> Op
         size = os.lseek(fd, 0, os.SEEK_END)
         _check_unchanged(loc, path, shape, nframes, width, size - offset,
                          math.prod(shape) * dtype.itemsize)
-        device = _start_direct(fd, path) if cached("direct_reads") == "1" else None
+        device = start_direct(fd, path) if wanted() else None
     except BaseException:
         os.close(fd)
         raise

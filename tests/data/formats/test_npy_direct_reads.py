@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
-from mdloader.data.formats import npy, release_handles
+from mdloader.data.formats import direct, npy, release_handles
 from mdloader.testing import make_system
 
 FORCE = [{"key": "force", "ndof": 3, "atomic": True, "must": True}]
@@ -32,7 +32,7 @@ def supports_direct(folder: Path) -> bool:
         return False
     try:
         buffer = memoryview(mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE))  # page-aligned
-        for block in npy.DIRECT_ALIGNMENTS:
+        for block in direct.DIRECT_ALIGNMENTS:
             try:
                 return os.preadv(fd, [buffer[:block]], block) == block
             except OSError:
@@ -96,10 +96,10 @@ def test_a_device_that_takes_only_4_kib_blocks_is_learnt(system: Path,
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", four_kib_only)
-    monkeypatch.setattr(npy, "_direct_block", {})
+    monkeypatch.setattr(direct, "_direct_block", {})
     monkeypatch.setenv("MDLOADER_DIRECT_READS", "1")
     _same(buffered, frames(system))
-    assert list(npy._direct_block.values()) == [4096]
+    assert list(direct._direct_block.values()) == [4096]
     assert offsets and all(o % 4096 == 0 for o in offsets[1:])
     assert npy.direct_file_count() == npy.open_file_count()
 
@@ -125,9 +125,9 @@ def test_a_file_system_refusing_o_direct_is_read_through_the_page_cache(
         return real(fd, cmd, arg)
 
     monkeypatch.setattr(fcntl, "fcntl", refuse)
-    monkeypatch.setattr(npy, "_direct_refused", set())
+    monkeypatch.setattr(direct, "_direct_refused", set())
     monkeypatch.setenv("MDLOADER_DIRECT_READS", "1")
-    with caplog.at_level(logging.WARNING, logger=npy.__name__):
+    with caplog.at_level(logging.WARNING, logger=direct.__name__):
         _same(buffered, frames(system))
         _same(buffered, frames(system))  # the files opened again: no second line
     assert npy.direct_file_count() == 0 and npy.open_file_count() >= 3
