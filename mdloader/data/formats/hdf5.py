@@ -91,9 +91,33 @@ def _open(path: str, address: str | None) -> Any:
     except OSError as exc:
         raise CorruptFileError("cannot open the file as HDF5", system=address or path, file=path,
                                found=str(exc)) from exc
-    if hasattr(os, "posix_fadvise") and handle.driver == "sec2":
-        os.posix_fadvise(handle.id.get_vfd_handle(), 0, 0, os.POSIX_FADV_RANDOM)
+    if handle.driver == "sec2":
+        fd = handle.id.get_vfd_handle()
+        _OPENED_SIZES[path] = os.fstat(fd).st_size
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     return handle
+
+
+#: The size of each file when this process opened it: HDF5 reads past a file's end as zeros,
+#: so a file truncated while open would train on zeros without this comparison.
+_OPENED_SIZES: dict[str, int] = {}
+
+
+def _check_not_shrunk(loc: Location, where: str, dset: Any) -> None:
+    """Raise if the file of ``dset`` is shorter now than when this process opened it (one
+    ``fstat`` of the open file, no path lookup), the rows just read being HDF5's zeros."""
+    opened = _OPENED_SIZES.get(loc.path)
+    if opened is None or dset.file.driver != "sec2":
+        return
+    now = os.fstat(dset.file.id.get_vfd_handle()).st_size
+    if now < opened:
+        _DATASETS.discard(where)
+        _FILES.discard(loc.path)
+        raise CorruptFileError("the HDF5 file shrank while it was read (truncated during "
+                               "training?)", system=loc.address, file=where,
+                               expected=f"{opened} bytes (when it was opened)",
+                               found=f"{now} bytes")
 
 
 def release() -> None:
@@ -185,6 +209,7 @@ def read_rows(loc: Location, set_name: str, stem: str, rows: np.ndarray, set_nfr
         # h5py wants increasing, unique indices: read those, then put them back in order.
         uniq, inverse = np.unique(rows, return_inverse=True)
         block = dset[uniq[0]:uniq[0] + 1] if len(uniq) == 1 else dset[uniq.tolist()]
+        _check_not_shrunk(loc, where, dset)
     except DataError:
         raise  # the file or the group is gone, or it changed: already said
     except KeyError as exc:

@@ -12,12 +12,13 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from support.direct_io import direct_folder
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.data.formats import hdf5, release_handles
 from mdloader.errors import CorruptFileError
 from mdloader.testing import make_system
-from tests.data.formats.test_npy_direct_reads import FORCE, ROWS, _same, supports_direct
+from tests.data.formats.test_npy_direct_reads import FORCE, ROWS, _same
 
 
 def frames(address: str) -> list[dict[str, np.ndarray]]:
@@ -30,11 +31,10 @@ def frames(address: str) -> list[dict[str, np.ndarray]]:
 @pytest.fixture
 def address(tmp_path: Path) -> str:
     # 7 atoms: a force row of 84 B, rows straddle 512 B blocks
-    if not supports_direct(tmp_path):
-        pytest.skip("this file system refuses O_DIRECT")
-    yield make_system(tmp_path, "sys", natoms=7, nframes=50, keys=("energy", "force"),
-                      backend="hdf5")
-    release_handles()
+    with direct_folder(tmp_path) as folder:
+        yield make_system(folder, "sys", natoms=7, nframes=50, keys=("energy", "force"),
+                          backend="hdf5")
+        release_handles()
 
 
 @pytest.fixture
@@ -113,6 +113,30 @@ def test_a_file_truncated_under_direct_reads_is_an_error_naming_it(
                                                r"sys/set\.000/force\.npy") as caught:
         ds.get_frames([10])
     assert "sys" in str(caught.value) and path in str(caught.value)
+
+
+def test_a_file_truncated_under_h5py_reads_is_an_error_not_zeros(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through h5py (the default), HDF5 fills a read past the file's end with zeros: a file
+    truncated while open used to train on zero forces without a word. The size of the open
+    file is compared with its size at open at every read (one fstat, no path lookup)."""
+    monkeypatch.setenv("MDLOADER_DIRECT_READS", "0")
+    address = make_system(tmp_path, "sys", natoms=7, nframes=50, keys=("energy", "force"),
+                          backend="hdf5")
+    release_handles()
+    ds = DeepmdDataSetForLoader(address, ["O", "H"])
+    ds.add_data_requirement(FORCE)
+    ds.get_frames([0, 1])
+    path = address.partition("#")[0]
+    with h5py.File(path, "r") as fh:
+        force = fh["sys/set.000/force.npy"]
+        force_at, row_bytes = force.id.get_offset(), force.dtype.itemsize * force.shape[1]
+    os.truncate(path, force_at + 10 * row_bytes + 5)
+    with pytest.raises(CorruptFileError, match=r"HDF5 file shrank while it was read.*"
+                                               r"sys/set\.000/\w+\.npy; expected: \d+ bytes "
+                                               r"\(when it was opened\); found: \d+ bytes"):
+        ds.get_frames([30])  # the first dataset read after the truncation names itself
+    release_handles()
 
 
 def _read_in_child(address: str) -> list[dict[str, np.ndarray]]:

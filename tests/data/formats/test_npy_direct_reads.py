@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support.direct_io import direct_folder
 
 from mdloader.data.dataset import DeepmdDataSetForLoader
 from mdloader.data.formats import direct, npy, release_handles
@@ -20,27 +20,6 @@ from mdloader.testing import make_system
 
 FORCE = [{"key": "force", "ndof": 3, "atomic": True, "must": True}]
 ROWS = [3, 4, 5, 49, 0, 17, 17, 48]  # runs, a repeat, the last row, out of order
-
-
-def supports_direct(folder: Path) -> bool:
-    """Whether ``folder``'s file system accepts an O_DIRECT read at 512 B or 4 KiB blocks."""
-    probe = folder / "probe.bin"
-    probe.write_bytes(os.urandom(8192))
-    try:
-        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return False
-    try:
-        buffer = memoryview(mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE))  # page-aligned
-        for block in direct.DIRECT_ALIGNMENTS:
-            try:
-                return os.preadv(fd, [buffer[:block]], block) == block
-            except OSError:
-                continue
-        return False
-    finally:
-        os.close(fd)
-        probe.unlink()
 
 
 def frames(path: Path) -> list[dict[str, np.ndarray]]:
@@ -53,8 +32,9 @@ def frames(path: Path) -> list[dict[str, np.ndarray]]:
 @pytest.fixture
 def system(tmp_path: Path) -> Path:
     # 7 atoms: a force row of 168 B, rows straddle 512 B blocks
-    yield Path(make_system(tmp_path, "sys", natoms=7, nframes=50, keys=("energy", "force")))
-    release_handles()
+    with direct_folder(tmp_path) as folder:
+        yield Path(make_system(folder, "sys", natoms=7, nframes=50, keys=("energy", "force")))
+        release_handles()
 
 
 def _same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> None:
@@ -67,8 +47,6 @@ def _same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> Non
 
 def test_direct_reads_give_the_frames_of_the_page_cache(system: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    if not supports_direct(system.parent):
-        pytest.skip("this file system refuses O_DIRECT")
     monkeypatch.setenv("MDLOADER_DIRECT_READS", "0")
     buffered = frames(system)
     assert npy.open_file_count() >= 3 and npy.direct_file_count() == 0
@@ -82,8 +60,6 @@ def test_a_device_that_takes_only_4_kib_blocks_is_learnt(system: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A read at 512 B blocks failing with EINVAL (a disk of 4 KiB sectors) is retried at
     4 KiB, which the device's later reads use from the start."""
-    if not supports_direct(system.parent):
-        pytest.skip("this file system refuses O_DIRECT")
     monkeypatch.setenv("MDLOADER_DIRECT_READS", "0")
     buffered = frames(system)
     real, offsets = os.preadv, []
