@@ -273,7 +273,9 @@ def stage_tables(tables: Sequence[SystemTable], world: World) -> list[SystemTabl
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = exc
     try:
-        parts = gather_from_every_rank((world.node, stage_dir, report), error,
+        # the node and its folder only: a stager's report (its list of copied sources) stays
+        # in its own log, so what each rank receives is a few bytes per rank
+        parts = gather_from_every_rank((world.node, stage_dir), error,
                                        timeout=float(resolve("build_timeout")), context=STAGING)
     except (RemoteError, CollectiveTimeoutError):
         raise
@@ -283,7 +285,7 @@ def stage_tables(tables: Sequence[SystemTable], world: World) -> list[SystemTabl
             "(a node's stager, its LOCAL_RANK 0, copying to its $MDLOADER_STAGE_DIR, failed or "
             "was killed: see its own output and the launcher's)") from exc
     folders: dict[int, set[str]] = {}
-    for node, folder, _ in parts:
+    for node, folder in parts:
         folders.setdefault(node, set()).add(folder)
     mixed = {node: sorted(f) for node, f in folders.items() if len(f) > 1}
     if mixed:
